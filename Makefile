@@ -1,0 +1,72 @@
+# The two commands of the README:
+#   make demo   - build kvcache into its environment and run the demo
+#   make test   - build it and run every test (GoogleTest for the C++ core, then pytest)
+# Both create what they need: the Debian packages (GoogleTest, ccache) and a virtual environment
+# cached outside the clone, keyed by the hash of requirements/dev.txt, created whenever it is missing.
+
+SHELL       := /bin/bash
+PYTHON      ?= python3
+CACHE_ROOT  ?= $(HOME)/.cache/kvcache
+REQ         := requirements/dev.txt
+VENV        ?= $(CACHE_ROOT)/venv-$(shell cat $(REQ) | sha256sum | cut -c1-16)
+PY          := $(VENV)/bin/python
+CPU_REQ     := requirements/cpu.txt
+CPU_VENV    ?= $(CACHE_ROOT)/venv-cpu-$(shell cat $(CPU_REQ) | sha256sum | cut -c1-16)
+JOBS        ?= 2
+# The main environment must compile and link the CUDA kernels: fail rather than silently skip them.
+KVCACHE_ENABLE_CUDA ?= ON
+
+export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
+export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
+
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build bench clean
+
+demo: install
+	$(PY) -m kvcache.demo
+
+test: core-tests pytest
+
+pytest: install
+	$(PY) -c "import kvcache, torch; print('kvcache', kvcache.__version__, kvcache.build_info, 'torch', torch.__version__)"
+	$(PY) -m pytest -q
+
+install: env
+	KVCACHE_ENABLE_CUDA=$(KVCACHE_ENABLE_CUDA) $(PY) -m pip install --no-build-isolation --no-deps -v . 2>&1 \
+	  | grep -E "kvcache:|Building|Linking|error|warning|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
+
+env: sysdeps $(VENV)/.ready
+
+# A marker file written last, so an interrupted install is redone from scratch.
+$(VENV)/.ready: $(REQ)
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r $(REQ)
+	touch $@
+
+sysdeps:
+	@if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v ccache >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev ccache >/dev/null; \
+	  else echo "please install the Debian packages libgtest-dev and ccache (sudo apt-get install libgtest-dev ccache)"; exit 1; fi; \
+	fi
+
+core-tests: sysdeps
+	cmake -S csrc/tests -B build/core-tests -G Ninja -DCMAKE_BUILD_TYPE=Debug > /dev/null
+	cmake --build build/core-tests
+	ctest --test-dir build/core-tests --output-on-failure
+
+# A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
+# and the test suite passes there too.
+test-cpu-build: sysdeps $(CPU_VENV)/.ready
+	$(CPU_VENV)/bin/pip install --no-build-isolation --no-deps -C build-dir=build/cpu-only -v . 2>&1 \
+	  | grep -E "kvcache:|Linking|error|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
+	$(CPU_VENV)/bin/python -m pytest -q
+
+$(CPU_VENV)/.ready: $(CPU_REQ)
+	rm -rf $(CPU_VENV)
+	$(PYTHON) -m venv $(CPU_VENV)
+	$(CPU_VENV)/bin/pip install -q -r $(CPU_REQ)
+	touch $@
+
+clean:
+	rm -rf build

@@ -1,0 +1,108 @@
+// CPU kernels of the cache ops. Each processes a range of independent work items so the caller can
+// split the range across threads. `U` is an unsigned integer of the element's width: data movement
+// copies bits, so float32/float16/bfloat16 share two instantiations and NaN payloads survive.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cache/cache_args.h"
+
+namespace kvcache::cpu {
+
+/// Work item i = (b * q_len + q) * num_kv_heads + h: one head_dim row of K and of V.
+template <typename U>
+void append_rows(const AppendArgs& a, int64_t begin, int64_t end) {
+  const PagedLayout& L = a.layout;
+  const U* key = static_cast<const U*>(a.key);
+  const U* value = static_cast<const U*>(a.value);
+  U* kc = static_cast<U*>(a.k_cache);
+  U* vc = static_cast<U*>(a.v_cache);
+  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t h = i % H, token = i / H;
+    const int64_t b = token / a.q_len, q = token % a.q_len;
+    const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
+    if (slot < 0) continue;
+    U* kd = kc + L.slot_offset(slot, h);
+    U* vd = vc + L.slot_offset(slot, h);
+    const U* ks = key + b * a.key_strides[0] + h * a.key_strides[1] + q * a.key_strides[2];
+    const U* vs = value + b * a.value_strides[0] + h * a.value_strides[1] + q * a.value_strides[2];
+    if (a.key_strides[3] == 1) {
+      std::memcpy(kd, ks, sizeof(U) * D);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kd[d] = ks[d * a.key_strides[3]];
+    }
+    if (a.value_strides[3] == 1) {
+      std::memcpy(vd, vs, sizeof(U) * D);
+    } else {
+      for (int64_t d = 0; d < D; ++d) vd[d] = vs[d * a.value_strides[3]];
+    }
+  }
+}
+
+/// Copies tokens [0, len) of one (sequence, head) from the pages into a dense run of len rows.
+template <typename U>
+inline void gather_head(const GatherArgs& a, int64_t b, int64_t h, int64_t len, U* k_dst, U* v_dst,
+                        int64_t dst_row_stride) {
+  const PagedLayout& L = a.layout;
+  const U* kc = static_cast<const U*>(a.k_cache);
+  const U* vc = static_cast<const U*>(a.v_cache);
+  const int32_t* row = a.block_table + b * a.table_stride;
+  const int64_t D = L.head_dim;
+  // One page at a time: within a page the rows of one head are contiguous (head-major layout).
+  for (int64_t t0 = 0; t0 < len; t0 += L.page_size) {
+    const int64_t n = (len - t0 < L.page_size) ? len - t0 : L.page_size;
+    const int64_t src = L.offset(row[t0 >> L.page_shift], h, 0);
+    if (dst_row_stride == D) {
+      std::memcpy(k_dst + t0 * D, kc + src, sizeof(U) * n * D);
+      std::memcpy(v_dst + t0 * D, vc + src, sizeof(U) * n * D);
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(k_dst + (t0 + t) * dst_row_stride, kc + src + t * D, sizeof(U) * D);
+        std::memcpy(v_dst + (t0 + t) * dst_row_stride, vc + src + t * D, sizeof(U) * D);
+      }
+    }
+  }
+}
+
+/// Padded gather. Work item i = b * num_kv_heads + h; rows past seq_lens[b] are zeroed.
+template <typename U>
+void gather_padded(const GatherArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  U* ko = static_cast<U*>(a.k_out);
+  U* vo = static_cast<U*>(a.v_out);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, h = i % H;
+    const int64_t len = a.seq_lens[b];
+    U* kd = ko + i * a.max_len * D;  // out is [batch, H, max_len, D], contiguous
+    U* vd = vo + i * a.max_len * D;
+    gather_head<U>(a, b, h, len, kd, vd, D);
+    std::memset(kd + len * D, 0, sizeof(U) * (a.max_len - len) * D);
+    std::memset(vd + len * D, 0, sizeof(U) * (a.max_len - len) * D);
+  }
+}
+
+/// Ragged gather into [total_tokens, num_kv_heads, head_dim]. Work item i = b * num_kv_heads + h.
+template <typename U>
+void gather_ragged(const GatherArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  U* ko = static_cast<U*>(a.k_out);
+  U* vo = static_cast<U*>(a.v_out);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, h = i % H;
+    const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
+    gather_head<U>(a, b, h, len, ko + (start * H + h) * D, vo + (start * H + h) * D, H * D);
+  }
+}
+
+/// Work item i: block pair i, K and V.
+inline void copy_block_pairs(const BlockCopyArgs& a, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
+    std::memcpy(a.k_dst + dst * a.block_bytes, a.k_src + src * a.block_bytes, a.block_bytes);
+    std::memcpy(a.v_dst + dst * a.block_bytes, a.v_src + src * a.block_bytes, a.block_bytes);
+  }
+}
+
+}  // namespace kvcache::cpu

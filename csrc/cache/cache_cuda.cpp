@@ -1,0 +1,93 @@
+// CUDA registrations of the cache ops: validate on the host (cache_prepare), then launch the kernels
+// of cache_kernels.cu on the current stream of the pools' device.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cache/cache_cuda_launch.h"
+#include "cache/cache_prepare.h"
+#include "core/check.h"
+
+namespace kvcache {
+namespace {
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "kvcache::", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void check_on_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " is on ", t.device(), " but the pools are on a CUDA device");
+}
+
+void append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const at::Tensor& slot_mapping) {
+  check_on_cuda(k_cache, "k_cache");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping);
+  check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()), "append");
+}
+
+void paged_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, at::Tensor& k_out, at::Tensor& v_out) {
+  check_on_cuda(k_cache, "k_cache");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out);
+  check_launch(cuda::launch_gather_padded(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()),
+               "paged_gather");
+}
+
+void paged_gather_ragged_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& cu_seq_lens, at::Tensor& k_out,
+                              at::Tensor& v_out) {
+  check_on_cuda(k_cache, "k_cache");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out);
+  check_launch(cuda::launch_gather_ragged(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()),
+               "paged_gather_ragged");
+}
+
+void copy_blocks_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_mapping) {
+  check_on_cuda(k_cache, "k_cache");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  TORCH_CHECK_VALUE(block_mapping.is_cpu() || block_mapping.device() == k_cache.device(), "block_mapping is on ",
+                    block_mapping.device(), "; it must be on the CPU or on the pools' device ", k_cache.device());
+  const at::Tensor host = block_mapping.to(at::kCPU).contiguous();
+  BlockCopyArgs a = prepare_block_copy(k_cache, v_cache, k_cache, v_cache, host, /*same_pool=*/true);
+  const at::Tensor device_pairs = block_mapping.is_cpu() ? host.to(k_cache.device()) : block_mapping.contiguous();
+  a.pairs = device_pairs.data_ptr<int64_t>();
+  check_launch(cuda::launch_copy_blocks(a, c10::cuda::getCurrentCUDAStream()), "copy_blocks");
+}
+
+void swap_blocks_cuda(const at::Tensor& k_src, const at::Tensor& v_src, at::Tensor& k_dst, at::Tensor& v_dst,
+                      const at::Tensor& block_mapping) {
+  // At least one pool is on a CUDA device; the other may be host memory (pinned memory makes the
+  // copies asynchronous, pageable memory makes them synchronous).
+  TORCH_CHECK_VALUE(k_src.device() == v_src.device() && k_dst.device() == v_dst.device(),
+                    "k_src/v_src are on ", k_src.device(), "/", v_src.device(), " and k_dst/v_dst on ",
+                    k_dst.device(), "/", v_dst.device(), "; each K/V pair must share a device");
+  const at::Device cuda_device = k_dst.is_cuda() ? k_dst.device() : k_src.device();
+  const c10::cuda::CUDAGuard guard(cuda_device);
+  const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, block_mapping);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * a.block_bytes;
+      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * a.block_bytes;
+      check_launch(cudaMemcpyAsync(to, from, a.block_bytes, cudaMemcpyDefault, stream), "swap_blocks");
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcache, CUDA, m) {
+  m.impl("append", &append_cuda);
+  m.impl("paged_gather", &paged_gather_cuda);
+  m.impl("paged_gather_ragged", &paged_gather_ragged_cuda);
+  m.impl("copy_blocks", &copy_blocks_cuda);
+  m.impl("swap_blocks", &swap_blocks_cuda);
+}
+
+}  // namespace kvcache

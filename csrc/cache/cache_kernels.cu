@@ -1,0 +1,165 @@
+// CUDA kernels of the cache ops. They cannot be run on the development machines (no GPU), so they
+// stay as plain as possible: one thread per element, the same PagedLayout accessors as the CPU
+// kernels, integer math in int64, and every launch checked.
+#include <cstdint>
+
+#include "cache/cache_cuda_launch.h"
+
+namespace kvcache::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRowsPerCta = 16;     // token rows one CTA of the gather kernels handles per step
+constexpr int kMaxGridY = 65535;
+
+/// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim values of K and of V.
+template <typename U>
+__global__ void append_kernel(AppendArgs a) {
+  const int64_t token = blockIdx.x;
+  const int64_t b = token / a.q_len, q = token % a.q_len;
+  const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
+  if (slot < 0) return;
+  const PagedLayout& L = a.layout;
+  const U* key = static_cast<const U*>(a.key);
+  const U* value = static_cast<const U*>(a.value);
+  U* kc = static_cast<U*>(a.k_cache);
+  U* vc = static_cast<U*>(a.v_cache);
+  const int64_t n = L.num_kv_heads * L.head_dim;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t h = i / L.head_dim, d = i % L.head_dim;
+    const int64_t dst = L.slot_offset(slot, h) + d;
+    kc[dst] = key[b * a.key_strides[0] + h * a.key_strides[1] + q * a.key_strides[2] + d * a.key_strides[3]];
+    vc[dst] = value[b * a.value_strides[0] + h * a.value_strides[1] + q * a.value_strides[2] +
+                    d * a.value_strides[3]];
+  }
+}
+
+/// Copies token row t (< len) of (sequence b, head h), or zeros when `zero` is set.
+template <typename U>
+__device__ __forceinline__ void gather_row(const GatherArgs& a, int64_t b, int64_t h, int64_t t, U* k_dst,
+                                           U* v_dst, bool zero) {
+  const PagedLayout& L = a.layout;
+  if (zero) {
+    for (int64_t d = threadIdx.x; d < L.head_dim; d += blockDim.x) {
+      k_dst[d] = U(0);
+      v_dst[d] = U(0);
+    }
+    return;
+  }
+  const int64_t block = a.block_table[b * a.table_stride + (t >> L.page_shift)];
+  const int64_t src = L.token_offset(block, h, t);
+  const U* kc = static_cast<const U*>(a.k_cache);
+  const U* vc = static_cast<const U*>(a.v_cache);
+  for (int64_t d = threadIdx.x; d < L.head_dim; d += blockDim.x) {
+    k_dst[d] = kc[src + d];
+    v_dst[d] = vc[src + d];
+  }
+}
+
+/// grid.x = batch * num_kv_heads; grid.y strides over chunks of kRowsPerCta rows of max_len.
+template <typename U>
+__global__ void gather_padded_kernel(GatherArgs a) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t len = a.seq_lens[b];
+  U* ko = static_cast<U*>(a.k_out) + bh * a.max_len * D;
+  U* vo = static_cast<U*>(a.v_out) + bh * a.max_len * D;
+  for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < a.max_len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
+    for (int64_t t = t0; t < t0 + kRowsPerCta && t < a.max_len; ++t) {
+      gather_row<U>(a, b, h, t, ko + t * D, vo + t * D, t >= len);
+    }
+  }
+}
+
+/// grid.x = batch * num_kv_heads; grid.y strides over chunks of each sequence's rows.
+template <typename U>
+__global__ void gather_ragged_kernel(GatherArgs a) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
+  U* ko = static_cast<U*>(a.k_out);
+  U* vo = static_cast<U*>(a.v_out);
+  for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
+    for (int64_t t = t0; t < t0 + kRowsPerCta && t < len; ++t) {
+      const int64_t row = ((start + t) * H + h) * D;
+      gather_row<U>(a, b, h, t, ko + row, vo + row, false);
+    }
+  }
+}
+
+/// One CTA per (src, dst) pair; copies the block's bytes of K and of V in units of U.
+template <typename U>
+__global__ void copy_blocks_kernel(BlockCopyArgs a) {
+  const int64_t i = blockIdx.x;
+  const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
+  const int64_t n = a.block_bytes / int64_t(sizeof(U));
+  const U* ks = reinterpret_cast<const U*>(a.k_src + src * a.block_bytes);
+  const U* vs = reinterpret_cast<const U*>(a.v_src + src * a.block_bytes);
+  U* kd = reinterpret_cast<U*>(a.k_dst + dst * a.block_bytes);
+  U* vd = reinterpret_cast<U*>(a.v_dst + dst * a.block_bytes);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    kd[j] = ks[j];
+    vd[j] = vs[j];
+  }
+}
+
+unsigned grid_y(int64_t rows) {
+  const int64_t chunks = (rows + kRowsPerCta - 1) / kRowsPerCta;
+  return static_cast<unsigned>(chunks < 1 ? 1 : (chunks > kMaxGridY ? kMaxGridY : chunks));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stream) {
+  const int64_t tokens = a.batch * a.q_len;
+  if (tokens == 0) return cudaSuccess;
+  if (elem_bytes == 4) {
+    append_kernel<uint32_t><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(a);
+  } else {
+    append_kernel<uint16_t><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream_t stream) {
+  const int64_t bh = a.batch * a.layout.num_kv_heads;
+  if (bh == 0 || a.max_len == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(bh), grid_y(a.max_len));
+  const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
+  if (elem_bytes == 4) {
+    gather_padded_kernel<uint32_t><<<grid, threads, 0, stream>>>(a);
+  } else {
+    gather_padded_kernel<uint16_t><<<grid, threads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream_t stream) {
+  const int64_t bh = a.batch * a.layout.num_kv_heads;
+  if (bh == 0) return cudaSuccess;
+  // Lengths live on the device; a fixed grid.y strides over however many rows each sequence has.
+  const dim3 grid(static_cast<unsigned>(bh), 64);
+  const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
+  if (elem_bytes == 4) {
+    gather_ragged_kernel<uint32_t><<<grid, threads, 0, stream>>>(a);
+  } else {
+    gather_ragged_kernel<uint16_t><<<grid, threads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
+  if (a.n == 0 || a.block_bytes == 0) return cudaSuccess;
+  const bool wide = a.block_bytes % 16 == 0 && aligned16(a.k_src) && aligned16(a.v_src) &&
+                    aligned16(a.k_dst) && aligned16(a.v_dst);
+  if (wide) {
+    copy_blocks_kernel<uint4><<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(a);
+  } else {
+    copy_blocks_kernel<uint8_t><<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kvcache::cuda

@@ -1,0 +1,225 @@
+#include "cache/cache_prepare.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "core/check.h"
+#include "core/index_checks.h"
+
+namespace kvcache {
+namespace {
+
+// Index tensors are validated on the host. NOTE: for CUDA-resident indices this is one
+// device-to-host copy per call (a synchronization); callers that keep indices on the host avoid it.
+at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+
+bool is_kv_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+std::vector<int64_t> to_int64(const at::Tensor& host_int32) {
+  const int32_t* p = host_int32.data_ptr<int32_t>();
+  return std::vector<int64_t>(p, p + host_int32.numel());
+}
+
+void check_out_pair(const at::Tensor& k_out, const at::Tensor& v_out, const at::Tensor& k_cache) {
+  TORCH_CHECK_VALUE(k_out.sizes() == v_out.sizes(), "k_out has shape ", k_out.sizes(),
+                    " but v_out has shape ", v_out.sizes(), "; they must match");
+  TORCH_CHECK_TYPE(k_out.scalar_type() == k_cache.scalar_type() && v_out.scalar_type() == k_cache.scalar_type(),
+                   "k_out/v_out have dtypes ", k_out.scalar_type(), "/", v_out.scalar_type(),
+                   " but the cache holds ", k_cache.scalar_type());
+  KVC_CHECK_SAME_DEVICE(k_out, k_cache);
+  KVC_CHECK_SAME_DEVICE(v_out, k_cache);
+  KVC_CHECK_CONTIGUOUS(k_out);
+  KVC_CHECK_CONTIGUOUS(v_out);
+}
+
+void check_block_table_tensor(const at::Tensor& block_tables, const at::Tensor& k_cache, int64_t batch_hint) {
+  KVC_CHECK_DIM(block_tables, 2);
+  KVC_CHECK_DTYPE(block_tables, at::kInt);
+  KVC_CHECK_SAME_DEVICE(block_tables, k_cache);
+  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1,
+                    "block_tables must have unit stride along its last dimension (strides ",
+                    block_tables.strides(), ")");
+  if (batch_hint >= 0) KVC_CHECK_SIZE(block_tables, 0, batch_hint, "the batch size");
+}
+
+}  // namespace
+
+int kv_element_bytes(const at::Tensor& cache) { return static_cast<int>(cache.element_size()); }
+
+PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  KVC_CHECK_DIM(k_cache, 4);
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache has shape ", k_cache.sizes(),
+                    " but v_cache has shape ", v_cache.sizes(), "; the K and V pools must match");
+  TORCH_CHECK_TYPE(is_kv_dtype(k_cache.scalar_type()), "k_cache has dtype ", k_cache.scalar_type(),
+                   "; supported: float32, float16, bfloat16");
+  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache has dtype ", v_cache.scalar_type(),
+                   " but k_cache has ", k_cache.scalar_type());
+  KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
+  KVC_CHECK_CONTIGUOUS(k_cache);
+  KVC_CHECK_CONTIGUOUS(v_cache);
+  const int64_t page_size = k_cache.size(2);
+  TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
+                    " must be a power of two from 1 to ", kMaxPageSize,
+                    " (k_cache is [num_blocks, num_kv_heads, page_size, head_dim])");
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, "k_cache has shape ", k_cache.sizes(),
+                    "; num_kv_heads and head_dim must be positive");
+  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
+}
+
+AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const PagedLayout layout = check_pools(k_cache, v_cache);
+  KVC_CHECK_DIM(key, 4);
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
+                    key.sizes(), "; both are [batch, num_kv_heads, q_len, head_dim]");
+  KVC_CHECK_DTYPE(key, k_cache.scalar_type());
+  KVC_CHECK_DTYPE(value, k_cache.scalar_type());
+  KVC_CHECK_SAME_DEVICE(key, k_cache);
+  KVC_CHECK_SAME_DEVICE(value, k_cache);
+  KVC_CHECK_SIZE(key, 1, layout.num_kv_heads, "num_kv_heads of the cache");
+  KVC_CHECK_SIZE(key, 3, layout.head_dim, "head_dim of the cache");
+  KVC_CHECK_DIM(slot_mapping, 2);
+  KVC_CHECK_DTYPE(slot_mapping, at::kLong);
+  KVC_CHECK_SAME_DEVICE(slot_mapping, k_cache);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0) && slot_mapping.size(1) == key.size(2),
+                    "slot_mapping has shape ", slot_mapping.sizes(), " but must be [batch, q_len] = [",
+                    key.size(0), ", ", key.size(2), "] for key of shape ", key.sizes());
+
+  const at::Tensor slots_host = host_copy(slot_mapping);
+  kvc_raise_index_error(check_slots("slot_mapping", slots_host.data_ptr<int64_t>(), slots_host.numel(),
+                                    layout.num_slots()));
+
+  AppendArgs a;
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  for (int d = 0; d < 4; ++d) {
+    a.key_strides[d] = key.stride(d);
+    a.value_strides[d] = value.stride(d);
+  }
+  a.batch = key.size(0);
+  a.q_len = key.size(2);
+  a.slots = slot_mapping.data_ptr<int64_t>();
+  a.slot_strides[0] = slot_mapping.stride(0);
+  a.slot_strides[1] = slot_mapping.stride(1);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.layout = layout;
+  return a;
+}
+
+GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& k_out, const at::Tensor& v_out) {
+  const PagedLayout layout = check_pools(k_cache, v_cache);
+  KVC_CHECK_DIM(seq_lens, 1);
+  KVC_CHECK_DTYPE(seq_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
+  const int64_t batch = seq_lens.size(0);
+  check_block_table_tensor(block_tables, k_cache, batch);
+  KVC_CHECK_DIM(k_out, 4);
+  check_out_pair(k_out, v_out, k_cache);
+  KVC_CHECK_SIZE(k_out, 0, batch, "the batch size (len(seq_lens))");
+  KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
+  KVC_CHECK_SIZE(k_out, 3, layout.head_dim, "head_dim of the cache");
+
+  const at::Tensor table_host = host_copy(block_tables);
+  const std::vector<int64_t> lens = to_int64(host_copy(seq_lens));
+  kvc_raise_index_error(check_block_table("block_tables", table_host.data_ptr<int32_t>(), batch,
+                                          block_tables.size(1), block_tables.size(1), "seq_lens", lens.data(),
+                                          layout.page_size, layout.num_blocks, k_out.size(2),
+                                          "k_out.shape[2] (max_len)"));
+  GatherArgs a;
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.layout = layout;
+  a.block_table = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.batch = batch;
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.max_len = k_out.size(2);
+  a.k_out = k_out.data_ptr();
+  a.v_out = v_out.data_ptr();
+  return a;
+}
+
+GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& cu_seq_lens,
+                                 const at::Tensor& k_out, const at::Tensor& v_out) {
+  const PagedLayout layout = check_pools(k_cache, v_cache);
+  KVC_CHECK_DIM(cu_seq_lens, 1);
+  KVC_CHECK_DTYPE(cu_seq_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(cu_seq_lens, k_cache);
+  TORCH_CHECK_VALUE(cu_seq_lens.size(0) >= 1, "cu_seq_lens must hold batch + 1 >= 1 offsets but is empty");
+  const int64_t batch = cu_seq_lens.size(0) - 1;
+  check_block_table_tensor(block_tables, k_cache, batch);
+  KVC_CHECK_DIM(k_out, 3);
+  check_out_pair(k_out, v_out, k_cache);
+  KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
+  KVC_CHECK_SIZE(k_out, 2, layout.head_dim, "head_dim of the cache");
+
+  const at::Tensor cu_host = host_copy(cu_seq_lens);
+  std::vector<int64_t> lens;
+  kvc_raise_index_error(check_cu_seq_lens("cu_seq_lens", cu_host.data_ptr<int32_t>(), batch, k_out.size(0),
+                                          "k_out.shape[0] (total tokens)", &lens));
+  const at::Tensor table_host = host_copy(block_tables);
+  kvc_raise_index_error(check_block_table("block_tables", table_host.data_ptr<int32_t>(), batch,
+                                          block_tables.size(1), block_tables.size(1), "sequence lengths",
+                                          lens.data(), layout.page_size, layout.num_blocks, k_out.size(0),
+                                          "k_out.shape[0]"));
+  GatherArgs a;
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.layout = layout;
+  a.block_table = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.batch = batch;
+  a.cu_seq_lens = cu_seq_lens.data_ptr<int32_t>();
+  a.k_out = k_out.data_ptr();
+  a.v_out = v_out.data_ptr();
+  return a;
+}
+
+BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
+                                 const at::Tensor& v_dst, const at::Tensor& block_mapping, bool same_pool) {
+  const PagedLayout src = check_pools(k_src, v_src);
+  const PagedLayout dst = same_pool ? src : check_pools(k_dst, v_dst);
+  if (!same_pool) {
+    TORCH_CHECK_VALUE(k_src.sizes().slice(1) == k_dst.sizes().slice(1), "src pools have blocks of shape ",
+                      k_src.sizes().slice(1), " but dst pools have blocks of shape ", k_dst.sizes().slice(1));
+    TORCH_CHECK_TYPE(k_src.scalar_type() == k_dst.scalar_type(), "src pools hold ", k_src.scalar_type(),
+                     " but dst pools hold ", k_dst.scalar_type());
+  }
+  KVC_CHECK_DIM(block_mapping, 2);
+  KVC_CHECK_DTYPE(block_mapping, at::kLong);
+  KVC_CHECK_SIZE(block_mapping, 1, 2, "2 ((src, dst) pairs)");
+  TORCH_INTERNAL_ASSERT(block_mapping.is_cpu() && block_mapping.is_contiguous());
+  kvc_raise_index_error(check_block_mapping("block_mapping", block_mapping.data_ptr<int64_t>(),
+                                            block_mapping.size(0), src.num_blocks, dst.num_blocks,
+                                            same_pool));
+  BlockCopyArgs a;
+  a.pairs = block_mapping.data_ptr<int64_t>();
+  a.n = block_mapping.size(0);
+  a.block_bytes = src.block_stride() * k_src.element_size();
+  a.k_src = static_cast<const char*>(k_src.data_ptr());
+  a.v_src = static_cast<const char*>(v_src.data_ptr());
+  a.k_dst = static_cast<char*>(k_dst.data_ptr());
+  a.v_dst = static_cast<char*>(v_dst.data_ptr());
+  return a;
+}
+
+BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
+                           const at::Tensor& v_dst, const at::Tensor& block_mapping) {
+  TORCH_CHECK_VALUE(block_mapping.is_cpu(), "block_mapping must be a CPU tensor for swap_blocks but is on ",
+                    block_mapping.device());
+  for (const at::Tensor* src : {&k_src, &v_src}) {
+    for (const at::Tensor* dst : {&k_dst, &v_dst}) {
+      TORCH_CHECK_VALUE(!src->is_alias_of(*dst), "swap_blocks needs distinct source and destination pools; "
+                        "to copy blocks within one pool use copy_blocks");
+    }
+  }
+  return prepare_block_copy(k_src, v_src, k_dst, v_dst, block_mapping.contiguous(), /*same_pool=*/false);
+}
+
+}  // namespace kvcache

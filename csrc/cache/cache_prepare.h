@@ -1,0 +1,38 @@
+// Validation and argument packing of the cache ops, shared by the CPU and the CUDA registrations.
+// Everything is checked before the first write, so a rejected call leaves the pools untouched.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "cache/cache_args.h"
+
+namespace kvcache {
+
+/// Checks a K/V pool pair ([num_blocks, num_kv_heads, page_size, head_dim] each) and returns its layout.
+PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache);
+
+AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& k_out, const at::Tensor& v_out);
+
+GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& cu_seq_lens,
+                                 const at::Tensor& k_out, const at::Tensor& v_out);
+
+/// copy_blocks (src == dst pools) and swap_blocks (src and dst pools may live on different devices).
+/// `block_mapping` must be the CPU copy of the mapping; its pointer goes into the result.
+BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
+                                 const at::Tensor& v_dst, const at::Tensor& block_mapping,
+                                 bool same_pool);
+
+/// swap_blocks: distinct src and dst pools of one block shape; the mapping must be a CPU tensor.
+BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
+                           const at::Tensor& v_dst, const at::Tensor& block_mapping);
+
+/// Size in bytes of one element of a supported KV dtype (float32, float16, bfloat16).
+int kv_element_bytes(const at::Tensor& cache);
+
+}  // namespace kvcache

@@ -1,0 +1,32 @@
+// Every schema of the `kvcache` op library, declared once. Backends only register implementations
+// (csrc/<family>/*_cpu.cpp, *_cuda.cpp). Schemas are honest about mutation: each written tensor is
+// marked `(x!)` and writers return nothing, so torch.compile derives their fake kernels itself.
+#include <torch/library.h>
+
+TORCH_LIBRARY(kvcache, m) {
+  // ---- cache: storage and data movement --------------------------------------------------------
+  // Pools: k_cache / v_cache [num_blocks, num_kv_heads, page_size, head_dim], contiguous;
+  // slot = block_id * page_size + offset_in_page.
+
+  // key/value [batch, num_kv_heads, q_len, head_dim] (any strides) -> pools at slot_mapping
+  // [batch, q_len] int64; a slot of -1 skips that token.
+  m.def("append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+
+  // block_tables [batch, max_blocks] int32 + seq_lens [batch] int32 ->
+  // k_out/v_out [batch, num_kv_heads, max_len, head_dim]; rows past a sequence's length are zeroed.
+  m.def("paged_gather(Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor(a!) k_out, Tensor(b!) v_out) -> ()");
+
+  // block_tables [batch, max_blocks] int32 + cu_seq_lens [batch + 1] int32 ->
+  // k_out/v_out [total_tokens, num_kv_heads, head_dim], sequence b at rows cu_seq_lens[b]:cu_seq_lens[b+1].
+  m.def("paged_gather_ragged(Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seq_lens, "
+        "Tensor(a!) k_out, Tensor(b!) v_out) -> ()");
+
+  // Copy-on-write inside one pool: block_mapping [n, 2] int64 (src, dst) pairs.
+  m.def("copy_blocks(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_mapping) -> ()");
+
+  // Between two pools of the same block shape, e.g. device <-> host: block_mapping [n, 2] int64 on
+  // the CPU, (src block in the src pools, dst block in the dst pools).
+  m.def("swap_blocks(Tensor k_src, Tensor v_src, Tensor(a!) k_dst, Tensor(b!) v_dst, "
+        "Tensor block_mapping) -> ()");
+}

@@ -1,0 +1,54 @@
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "core/paged_layout.h"
+
+using kvcache::PagedLayout;
+
+TEST(PagedLayout, SupportedPageSizesArePowersOfTwoUpTo256) {
+  for (int64_t p = 1; p <= 256; p *= 2) EXPECT_TRUE(kvcache::is_supported_page_size(p)) << p;
+  for (int64_t p : {0, -1, 3, 12, 48, 100, 257, 512}) EXPECT_FALSE(kvcache::is_supported_page_size(p)) << p;
+}
+
+TEST(PagedLayout, OffsetsAreHeadMajorAndMatchRowMajorIndexing) {
+  for (int64_t page = 1; page <= 256; page *= 2) {
+    const PagedLayout L(/*blocks=*/3, page, /*heads=*/5, /*dim=*/7);
+    EXPECT_EQ(L.page_shift, __builtin_ctzll(page));
+    EXPECT_EQ(L.num_slots(), 3 * page);
+    EXPECT_EQ(L.pool_elements(), 3 * 5 * page * 7);
+    for (int64_t b = 0; b < 3; ++b)
+      for (int64_t h = 0; h < 5; ++h)
+        for (int64_t t = 0; t < page; ++t) {
+          const int64_t row_major = ((b * 5 + h) * page + t) * 7;  // [blocks, heads, page, dim]
+          EXPECT_EQ(L.offset(b, h, t), row_major);
+          EXPECT_EQ(L.slot_offset(b * page + t, h), row_major);
+          EXPECT_EQ(L.token_offset(b, h, 5 * page + t), row_major);  // any token index maps into its page
+        }
+  }
+}
+
+TEST(PagedLayout, EverySlotAndHeadMapsToADistinctRowInsideThePool) {
+  const PagedLayout L(4, 8, 3, 16);
+  std::set<int64_t> seen;
+  for (int64_t s = 0; s < L.num_slots(); ++s) {
+    EXPECT_EQ(L.block_of(s) * L.page_size + L.offset_in_page(s), s);
+    for (int64_t h = 0; h < L.num_kv_heads; ++h) {
+      const int64_t off = L.slot_offset(s, h);
+      EXPECT_GE(off, 0);
+      EXPECT_LE(off + L.head_dim, L.pool_elements());
+      EXPECT_EQ(off % L.head_dim, 0);
+      EXPECT_TRUE(seen.insert(off).second) << "slot " << s << " head " << h;
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), L.num_slots() * L.num_kv_heads);
+}
+
+TEST(PagedLayout, PagesFor) {
+  const PagedLayout L(1, 16, 1, 1);
+  EXPECT_EQ(L.pages_for(0), 0);
+  EXPECT_EQ(L.pages_for(1), 1);
+  EXPECT_EQ(L.pages_for(16), 1);
+  EXPECT_EQ(L.pages_for(17), 2);
+  EXPECT_EQ(PagedLayout(1, 1, 1, 1).pages_for(5), 5);
+}

@@ -1,0 +1,36 @@
+"""kvcache: a paged, quantizable, prefix-shareable KV cache with C++/CUDA kernels.
+
+>>> import torch, kvcache
+>>> layout = kvcache.PageLayout(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+>>> k_cache, v_cache = layout.allocate()
+>>> k_cache.shape
+torch.Size([4, 2, 16, 64])
+"""
+
+from __future__ import annotations
+
+import torch  # libtorch must be loaded before the extension that links against it
+
+from ._build import load_extension
+
+_C = load_extension()  # registers torch.ops.kvcache.*; must precede any Python-side registration
+
+from . import memory, ops, reference  # noqa: E402
+from .layout import PageLayout  # noqa: E402
+from .ops import append, copy_blocks, paged_gather, paged_gather_ragged, swap_blocks  # noqa: E402
+
+__version__ = "0.1.0"
+build_info: dict = dict(_C.build_info)
+
+__all__ = [
+    "PageLayout",
+    "append",
+    "build_info",
+    "copy_blocks",
+    "memory",
+    "ops",
+    "paged_gather",
+    "paged_gather_ragged",
+    "reference",
+    "swap_blocks",
+]

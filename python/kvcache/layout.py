@@ -1,0 +1,100 @@
+"""The page layout of a KV pool, on the Python side.
+
+One layer's K (or V) pool is a contiguous tensor ``[num_blocks, num_kv_heads, page_size, head_dim]``
+("head-major"): decode attention streams one KV head of a sequence at a time, and in this layout the
+``page_size x head_dim`` tile of a (block, head) pair is one contiguous run. The C++ twin of this class
+is ``csrc/core/paged_layout.h``; between them they are the only code that computes page offsets.
+
+A *slot* names one token position in the pool: ``slot = block_id * page_size + offset_in_page``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_PAGE_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Geometry of one layer's K/V pools.
+
+    >>> import torch
+    >>> layout = PageLayout(num_blocks=8, page_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    >>> layout.shape
+    (8, 8, 16, 128)
+    >>> layout.slot(block=3, offset=5)
+    53
+    >>> layout.bytes_per_block  # K and V together
+    65536
+    """
+
+    num_blocks: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size={self.page_size} must be a power of two from 1 to 256")
+        for name in ("num_blocks", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "num_blocks" else 1):
+                raise ValueError(f"{name}={value!r} must be a {'non-negative' if name == 'num_blocks' else 'positive'} int")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype={self.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+
+    # ---- shapes -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Shape of one pool (K or V): ``(num_blocks, num_kv_heads, page_size, head_dim)``."""
+        return (self.num_blocks, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.page_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of K plus one block of V."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+
+    def allocate(self, device: torch.device | str = "cpu", *, fill: float | None = None,
+                 pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocates the K and V pools (uninitialized unless ``fill`` is given)."""
+        k = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        v = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        if fill is not None:
+            k.fill_(fill)
+            v.fill_(fill)
+        return k, v
+
+    @classmethod
+    def of(cls, k_cache: torch.Tensor) -> "PageLayout":
+        """The layout of an existing pool tensor."""
+        if k_cache.dim() != 4:
+            raise ValueError(f"k_cache must be [num_blocks, num_kv_heads, page_size, head_dim], got {tuple(k_cache.shape)}")
+        n, h, p, d = k_cache.shape
+        return cls(num_blocks=n, page_size=p, num_kv_heads=h, head_dim=d, dtype=k_cache.dtype)
+
+    # ---- slots --------------------------------------------------------------------------------
+    def slot(self, block: int | torch.Tensor, offset: int | torch.Tensor) -> int | torch.Tensor:
+        """Slot of position ``offset`` in block ``block``."""
+        return block * self.page_size + offset
+
+    def split_slot(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset in page) of each slot."""
+        return torch.div(slot, self.page_size, rounding_mode="floor"), slot % self.page_size
+
+    def token_slots(self, block_table_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of token positions of one sequence whose pages are ``block_table_row``."""
+        blocks = block_table_row.to(torch.int64)[torch.div(positions, self.page_size, rounding_mode="floor")]
+        return blocks * self.page_size + positions % self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)

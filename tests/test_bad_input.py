@@ -1,0 +1,237 @@
+"""Every class of bad input raises an error that names the argument and the numbers, and leaves the
+pools and outputs exactly as they were (nothing written outside the pool, nothing half-applied)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+
+F16 = torch.float16
+
+
+def bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()]).clone()
+
+
+def expect_rejected(tensors, exc, match, fn):
+    """fn() raises exc matching `match`, and none of `tensors` changed by a single bit."""
+    before = [bits(t) for t in tensors]
+    with pytest.raises(exc, match=match):
+        fn()
+    for t, b in zip(tensors, before):
+        assert torch.equal(bits(t), b), "a rejected call modified its output"
+
+
+@pytest.fixture
+def pools():
+    layout = kvcache.PageLayout(4, 4, 2, 8, F16)       # 16 slots
+    k, v = layout.allocate(fill=0.0)
+    return k, v
+
+
+def kv(batch=1, heads=2, q_len=3, dim=8, dtype=F16):
+    return torch.randn(batch, heads, q_len, dim).to(dtype), torch.randn(batch, heads, q_len, dim).to(dtype)
+
+
+# ---- append -----------------------------------------------------------------------------------
+def test_append_slot_out_of_range_writes_nothing(pools):
+    key, value = kv()
+    # slots 0 and 1 are valid: a half-applying kernel would write them before reaching 16.
+    for bad, match in [(16, r"slot_mapping\[0, 2\]|slot_mapping\[2\] = 16 .*\[0, 16\)"),
+                       (-2, r"slot_mapping\[2\] = -2")]:
+        slots = torch.tensor([[0, 1, bad]])
+        expect_rejected(pools, IndexError, match, lambda: kvcache.append(key, value, *pools, slots))
+
+
+def test_append_duplicate_slot(pools):
+    key, value = kv()
+    slots = torch.tensor([[3, 5, 3]])
+    expect_rejected(pools, IndexError, r"writes slot 3 twice \(positions 0 and 2\)",
+                    lambda: kvcache.append(key, value, *pools, slots))
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("slots_int32", TypeError, r"slot_mapping must have dtype Long but has Int"),
+    ("slots_shape", ValueError, r"slot_mapping has shape \[1, 2\] but must be \[batch, q_len\] = \[1, 3\]"),
+    ("slots_1d", ValueError, r"slot_mapping must be a 2-D tensor but has shape \[3\]"),
+    ("key_dtype", TypeError, r"key must have dtype Half but has Float"),
+    ("value_shape", ValueError, r"value has shape \[1, 2, 2, 8\] but key has shape \[1, 2, 3, 8\]"),
+    ("heads", ValueError, r"key.shape\[1\] = 3 must equal num_kv_heads of the cache = 2"),
+    ("head_dim", ValueError, r"key.shape\[3\] = 16 must equal head_dim of the cache = 8"),
+    ("key_3d", ValueError, r"key must be a 4-D tensor but has shape \[2, 3, 8\]"),
+])
+def test_append_bad_arguments(pools, case, exc, match):
+    key, value = kv()
+    slots = torch.tensor([[0, 1, 2]])
+    if case == "slots_int32":
+        slots = slots.int()
+    elif case == "slots_shape":
+        slots = slots[:, :2]
+    elif case == "slots_1d":
+        slots = slots[0]
+    elif case == "key_dtype":
+        key = key.float()
+    elif case == "value_shape":
+        value = value[:, :, :2]
+    elif case == "heads":
+        key, value = kv(heads=3)
+    elif case == "head_dim":
+        key, value = kv(dim=16)
+    elif case == "key_3d":
+        key, value = key[0], value[0]
+    expect_rejected(pools, exc, match, lambda: kvcache.append(key, value, *pools, slots))
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("page_size", ValueError, r"page_size \(k_cache.shape\[2\]\) = 3 must be a power of two from 1 to 256"),
+    ("page_too_big", ValueError, r"page_size \(k_cache.shape\[2\]\) = 512"),
+    ("pool_dtype", TypeError, r"k_cache has dtype Double; supported: float32, float16, bfloat16"),
+    ("kv_mismatch", ValueError, r"k_cache has shape \[4, 2, 4, 8\] but v_cache has shape \[5, 2, 4, 8\]"),
+    ("kv_dtype", TypeError, r"v_cache has dtype Float but k_cache has Half"),
+    ("strided_pool", ValueError, r"k_cache must be contiguous"),
+    ("pool_3d", ValueError, r"k_cache must be a 4-D tensor"),
+])
+def test_bad_pools(case, exc, match):
+    shape, v_shape, dtype, v_dtype = (4, 2, 4, 8), None, F16, None
+    if case == "page_size":
+        shape = (4, 2, 3, 8)
+    elif case == "page_too_big":
+        shape = (1, 2, 512, 8)
+    elif case == "pool_dtype":
+        dtype = torch.float64
+    elif case == "kv_mismatch":
+        v_shape = (5, 2, 4, 8)
+    elif case == "kv_dtype":
+        v_dtype = torch.float32
+    k = torch.zeros(shape, dtype=dtype)
+    v = torch.zeros(v_shape or shape, dtype=v_dtype or dtype)
+    if case == "strided_pool":
+        k, v = torch.zeros(4, 2, 8, 8, dtype=F16)[:, :, ::2], torch.zeros(4, 2, 4, 8, dtype=F16)
+    elif case == "pool_3d":
+        k, v = k[0], v[0]
+    key, value = kv(dtype=k.dtype if case != "kv_dtype" else F16)
+    tensors = [k, v] if k.dtype != torch.float64 else []
+    expect_rejected(tensors, exc, match,
+                    lambda: kvcache.append(key, value, k, v, torch.tensor([[0, 1, 2]])))
+    # the gather and block-copy ops validate pools the same way
+    with pytest.raises(exc, match=match):
+        kvcache.copy_blocks(k, v, torch.tensor([[0, 1]]))
+
+
+# ---- paged_gather / paged_gather_ragged ------------------------------------------------------------
+def gather_call(pools, table, lens, max_len=8):
+    k_out = torch.full((len(lens), 2, max_len, 8), 5.0, dtype=F16)
+    v_out = torch.full_like(k_out, 5.0)
+    return (k_out, v_out), lambda: kvcache.paged_gather(*pools, torch.tensor(table, dtype=torch.int32),
+                                                      torch.tensor(lens, dtype=torch.int32), out=(k_out, v_out))
+
+
+@pytest.mark.parametrize("table, lens, max_len, match", [
+    ([[0, 4]], [5], 8, r"block_tables\[0, 1\] = 4 is not a block id in \[0, 4\) \(needed for seq_lens\[0\] = 5\)"),
+    ([[0, -1]], [5], 8, r"block_tables\[0, 1\] = -1 is not a block id"),
+    ([[0, 1]], [-1], 8, r"seq_lens\[0\] = -1 is negative"),
+    ([[0, 1]], [9], 12, r"seq_lens\[0\] = 9 needs 3 blocks but block_tables has 2 columns \(page_size 4\)"),
+    ([[0, 1], [2, 3]], [4, 8], 6, r"seq_lens\[1\] = 8 exceeds k_out.shape\[2\] \(max_len\) = 6"),
+])
+def test_gather_bad_indices_write_nothing(pools, table, lens, max_len, match):
+    outs, call = gather_call(pools, table, lens, max_len)
+    expect_rejected(list(outs), IndexError, match, call)
+
+
+def test_gather_bad_arguments(pools):
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    ok = torch.zeros(1, 2, 8, 8, dtype=F16)
+    with pytest.raises(TypeError, match=r"block_tables must have dtype Int but has Long"):
+        kvcache.paged_gather(*pools, table.long(), lens, 8)
+    with pytest.raises(TypeError, match=r"seq_lens must have dtype Int but has Long"):
+        kvcache.paged_gather(*pools, table, lens.long(), 8)
+    with pytest.raises(ValueError, match=r"block_tables.shape\[0\] = 1 must equal the batch size = 2"):
+        kvcache.paged_gather(*pools, table, torch.tensor([1, 1], dtype=torch.int32), 8)
+    with pytest.raises(TypeError, match=r"k_out/v_out have dtypes Float/Float but the cache holds Half"):
+        kvcache.paged_gather(*pools, table, lens, out=(ok.float(), ok.float()))
+    with pytest.raises(ValueError, match=r"k_out.shape\[1\] = 3 must equal num_kv_heads of the cache = 2"):
+        kvcache.paged_gather(*pools, table, lens, out=(torch.zeros(1, 3, 8, 8, dtype=F16),) * 2)
+    with pytest.raises(ValueError, match=r"k_out must be contiguous"):
+        strided = torch.zeros(1, 2, 16, 8, dtype=F16)[:, :, ::2]
+        kvcache.paged_gather(*pools, table, lens, out=(strided, ok))
+    with pytest.raises(ValueError, match=r"k_out has shape \[1, 2, 8, 8\] but v_out has shape \[1, 2, 7, 8\]"):
+        kvcache.paged_gather(*pools, table, lens, out=(ok, ok[:, :, :7].contiguous()))
+
+
+@pytest.mark.parametrize("cu, total, match", [
+    ([1, 5], 4, r"cu_seq_lens\[0\] = 1 must be 0"),
+    ([0, 5, 3], 3, r"cu_seq_lens must be non-decreasing but cu_seq_lens\[2\] = 3 < cu_seq_lens\[1\] = 5"),
+    ([0, 5], 6, r"cu_seq_lens\[1\] = 5 must equal k_out.shape\[0\] \(total tokens\) = 6"),
+    ([0, 9], 9, r"sequence lengths\[0\] = 9 needs 3 blocks but block_tables has 2 columns"),
+])
+def test_gather_ragged_bad_offsets_write_nothing(pools, cu, total, match):
+    k_out = torch.full((total, 2, 8), 5.0, dtype=F16)
+    v_out = torch.full_like(k_out, 5.0)
+    table = torch.tensor([[0, 1]] * (len(cu) - 1), dtype=torch.int32)
+    expect_rejected([k_out, v_out], IndexError, match, lambda: kvcache.paged_gather_ragged(
+        *pools, table, torch.tensor(cu, dtype=torch.int32), out=(k_out, v_out)))
+
+
+# ---- copy_blocks / swap_blocks ------------------------------------------------------------------
+@pytest.mark.parametrize("mapping, match", [
+    ([[0, 1], [4, 2]], r"block_mapping\[1, 0\] = 4 is not a source block id in \[0, 4\)"),
+    ([[0, 1], [2, -1]], r"block_mapping\[1, 1\] = -1 is not a destination block id"),
+    ([[0, 3], [1, 3]], r"writes destination block 3 twice \(rows 0 and 1\)"),
+    ([[0, 1], [1, 2]], r"reads block 1 \(row 1\) that it also writes \(row 0\)"),
+])
+def test_copy_blocks_bad_mapping_writes_nothing(pools, mapping, match):
+    pools[0].normal_(), pools[1].normal_()
+    expect_rejected(pools, IndexError, match, lambda: kvcache.copy_blocks(*pools, torch.tensor(mapping)))
+
+
+def test_copy_blocks_bad_mapping_tensor(pools):
+    with pytest.raises(TypeError, match=r"block_mapping must have dtype Long but has Int"):
+        kvcache.copy_blocks(*pools, torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_mapping.shape\[1\] = 3 must equal 2 \(\(src, dst\) pairs\)"):
+        kvcache.copy_blocks(*pools, torch.tensor([[0, 1, 2]]))
+
+
+def test_swap_blocks_bad_input(pools):
+    host = kvcache.PageLayout(6, 4, 2, 8, F16).allocate(fill=1.0)
+    expect_rejected(list(host), IndexError, r"block_mapping\[0, 1\] = 6 is not a destination block id in \[0, 6\)",
+                    lambda: kvcache.swap_blocks(*pools, *host, torch.tensor([[0, 6]])))
+    expect_rejected(list(host), IndexError, r"block_mapping\[0, 0\] = 4 is not a source block id in \[0, 4\)",
+                    lambda: kvcache.swap_blocks(*pools, *host, torch.tensor([[4, 0]])))
+    with pytest.raises(ValueError, match=r"needs distinct source and destination pools"):
+        kvcache.swap_blocks(*pools, *pools, torch.tensor([[0, 1]]))
+    other_shape = kvcache.PageLayout(6, 8, 2, 8, F16).allocate()
+    with pytest.raises(ValueError, match=r"src pools have blocks of shape \[2, 4, 8\] but dst pools have blocks of shape \[2, 8, 8\]"):
+        kvcache.swap_blocks(*pools, *other_shape, torch.tensor([[0, 1]]))
+    other_dtype = kvcache.PageLayout(6, 4, 2, 8, torch.bfloat16).allocate()
+    with pytest.raises(TypeError, match=r"src pools hold Half but dst pools hold BFloat16"):
+        kvcache.swap_blocks(*pools, *other_dtype, torch.tensor([[0, 1]]))
+
+
+# ---- devices (only where a second device exists) ----------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_device_mismatch_is_named():
+    k, v = kvcache.PageLayout(4, 4, 2, 8, F16).allocate("cuda", fill=0.0)
+    key, value = kv()
+    with pytest.raises(ValueError, match=r"key is on cpu but k_cache is on cuda:0"):
+        kvcache.append(key, value, k, v, torch.tensor([[0, 1, 2]], device="cuda"))
+    with pytest.raises(ValueError, match=r"block_mapping must be a CPU tensor for swap_blocks"):
+        host = kvcache.PageLayout(4, 4, 2, 8, F16).allocate()
+        kvcache.swap_blocks(k, v, *host, torch.tensor([[0, 1]], device="cuda"))
+
+
+# ---- the Python layout class -------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(page_size=12), ValueError, r"page_size=12 must be a power of two from 1 to 256"),
+    (dict(num_kv_heads=0), ValueError, r"num_kv_heads=0 must be a positive int"),
+    (dict(head_dim=-4), ValueError, r"head_dim=-4 must be a positive int"),
+    (dict(num_blocks=-1), ValueError, r"num_blocks=-1 must be a non-negative int"),
+    (dict(dtype=torch.int8), TypeError, r"dtype=torch.int8 is not supported"),
+])
+def test_page_layout_rejects(kwargs, exc, match):
+    args = dict(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=64, dtype=F16) | kwargs
+    with pytest.raises(exc, match=match):
+        kvcache.PageLayout(**args)

@@ -1,0 +1,307 @@
+"""append / paged_gather / paged_gather_ragged / copy_blocks / swap_blocks against kvcache.reference.
+
+Data movement is exact: every comparison is bitwise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcache
+from kvcache import reference as ref
+
+from conftest import DEVICES, DTYPES, PAGE_SIZES, make_paged_batch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float tensor, so NaN poison compares equal to itself."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(bits(a), bits(b))
+
+
+def random_slots(batch: int, q_len: int, num_slots: int, skip: float = 0.2) -> torch.Tensor:
+    """[batch, q_len] distinct slots, about `skip` of them -1."""
+    slots = torch.randperm(num_slots)[: batch * q_len].view(batch, q_len)
+    slots[torch.rand(batch, q_len) < skip] = -1
+    return slots
+
+
+def hf_style(batch: int, heads: int, q_len: int, dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[batch, heads, q_len, dim] viewed from [batch, q_len, heads, dim]: non-contiguous, like HF's K/V."""
+    return torch.randn(batch, q_len, heads, dim, device=device).to(dtype).transpose(1, 2)
+
+
+# ---- append -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_matches_reference(dtype, page_size, device):
+    rng = random.Random(page_size)
+    batch, heads, q_len, dim = rng.randint(1, 3), rng.choice([2, 4]), rng.randint(2, 9), rng.choice([8, 64])
+    layout = kvcache.PageLayout(-(-batch * q_len // page_size) + 2, page_size, heads, dim, dtype)
+    key = hf_style(batch, heads, q_len, dim, dtype, device)
+    value = hf_style(batch, heads, q_len, dim, dtype, device)
+    assert not key.is_contiguous()
+    slots = random_slots(batch, q_len, layout.num_slots).to(device)
+    k_cache, v_cache = (torch.randn(layout.shape, device=device).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    kvcache.append(key, value, k_cache, v_cache, slots)
+    ref.append(key, value, k_ref, v_ref, slots)
+    assert_bitwise_equal(k_cache, k_ref)
+    assert_bitwise_equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_honours_arbitrary_strides(device):
+    # Every dimension strided, including head_dim (stride 2): the kernel may not assume contiguity.
+    base_k = torch.randn(2, 6, 3, 32, device=device)
+    base_v = torch.randn(2, 6, 3, 32, device=device)
+    key = base_k.permute(0, 2, 1, 3)[:, :, ::2, ::2]      # [2, 3, 3, 16], strides all non-trivial
+    value = base_v.permute(0, 2, 1, 3)[:, :, 1::2, ::2]
+    layout = kvcache.PageLayout(4, 4, 3, 16, torch.float32)
+    k_cache, v_cache = layout.allocate(device, fill=0.0)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([[0, 5, 10], [15, -1, 3]], device=device)
+    kvcache.append(key, value, k_cache, v_cache, slots)
+    ref.append(key, value, k_ref, v_ref, slots)
+    assert_bitwise_equal(k_cache, k_ref)
+    assert_bitwise_equal(v_cache, v_ref)
+    # and the value at slot 5 is key[0, :, 1] (block 1, offset 1)
+    assert torch.equal(k_cache[1, :, 1], key[0, :, 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_of_nothing_is_a_no_op(device):
+    layout = kvcache.PageLayout(2, 4, 2, 8, torch.float16)
+    k_cache, v_cache = layout.allocate(device, fill=1.0)
+    empty = torch.empty(0, 2, 3, 8, dtype=torch.float16, device=device)
+    kvcache.append(empty, empty, k_cache, v_cache, torch.empty(0, 3, dtype=torch.int64, device=device))
+    all_skipped = torch.zeros(1, 2, 3, 8, dtype=torch.float16, device=device)
+    kvcache.append(all_skipped, all_skipped, k_cache, v_cache, torch.full((1, 3), -1, device=device))
+    assert bool((k_cache == 1).all()) and bool((v_cache == 1).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(0, 3), heads=st.integers(1, 4), q_len=st.integers(0, 12), dim=st.integers(1, 40),
+       page_shift=st.integers(0, 8), dtype=st.sampled_from(DTYPES), spare=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_append_random_shapes(batch, heads, q_len, dim, page_shift, dtype, spare, seed):
+    torch.manual_seed(seed)
+    page_size = 2**page_shift
+    layout = kvcache.PageLayout(-(-batch * q_len // page_size) + spare, page_size, heads, dim, dtype)
+    key, value = hf_style(batch, heads, q_len, dim, dtype, "cpu"), hf_style(batch, heads, q_len, dim, dtype, "cpu")
+    slots = random_slots(batch, q_len, layout.num_slots) if batch * q_len else torch.empty(batch, q_len, dtype=torch.int64)
+    k_cache, v_cache = (torch.randn(layout.shape).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kvcache.append(key, value, k_cache, v_cache, slots)
+    ref.append(key, value, k_ref, v_ref, slots)
+    assert_bitwise_equal(k_cache, k_ref)
+    assert_bitwise_equal(v_cache, v_ref)
+
+
+# ---- paged_gather (padded and ragged) ------------------------------------------------------------
+def random_lens(rng: random.Random, page_size: int) -> list[int]:
+    # empty, one token, exact page multiples and ragged ends
+    return [0, 1, page_size, 3 * page_size, rng.randint(1, 4 * page_size + 3)][: rng.randint(2, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_gather_matches_reference(dtype, page_size, device):
+    rng = random.Random(page_size * 7 + DTYPES.index(dtype))
+    pb = make_paged_batch(random_lens(rng, page_size), page_size, rng.choice([1, 2, 4]), rng.choice([8, 64]),
+                          dtype, device)
+    max_len = int(pb.seq_lens.max()) + 3
+    k, v = kvcache.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, max_len)
+    k_ref, v_ref = torch.empty_like(k).fill_(7), torch.empty_like(v).fill_(7)
+    ref.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, k_ref, v_ref)
+    assert_bitwise_equal(k, k_ref)
+    assert_bitwise_equal(v, v_ref)
+    assert not k.isnan().any() and not v.isnan().any(), "read a poisoned (unused) block"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_gather_ragged_matches_reference(dtype, page_size, device):
+    rng = random.Random(page_size * 11 + DTYPES.index(dtype))
+    pb = make_paged_batch(random_lens(rng, page_size), page_size, rng.choice([1, 3]), rng.choice([16, 128]),
+                          dtype, device)
+    k, v = kvcache.paged_gather_ragged(pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens)
+    assert k.shape[0] == int(pb.seq_lens.sum())
+    k_ref, v_ref = torch.empty_like(k), torch.empty_like(v)
+    ref.paged_gather_ragged(pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens, k_ref, v_ref)
+    assert_bitwise_equal(k, k_ref)
+    assert_bitwise_equal(v, v_ref)
+    assert not k.isnan().any() and not v.isnan().any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_then_gather_round_trips(device):
+    # The path a cache takes: prefill 9 tokens, decode 3 one at a time, gather everything back.
+    layout = kvcache.PageLayout(8, 4, 2, 16, torch.bfloat16)
+    k_cache, v_cache = layout.allocate(device, fill=float("nan"))
+    table = torch.tensor([[6, 1, 4, 0]], dtype=torch.int32, device=device)
+    keys = hf_style(1, 2, 12, 16, torch.bfloat16, device)
+    values = hf_style(1, 2, 12, 16, torch.bfloat16, device)
+    positions = torch.arange(12, device=device)
+    slots = layout.token_slots(table[0], positions).view(1, 12)
+    kvcache.append(keys[:, :, :9], values[:, :, :9], k_cache, v_cache, slots[:, :9])
+    for t in range(9, 12):
+        kvcache.append(keys[:, :, t:t + 1], values[:, :, t:t + 1], k_cache, v_cache, slots[:, t:t + 1])
+    k, v = kvcache.paged_gather(k_cache, v_cache, table, torch.tensor([12], dtype=torch.int32, device=device))
+    assert torch.equal(k, keys) and torch.equal(v, values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(0, 70), min_size=1, max_size=5), heads=st.integers(1, 3),
+       dim=st.integers(1, 33), page_shift=st.integers(0, 8), dtype=st.sampled_from(DTYPES),
+       extra=st.integers(0, 4), seed=st.integers(0, 2**16))
+def test_gathers_random_shapes(lens, heads, dim, page_shift, dtype, extra, seed):
+    g = torch.Generator().manual_seed(seed)
+    pb = make_paged_batch(lens, 2**page_shift, heads, dim, dtype, generator=g)
+    k, v = kvcache.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, max(lens) + extra)
+    k_ref, v_ref = torch.empty_like(k), torch.empty_like(v)
+    ref.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, k_ref, v_ref)
+    assert_bitwise_equal(k, k_ref)
+    assert_bitwise_equal(v, v_ref)
+    kr, vr = kvcache.paged_gather_ragged(pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens)
+    # the ragged rows are the padded rows with the padding dropped
+    for b, n in enumerate(lens):
+        start = int(pb.cu_seq_lens[b])
+        assert_bitwise_equal(kr[start:start + n], k[b, :, :n].transpose(0, 1))
+        assert_bitwise_equal(vr[start:start + n], v[b, :, :n].transpose(0, 1))
+
+
+# ---- copy_blocks / swap_blocks -------------------------------------------------------------------
+def random_mapping(num_src: int, num_dst: int, n: int, disjoint: bool) -> torch.Tensor:
+    if disjoint:  # one pool: sources and destinations must not overlap
+        ids = torch.randperm(num_src)
+        src, dst = ids[:n], ids[n:2 * n]
+    else:
+        src, dst = torch.randint(0, num_src, (n,)), torch.randperm(num_dst)[:n]
+    return torch.stack([src, dst], dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_matches_reference(dtype, page_size, device):
+    layout = kvcache.PageLayout(12, page_size, 2, 24, dtype)
+    k_cache, v_cache = (torch.randn(layout.shape, device=device).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    mapping = random_mapping(12, 12, 5, disjoint=True)
+    kvcache.copy_blocks(k_cache, v_cache, mapping.to(device))
+    ref.copy_blocks(k_ref, v_ref, mapping.to(device))
+    assert_bitwise_equal(k_cache, k_ref)
+    assert_bitwise_equal(v_cache, v_ref)
+    assert torch.equal(k_cache[mapping[0, 1]], k_cache[mapping[0, 0]])
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_host_to_host(dtype, page_size):
+    src = kvcache.PageLayout(10, page_size, 2, 8, dtype)
+    dst = kvcache.PageLayout(6, page_size, 2, 8, dtype)  # pools may differ in block count
+    k_src, v_src = (torch.randn(src.shape).to(dtype) for _ in range(2))
+    k_dst, v_dst = (torch.randn(dst.shape).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_dst.clone(), v_dst.clone()
+    mapping = random_mapping(10, 6, 4, disjoint=False)
+    kvcache.swap_blocks(k_src, v_src, k_dst, v_dst, mapping)
+    ref.swap_blocks(k_src, v_src, k_ref, v_ref, mapping)
+    assert_bitwise_equal(k_dst, k_ref)
+    assert_bitwise_equal(v_dst, v_ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
+def test_swap_blocks_with_device(direction):
+    devs = {"d2h": ("cuda", "cpu"), "h2d": ("cpu", "cuda"), "d2d": ("cuda", "cuda")}[direction]
+    layout = kvcache.PageLayout(8, 16, 2, 64, torch.bfloat16)
+    k_src, v_src = layout.allocate(devs[0])
+    k_src.normal_(), v_src.normal_()
+    k_dst, v_dst = layout.allocate(devs[1], fill=0.0, pin_memory=devs[1] == "cpu")
+    k_ref, v_ref = k_dst.clone(), v_dst.clone()
+    mapping = random_mapping(8, 8, 5, disjoint=False)
+    kvcache.swap_blocks(k_src, v_src, k_dst, v_dst, mapping)
+    ref.swap_blocks(k_src, v_src, k_ref, v_ref, mapping)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(k_dst, k_ref)
+    assert_bitwise_equal(v_dst, v_ref)
+
+
+# ---- opcheck and torch.compile ----------------------------------------------------------------
+def _sample_calls(device: str, dtype: torch.dtype):
+    pb = make_paged_batch([5, 0, 9], 4, 2, 8, dtype, device)
+    pb.k_cache.nan_to_num_(0.0), pb.v_cache.nan_to_num_(0.0)  # opcheck compares outputs with NaN != NaN
+    key, value = hf_style(2, 2, 3, 8, dtype, device), hf_style(2, 2, 3, 8, dtype, device)
+    slots = torch.tensor([[0, 1, -1], [7, 8, 9]], device=device)
+    k_out = torch.empty(3, 2, 10, 8, dtype=dtype, device=device)
+    ragged = torch.empty(14, 2, 8, dtype=dtype, device=device)
+    mapping = torch.tensor([[0, 3], [1, 4]], device=device)
+    other = [torch.zeros(5, 2, 4, 8, dtype=dtype) for _ in range(2)]
+    ops = torch.ops.kvcache
+    return {
+        "append": (ops.append.default, (key, value, pb.k_cache, pb.v_cache, slots)),
+        "paged_gather": (ops.paged_gather.default,
+                         (pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, k_out, k_out.clone())),
+        "paged_gather_ragged": (ops.paged_gather_ragged.default,
+                                (pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens, ragged, ragged.clone())),
+        "copy_blocks": (ops.copy_blocks.default, (pb.k_cache, pb.v_cache, mapping)),
+        "swap_blocks": (ops.swap_blocks.default, (pb.k_cache, pb.v_cache, other[0], other[1], mapping.cpu())),
+    }
+
+
+OP_NAMES = ("append", "paged_gather", "paged_gather_ragged", "copy_blocks", "swap_blocks")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opcheck(name, dtype, device):
+    op, args = _sample_calls(device, dtype)[name]
+    torch.library.opcheck(op, args)
+
+
+def test_every_op_has_cpu_and_cuda_kernels():
+    for name in OP_NAMES:
+        qualname = getattr(torch.ops.kvcache, name).default.name()
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"), name
+        if kvcache.build_info["cuda"]:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_fullgraph(device):
+    layout = kvcache.PageLayout(4, 4, 2, 8, torch.float32)
+
+    def step(key, value, k_cache, v_cache, slots, table, lens):
+        kvcache.append(key, value, k_cache, v_cache, slots)
+        k, v = kvcache.paged_gather(k_cache, v_cache, table, lens, 8)
+        return (k * 2).sum() + v.sum()
+
+    def inputs():
+        k_cache, v_cache = layout.allocate(device, fill=0.0)
+        g = torch.Generator().manual_seed(1)
+        key, value = (torch.randn(1, 2, 6, 8, generator=g).to(device) for _ in range(2))
+        slots = torch.tensor([[8, 9, 10, 11, 0, 1]], device=device)
+        table = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
+        return key, value, k_cache, v_cache, slots, table, torch.tensor([6], dtype=torch.int32, device=device)
+
+    eager_args, compiled_args = inputs(), inputs()
+    expected = step(*eager_args)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled_args)
+    assert torch.equal(expected, got)
+    assert torch.equal(eager_args[2], compiled_args[2])  # the mutation of the pool survived compilation
