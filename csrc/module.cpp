@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "attention/attention_cpu.h"
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
@@ -18,4 +20,15 @@ PYBIND11_MODULE(_C, m) {
   info["cuda_archs"] = std::string();
 #endif
   m.attr("build_info") = info;
+
+  // Instruction set of the CPU attention kernel: "avx512bf16", "avx512", "avx2" or "generic" (tests run each).
+  static const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512bf16"};
+  m.def("cpu_isa", [] { return std::string(kIsaNames[static_cast<int>(kvcache::cpu::current_isa())]); });
+  m.def("best_cpu_isa", [] { return std::string(kIsaNames[static_cast<int>(kvcache::cpu::best_supported_isa())]); });
+  m.def("set_cpu_isa", [](const std::string& name) {
+    for (int i = 0; i < 4; ++i) {
+      if (name == kIsaNames[i]) return kvcache::cpu::set_isa(static_cast<kvcache::cpu::Isa>(i));
+    }
+    throw py::value_error("unknown instruction set '" + name + "'; use avx512bf16, avx512, avx2 or generic");
+  });
 }

@@ -29,4 +29,21 @@ TORCH_LIBRARY(kvcache, m) {
   // the CPU, (src block in the src pools, dst block in the dst pools).
   m.def("swap_blocks(Tensor k_src, Tensor v_src, Tensor(a!) k_dst, Tensor(b!) v_dst, "
         "Tensor block_mapping) -> ()");
+
+  // ---- attention: read straight from the pages ----------------------------------------------------
+  // query [total_q, q_heads, head_dim] (any strides); sequence b's queries are rows
+  // cu_q_lens[b]:cu_q_lens[b+1] [batch + 1] int32 and are its last tokens: query i of a sequence of
+  // seq_lens[b] tokens sits at position seq_lens[b] - q_len + i and sees keys j <= position (causal,
+  // bottom-right), within window_left keys to its left (-1: no window) or among the first sink_tokens.
+  // Scores scale * q.k, soft-capped as softcap * tanh(s / softcap) when softcap > 0. GQA/MQA: query
+  // head h reads KV head h / (q_heads / kv_heads). out [total_q, q_heads, head_dim] in query's dtype;
+  // lse [total_q, q_heads] float32 (natural log-sum-exp of the scaled scores), if given.
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor cu_q_lens, float scale, int window_left, int sink_tokens, float softcap, Tensor(a!) out, "
+        "Tensor(b!)? lse) -> ()");
+
+  // Two attention states over disjoint key sets -> the state over their union (split-K, cascade):
+  // v_* [tokens, heads, head_dim], lse_* [tokens, heads] float32.
+  m.def("merge_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, Tensor(a!) v_out, "
+        "Tensor(b!) lse_out) -> ()");
 }

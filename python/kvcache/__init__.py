@@ -17,7 +17,9 @@ _C = load_extension()  # registers torch.ops.kvcache.*; must precede any Python-
 
 from . import memory, ops, reference  # noqa: E402
 from .layout import PageLayout  # noqa: E402
-from .ops import append, copy_blocks, paged_gather, paged_gather_ragged, swap_blocks  # noqa: E402
+from .ops import (  # noqa: E402
+    append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
+)
 
 __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
@@ -28,7 +30,9 @@ __all__ = [
     "build_info",
     "copy_blocks",
     "memory",
+    "merge_states",
     "ops",
+    "paged_attention",
     "paged_gather",
     "paged_gather_ragged",
     "reference",

@@ -87,3 +87,50 @@ def swap_blocks(k_src: torch.Tensor, v_src: torch.Tensor, k_dst: torch.Tensor, v
     ``block_mapping`` is a CPU ``[n, 2]`` int64 tensor of (block in src pools, block in dst pools).
     """
     _ops.swap_blocks.default(k_src, v_src, k_dst, v_dst, block_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float | None = None, *,
+                    window_left: int = -1, sink_tokens: int = 0, softcap: float = 0.0,
+                    return_lse: bool = False, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a ragged batch of queries straight over the pages (decode and chunked prefill alike).
+
+    Args:
+        query: ``[total_q, q_heads, head_dim]``; sequence ``b``'s queries are rows
+            ``cu_q_lens[b]:cu_q_lens[b + 1]`` and are its *last* tokens (already appended to the pages).
+        k_cache, v_cache: the pools of one layer, ``[num_blocks, kv_heads, page_size, head_dim]``.
+        block_tables: ``[batch, max_blocks]`` int32. seq_lens: ``[batch]`` int32 tokens in the pages.
+        cu_q_lens: ``[batch + 1]`` int32 query offsets.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        window_left: keys to the left of each query it may see (-1: all). sink_tokens: the first keys,
+            always visible (StreamingLLM). softcap: ``softcap * tanh(s / softcap)`` on the scores if > 0.
+        return_lse: also return the log-sum-exp ``[total_q, q_heads]`` (float32) of the scaled scores.
+
+    Causal masking is aligned bottom-right: query ``i`` of a sequence with ``q_len`` queries and
+    ``seq_len`` tokens is at position ``seq_len - q_len + i``, so one query is a decode step and
+    many are a prefill chunk; a batch may mix both. GQA/MQA: query head ``h`` reads KV head
+    ``h // (q_heads // kv_heads)``.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if return_lse and lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    _ops.paged_attention.default(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale),
+                                 int(window_left), int(sink_tokens), float(softcap), out, lse)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges two attention states over disjoint key sets (split-K, or a shared prefix + own suffix).
+
+    ``v_*`` are normalized outputs ``[tokens, heads, head_dim]`` and ``lse_*`` their log-sum-exps
+    ``[tokens, heads]`` (float32), as returned by ``paged_attention(..., return_lse=True)``.
+    """
+    v_out = torch.empty_like(v_a, memory_format=torch.contiguous_format)
+    lse_out = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+    _ops.merge_states.default(v_a, lse_a, v_b, lse_b, v_out, lse_out)
+    return v_out, lse_out

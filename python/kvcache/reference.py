@@ -68,3 +68,66 @@ def swap_blocks(k_src: torch.Tensor, v_src: torch.Tensor, k_dst: torch.Tensor, v
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     k_dst[dst.to(k_dst.device)] = k_src[src.to(k_src.device)].to(k_dst.device)
     v_dst[dst.to(v_dst.device)] = v_src[src.to(v_src.device)].to(v_dst.device)
+
+
+def attention_mask(q_len: int, kv_len: int, window_left: int = -1, sink_tokens: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (at position kv_len - q_len + i) may see key j."""
+    pos = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
+    key = torch.arange(kv_len, device=device).view(1, -1)
+    visible = key <= pos                                             # causal, aligned bottom-right
+    if window_left >= 0:
+        visible &= (key >= pos - window_left) | (key < sink_tokens)  # sliding window + attention sinks
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_left: int = -1,
+              sink_tokens: int = 0, softcap: float = 0.0,
+              compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence. q [q_len, q_heads, d]; k, v [kv_len, kv_heads, d].
+
+    Returns out [q_len, q_heads, d] (q's dtype) and lse [q_len, q_heads] (float32). With
+    ``compute_dtype=q.dtype`` the matmuls run in the input precision, as a plain PyTorch user's would;
+    ``compute_dtype=torch.float64`` gives the ground truth that tests measure both against.
+    """
+    q_len, q_heads, _ = q.shape
+    kv_len, kv_heads, _ = k.shape
+    group = q_heads // kv_heads
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32    # softmax precision
+    qh = q.transpose(0, 1).to(compute_dtype)                                    # [q_heads, q_len, d]
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0).to(compute_dtype)   # [q_heads, kv_len, d]
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0).to(compute_dtype)
+    scores = (qh @ kh.transpose(1, 2)).to(acc) * scale                         # [q_heads, q_len, kv_len]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~attention_mask(q_len, kv_len, window_left, sink_tokens, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                      # [q_heads, q_len]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)              # rows with no key: 0
+    out = (probs.to(compute_dtype) @ vh).to(acc)
+    return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).float()
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float, window_left: int,
+                    sink_tokens: int, softcap: float, out: torch.Tensor, lse: torch.Tensor | None = None,
+                    compute_dtype: torch.dtype = torch.float32) -> None:
+    """Attention of a ragged batch of queries over the pages: gather each sequence, then :func:`attention`."""
+    cu = cu_q_lens.tolist()
+    for b, kv_len in enumerate(seq_lens.tolist()):
+        if cu[b + 1] == cu[b]:
+            continue
+        k, v = _gather_one(k_cache, v_cache, block_tables[b], kv_len)
+        o, l = attention(query[cu[b]:cu[b + 1]], k, v, scale, window_left, sink_tokens, softcap, compute_dtype)
+        out[cu[b]:cu[b + 1]] = o
+        if lse is not None:
+            lse[cu[b]:cu[b + 1]] = l
+
+
+def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor,
+                 v_out: torch.Tensor, lse_out: torch.Tensor) -> None:
+    """The state over the union of two disjoint key sets: weights exp(lse_x - lse), lse = logaddexp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)   # -inf - -inf: both empty -> 0
+    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
+    v_out.copy_(w_a * v_a.float() + w_b * v_b.float())
+    lse_out.copy_(lse)

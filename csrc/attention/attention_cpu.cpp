@@ -1,0 +1,152 @@
+// CPU registrations of paged_attention and merge_states: validate, plan the tasks (split-K for
+// decode, query blocks for prefill), run them on torch's thread pool with dynamic scheduling, and
+// merge the split partial states.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "attention/attention_cpu.h"
+#include "attention/attention_cpu_isa.h"
+#include "attention/attention_prepare.h"
+#include "core/check.h"
+#include "core/softmax_state.h"
+
+namespace kvcache {
+namespace cpu {
+namespace {
+
+std::atomic<int> g_isa{-1};  // -1: not chosen yet
+
+int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
+    return static_cast<int>(__builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512);
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return static_cast<int>(Isa::kAvx2);
+  }
+  return static_cast<int>(Isa::kGeneric);
+}
+
+AttentionTaskFn task_fn() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    isa = best_isa();
+    g_isa.store(isa);
+  }
+  switch (static_cast<Isa>(isa)) {
+    case Isa::kAvx512Bf16: return run_attention_task_avx512bf16;
+    case Isa::kAvx512: return run_attention_task_avx512;
+    case Isa::kAvx2: return run_attention_task_avx2;
+    default: return run_attention_task_generic;
+  }
+}
+
+template <class Fn>
+void run_dynamic(int64_t n, Fn fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    }
+  });
+}
+
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                         double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                         const std::optional<at::Tensor>& lse) {
+  AttentionHostInfo host;
+  const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                            window_left, sink_tokens, softcap, out, lse, &host);
+  PlanOptions opt;
+  opt.parallelism = at::get_num_threads();
+  const AttentionPlan plan = make_attention_plan(a, host, opt);
+  at::Tensor part_o, part_lse;
+  PartialStates partial;
+  if (plan.num_slots > 0) {
+    part_o = at::empty({plan.num_slots, plan.rows_per_slot, a.layout.head_dim}, query.options().dtype(at::kFloat));
+    part_lse = at::empty({plan.num_slots, plan.rows_per_slot}, query.options().dtype(at::kFloat));
+    partial = {part_o.data_ptr<float>(), part_lse.data_ptr<float>(), plan.rows_per_slot};
+  }
+  const AttentionTaskFn fn = task_fn();
+  run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial); });
+
+  // Merge the split states of each (sequence, kv head) into the output.
+  const int64_t D = a.layout.head_dim, G = a.group;
+  run_dynamic(static_cast<int64_t>(plan.splits.size()), [&](int64_t i) {
+    const AttentionPlan::Split& sp = plan.splits[i];
+    const int64_t q_start = a.cu_q_lens[sp.seq], per_head = host.q_lens[sp.seq] * G;
+    const int64_t rows = (sp.head_end - sp.head_begin) * per_head;
+    std::vector<float> acc(D);
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc_lse = -INFINITY;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < sp.num_slots; ++s) {
+        const int64_t slot_row = (sp.first_slot + s) * partial.rows_per_slot + r;
+        const MergeWeights w = merge_weights(acc_lse, partial.lse[slot_row]);
+        const float* o = partial.o + slot_row * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] = w.w_a * acc[d] + w.w_b * o[d];
+        acc_lse = w.lse;
+      }
+      const int64_t h = sp.head_begin + r / per_head, local = r % per_head;
+      const int64_t row = (q_start + local / G) * a.q_heads + h * G + local % G;
+      for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, acc[d]);
+      if (a.lse) a.lse[row] = acc_lse;
+    }
+  });
+}
+
+void merge_states_cpu(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,
+                      at::Tensor& v_out, at::Tensor& lse_out) {
+  check_merge_states(v_a, lse_a, v_b, lse_b, v_out, lse_out);
+  const at::Tensor va = v_a.contiguous(), vb = v_b.contiguous();
+  const at::Tensor la = lse_a.contiguous(), lb = lse_b.contiguous();
+  const DType dt = to_dtype(v_a.scalar_type());
+  const int64_t rows = v_a.size(0) * v_a.size(1), D = v_a.size(2);
+  const float* pla = la.data_ptr<float>();
+  const float* plb = lb.data_ptr<float>();
+  float* plo = lse_out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const MergeWeights w = merge_weights(pla[r], plb[r]);
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = load_as_float(va.data_ptr(), r * D + d, dt), y = load_as_float(vb.data_ptr(), r * D + d, dt);
+        store_from_float(v_out.data_ptr(), r * D + d, dt, w.w_a * x + w.w_b * y);
+      }
+      plo[r] = w.lse;
+    }
+  });
+}
+
+}  // namespace
+
+void set_isa(Isa isa) {
+  const int best = best_isa();
+  TORCH_CHECK_VALUE(static_cast<int>(isa) <= best, "this CPU does not support the requested instruction set");
+  g_isa.store(static_cast<int>(isa));
+}
+
+Isa current_isa() {
+  task_fn();
+  return static_cast<Isa>(g_isa.load());
+}
+
+Isa best_supported_isa() { return static_cast<Isa>(best_isa()); }
+
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
+  m.impl("paged_attention", &cpu::paged_attention_cpu);
+  m.impl("merge_states", &cpu::merge_states_cpu);
+}
+
+}  // namespace kvcache

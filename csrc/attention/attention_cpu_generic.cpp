@@ -1,0 +1,10 @@
+// The CPU attention kernel built for one instruction set (generic); see attention_cpu_kernel.h.
+#define KVC_ISA generic
+#include "attention/attention_cpu_kernel.h"
+#include "attention/attention_cpu_isa.h"
+
+namespace kvcache::cpu {
+void run_attention_task_generic(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) {
+  generic::run_task(a, t, p);
+}
+}  // namespace kvcache::cpu

@@ -1,0 +1,568 @@
+// The CPU paged-attention kernel: one AttentionTask at a time, online softmax, fp32 accumulation.
+//
+// Written once with GCC vector extensions (16-lane float vectors) and compiled three times, by
+// attention_cpu_{avx512,avx2,generic}.cpp, each with its own instruction-set flags and namespace
+// (KVC_ISA); attention_cpu.cpp picks the best one the machine supports at run time.
+//
+// How a task runs: its rows are (query token, head of the GQA group) pairs; they are processed four
+// at a time against tiles of 16 keys. Each K/V tile is read from the pages once per task (and once
+// per KV head: every query head of the group shares it), converted to fp32 in registers, never
+// written anywhere. Scores use the dot-product form (q.k along head_dim, then a 16-way reduction
+// tree), so K is consumed in its stored layout; P.V accumulates straight into the output rows.
+//
+// NOTE: bfloat16 rows are widened without shuffles: a 64-byte load of 32 bf16 values, shifted left
+// 16 bits, gives the even dims as fp32; masked, the odd dims. Queries and outputs are kept in the same
+// even/odd order ("storage order"), so dot products need no reordering; outputs are put back in
+// natural order once, at the end of the task.
+#pragma once
+
+#ifndef KVC_ISA
+#error "define KVC_ISA (the namespace of this instruction-set build) before including this header"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#include "attention/attention_args.h"
+#include "core/dtype.h"
+#include "core/softmax_state.h"
+
+namespace kvcache::cpu::KVC_ISA {
+
+using vf = float __attribute__((vector_size(64)));
+using vu = uint32_t __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+using vh = _Float16 __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+constexpr int kTile = 16;  // keys per tile: one vector of scores per row
+constexpr int kRows = 4;   // query rows processed together
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Horizontal reductions as shuffle trees (a scalar loop would be a 16-long dependency chain).
+template <bool kMax>
+inline float fold(vf v) {
+  auto op = [](vf x, vf y) { return kMax ? vmax(x, y) : x + y; };
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+inline float hsum(vf v) { return fold<false>(v); }
+inline float hmax(vf v) { return fold<true>(v); }
+
+/// exp(x) for a vector, ~2 ulp on [-87, 88]; exactly 0 below -87.3 (masked scores are -inf).
+inline vf vexp(vf x) {
+  const vf hi = splat(88.3762626647949f), lo = splat(-87.3365447505531f);
+  const vi underflow = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  // x = n ln2 + r, |r| <= ln2/2
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (x >= 0.f ? splat(0.5f) : splat(-0.5f)), vi), vf);
+  vf r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scaled = p * (vf)e;
+  return underflow ? splat(0.f) : scaled;
+}
+
+/// cap * tanh(s / cap), via tanh(y) = 1 - 2 / (exp(2y) + 1); -inf stays -inf.
+inline vf vsoftcap(vf s, float cap) {
+  const vf y = s * (2.f / cap);
+  const vf t = 1.f - 2.f / (vexp(y > 80.f ? splat(80.f) : y) + 1.f);
+  return s == -INFINITY ? s : t * cap;
+}
+
+/// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
+inline vf reduce16(const vf acc[16]) {
+  vf u[8], w[4], z[2];
+  for (int k = 0; k < 8; ++k) {
+    const vf a = acc[2 * k], b = acc[2 * k + 1];
+    u[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const vf a = u[2 * k], b = u[2 * k + 1];
+    w[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const vf a = w[2 * k], b = w[2 * k + 1];
+    z[k] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// ---- KV row readers: 32 values of a row -> two fp32 vectors (a, b), in the reader's storage order ----
+struct ReadF32 {
+  using Elem = float;
+  static constexpr bool kEvenOdd = false;
+  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+    a = loadv(row + 32 * c);
+    b = loadv(row + 32 * c + 16);
+  }
+};
+struct ReadF16 {
+  using Elem = uint16_t;
+  static constexpr bool kEvenOdd = false;
+  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+    vh x, y;
+    std::memcpy(&x, row + 32 * c, sizeof x);
+    std::memcpy(&y, row + 32 * c + 16, sizeof y);
+    a = __builtin_convertvector(x, vf);
+    b = __builtin_convertvector(y, vf);
+  }
+};
+struct ReadBF16 {
+  using Elem = uint16_t;
+  static constexpr bool kEvenOdd = true;  // a = even dims, b = odd dims of the 32
+  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+    vu x;
+    std::memcpy(&x, row + 32 * c, sizeof x);
+    a = (vf)(x << 16);
+    b = (vf)(x & 0xffff0000u);
+  }
+};
+
+/// Position of dim d in storage order.
+template <class Read>
+inline int64_t storage_index(int64_t d) {
+  if constexpr (Read::kEvenOdd) {
+    const int64_t c = d / 32, j = d % 32;
+    return 32 * c + (j & 1) * 16 + j / 2;
+  } else {
+    return d;
+  }
+}
+
+/// Per-row bookkeeping of a task.
+struct RowState {
+  int64_t pos;   // position of the query (-1: padding row, sees nothing)
+  int64_t lo;    // first key of the window
+  float m, l;    // running max and sum of the online softmax
+};
+
+/// Scratch memory of one thread, reused across its tasks.
+struct Scratch {
+  std::vector<float> q, o;
+  std::vector<RowState> rows;
+};
+
+/// Rows of a task: `per_head` real rows (query tokens x group) for each of `heads` KV heads, each
+/// head's block padded to a multiple of kRows in the scratch buffers.
+struct TaskRows {
+  int64_t heads, per_head, padded;
+  TaskRows(const AttentionTask& t, int64_t group, int64_t align)
+      : heads(t.head_end - t.head_begin), per_head(int64_t(t.tok_end - t.tok_begin) * group),
+        padded((per_head + align - 1) / align * align) {}
+};
+
+/// Normalizes the rows of a finished task and writes them: the final output, or its partial state.
+template <class Index>
+void finish_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const Scratch& s,
+                 const TaskRows& tr, int64_t q_start, Index storage) {
+  const int64_t D = a.layout.head_dim, G = a.group;
+  for (int64_t hb = 0; hb < tr.heads; ++hb) {
+    for (int64_t local = 0; local < tr.per_head; ++local) {
+      const int64_t r = hb * tr.padded + local;
+      const RowState& st = s.rows[r];
+      const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
+      const float lse = st.l > 0.f ? st.m + std::log(st.l) : -INFINITY;
+      const float* o = &s.o[r * D];
+      if (t.partial < 0) {
+        const int64_t i = t.tok_begin + local / G, hq = (t.head_begin + hb) * G + local % G;
+        const int64_t row = (q_start + i) * a.q_heads + hq;
+        for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, o[storage(d)] * inv);
+        if (a.lse) a.lse[row] = lse;
+      } else {
+        const int64_t slot_row = t.partial * partial.rows_per_slot + hb * tr.per_head + local;
+        float* po = partial.o + slot_row * D;
+        for (int64_t d = 0; d < D; ++d) po[d] = o[storage(d)] * inv;
+        partial.lse[slot_row] = lse;
+      }
+    }
+  }
+}
+
+/// Lane k of quad[g] holds (row k / 4, key 4g + k % 4); returns one vector of 16 keys per row.
+inline void quads_to_rows(const vf quad[4], vf rows[4]) {
+  const vf t01l = __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const vf t01h = __builtin_shufflevector(quad[0], quad[1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const vf t23l = __builtin_shufflevector(quad[2], quad[3], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const vf t23h = __builtin_shufflevector(quad[2], quad[3], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  rows[0] = __builtin_shufflevector(t01l, t23l, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  rows[1] = __builtin_shufflevector(t01l, t23l, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  rows[2] = __builtin_shufflevector(t01h, t23h, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  rows[3] = __builtin_shufflevector(t01h, t23h, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// ---- score policies: q.k for 4 rows x 16 keys ----------------------------------------------------
+/// fp32 FMAs on K widened by `Read`; queries pre-scaled, in Read's storage order.
+template <class Read>
+struct ScoreFma {
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    for (int64_t d = 0; d < a.layout.head_dim; ++d) {
+      q_row[storage_index<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+    }
+  }
+  static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow, float /*scale*/, vf rows[4]) {
+    vf quad[4];
+    for (int g = 0; g < 4; ++g) {
+      vf acc[16];
+      for (auto& v : acc) v = vf{};
+      for (int64_t c = 0; c < D / 32; ++c) {
+        for (int j = 0; j < 4; ++j) {
+          vf ka, kb;
+          Read::chunk(krow[4 * g + j], c, ka, kb);
+          for (int r = 0; r < kRows; ++r) {
+            acc[r * 4 + j] += loadv(q + r * D + 32 * c) * ka + loadv(q + r * D + 32 * c + 16) * kb;
+          }
+        }
+      }
+      quad[g] = reduce16(acc);
+    }
+    quads_to_rows(quad, rows);
+  }
+};
+
+#ifdef __AVX512BF16__
+/// bfloat16 queries and keys: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so K
+/// needs no widening at all. The query stays unscaled (its bf16 values exact); scores are scaled after.
+struct ScoreDpBf16 {
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits, natural order, in the fp32 buffer
+    for (int64_t d = 0; d < a.layout.head_dim; ++d) qb[d] = static_cast<const uint16_t*>(a.query)[base + d * a.q_strides[2]];
+  }
+  static void scores(const float* q, int64_t D, const uint16_t* const* krow, float scale, vf rows[4]) {
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
+    vf quad[4];
+    for (int g = 0; g < 4; ++g) {
+      __m512 acc[16];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 32; ++c) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512bh k = (__m512bh)_mm512_loadu_si512(krow[4 * g + j] + 32 * c);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
+            acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], qv, k);
+          }
+        }
+      }
+      vf accv[16];
+      for (int i = 0; i < 16; ++i) accv[i] = (vf)acc[i];
+      quad[g] = reduce16(accv) * scale;
+    }
+    quads_to_rows(quad, rows);
+  }
+};
+#endif
+
+// ---- P.V policies: o[4 rows] += p[4 rows][n keys] . V[n keys] --------------------------------------
+/// fp32 FMAs on V widened by `Read`; outputs in Read's storage order. Two accumulator sets keep the
+/// FMA dependency chains short.
+template <class Read>
+struct PvFma {
+  static int64_t storage(int64_t d) { return storage_index<Read>(d); }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
+                         int64_t n) {
+    for (int64_t c = 0; c < D / 32; ++c) {
+      vf oa[kRows], ob[kRows], oa2[kRows] = {}, ob2[kRows] = {};
+      for (int r = 0; r < kRows; ++r) {
+        oa[r] = loadv(o + r * D + 32 * c);
+        ob[r] = loadv(o + r * D + 32 * c + 16);
+      }
+      int64_t j = 0;
+      for (; j + 1 < n; j += 2) {
+        vf va, vb, va2, vb2;
+        Read::chunk(vrow[j], c, va, vb);
+        Read::chunk(vrow[j + 1], c, va2, vb2);
+        for (int r = 0; r < kRows; ++r) {
+          oa[r] += p[r][j] * va;
+          ob[r] += p[r][j] * vb;
+          oa2[r] += p[r][j + 1] * va2;
+          ob2[r] += p[r][j + 1] * vb2;
+        }
+      }
+      if (j < n) {
+        vf va, vb;
+        Read::chunk(vrow[j], c, va, vb);
+        for (int r = 0; r < kRows; ++r) {
+          oa[r] += p[r][j] * va;
+          ob[r] += p[r][j] * vb;
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        storev(o + r * D + 32 * c, oa[r] + oa2[r]);
+        storev(o + r * D + 32 * c + 16, ob[r] + ob2[r]);
+      }
+    }
+  }
+};
+
+#ifdef __AVX512BF16__
+/// bfloat16 V: interleave two keys' rows into bf16 pairs and accumulate with vdpbf16ps, the
+/// probabilities rounded to bf16 as PyTorch's bf16 attention does. Outputs come out in the order of
+/// vpunpck{l,h}wd: in each 32-dim chunk, lane 4L + i of the first vector is dim 8L + i and of the
+/// second dim 8L + 4 + i.
+struct PvDpBf16 {
+  static int64_t storage(int64_t d) {
+    const int64_t c = d / 32, j = d % 32, lane = j / 8, w = j % 8;
+    return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
+  }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint16_t* const* vrow, int64_t n) {
+    alignas(64) uint32_t pairs[kRows][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
+    for (int r = 0; r < kRows; ++r) {
+      const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)pb);
+    }
+    const int64_t np = (n + 1) / 2;  // a lone last key pairs with a p = 0 partner (a valid row)
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512 oa[kRows], ob[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        oa[r] = _mm512_loadu_ps(o + r * D + 32 * c);
+        ob[r] = _mm512_loadu_ps(o + r * D + 32 * c + 16);
+      }
+      for (int64_t jp = 0; jp < np; ++jp) {
+        const __m512i v0 = _mm512_loadu_si512(vrow[2 * jp] + 32 * c);
+        const __m512i v1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 32 * c);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
+          oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
+          ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        _mm512_storeu_ps(o + r * D + 32 * c, oa[r]);
+        _mm512_storeu_ps(o + r * D + 32 * c + 16, ob[r]);
+      }
+    }
+  }
+};
+#endif
+
+template <class Read, class Score, class Pv>
+void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
+  using Elem = typename Read::Elem;
+  const PagedLayout& L = a.layout;
+  const int64_t D = L.head_dim, G = a.group;
+  const int64_t kv_len = a.kv_lens[t.seq];
+  const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
+  const TaskRows tr(t, G, kRows);
+  const int64_t padded = tr.heads * tr.padded;
+
+  s.q.assign(padded * D, 0.f);
+  s.o.assign(padded * D, 0.f);
+  s.rows.resize(padded);
+  int64_t max_pos = -1, min_lo = INT64_MAX;
+  for (int64_t r = 0; r < padded; ++r) {
+    RowState& st = s.rows[r];
+    const int64_t hb = r / tr.padded, local = r % tr.padded;
+    st.m = -INFINITY;
+    st.l = 0.f;
+    if (local >= tr.per_head) {  // padding rows see nothing
+      st.pos = -1;
+      st.lo = 0;
+      continue;
+    }
+    const int64_t i = t.tok_begin + local / G, hq = (t.head_begin + hb) * G + local % G;
+    st.pos = kv_len - q_len + i;
+    st.lo = a.window_left >= 0 ? std::max<int64_t>(0, st.pos - a.window_left) : 0;
+    max_pos = std::max(max_pos, st.pos);
+    min_lo = std::min(min_lo, st.lo);
+    Score::load_query(a, (q_start + i) * a.q_strides[0] + hq * a.q_strides[1], &s.q[r * D]);
+  }
+
+  const Elem* kc = static_cast<const Elem*>(a.k_cache);
+  const Elem* vc = static_cast<const Elem*>(a.v_cache);
+  const int32_t* table = a.block_tables + t.seq * a.table_stride;
+  // Keys any row of the task can see: the sinks, then the windows; nothing past the last query.
+  const int64_t end = std::min<int64_t>(t.kv_end, max_pos + 1);
+  const int64_t sink_end = std::min<int64_t>(end, a.sink_tokens);
+  const int64_t ranges[2][2] = {{t.kv_begin, sink_end},
+                                {std::max<int64_t>(t.kv_begin, std::max<int64_t>(min_lo, sink_end)), end}};
+  const int64_t row_bytes = D * int64_t(sizeof(Elem));
+  alignas(64) float p[kRows][kTile];
+  const Elem* krow[kTile];
+  const Elem* vrow[kTile];
+  vf iota;
+  for (int i = 0; i < kLanes; ++i) iota[i] = float(i);
+
+  // Tiles are aligned to multiples of kTile, so with pages of >= kTile tokens a tile lies in one page
+  // and its rows are consecutive: one block-table lookup per tile and head.
+  const bool tile_in_page = L.page_size >= kTile;
+
+  for (const auto& range : ranges) {
+    for (int64_t t0 = range[0] & ~int64_t(kTile - 1); t0 < range[1]; t0 += kTile) {
+      // Keys [k_lo, k_hi) of this tile belong to the range; the other lanes are masked and point at
+      // key k_lo, so they never read a slot that holds no token.
+      const int64_t k_lo = std::max(t0, range[0]), k_hi = std::min(t0 + kTile, range[1]);
+      if (t0 + kTile < range[1]) {
+        // NOTE: prefetch the next tile into L2: one (sequence, head) stream reads a short run per page
+        // (4 KiB for page 16, d 128, bf16) and then jumps; the hardware prefetcher does not follow.
+        // (Inline on purpose: GCC deletes calls to a function that only prefetches.)
+        const int64_t t1 = t0 + kTile;
+        for (int64_t h = t.head_begin; h < t.head_end; ++h) {
+          if (tile_in_page) {
+            const int64_t off = L.token_offset(table[t1 >> L.page_shift], h, t1);
+            const char* k1 = reinterpret_cast<const char*>(kc + off);
+            const char* v1 = reinterpret_cast<const char*>(vc + off);
+            for (int64_t b = 0; b < kTile * row_bytes; b += 64) {
+              __builtin_prefetch(k1 + b, 0, 2);
+              __builtin_prefetch(v1 + b, 0, 2);
+            }
+          } else {
+            for (int64_t tok = t1; tok < std::min(range[1], t1 + kTile); ++tok) {
+              const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
+              for (int64_t b = 0; b < row_bytes; b += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + b, 0, 2);
+                __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + b, 0, 2);
+              }
+            }
+          }
+        }
+      }
+      for (int64_t hb = 0; hb < tr.heads; ++hb) {
+        const int64_t h = t.head_begin + hb;
+        if (tile_in_page) {
+          const int64_t base = L.token_offset(table[t0 >> L.page_shift], h, t0);
+          for (int64_t j = 0; j < kTile; ++j) {
+            const int64_t off = base + (t0 + j >= k_lo && t0 + j < k_hi ? j : k_lo - t0) * D;
+            krow[j] = kc + off;
+            vrow[j] = vc + off;
+          }
+        } else {
+          for (int64_t j = 0; j < kTile; ++j) {
+            const int64_t tok = t0 + j >= k_lo && t0 + j < k_hi ? t0 + j : k_lo;
+            const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
+            krow[j] = kc + off;
+            vrow[j] = vc + off;
+          }
+        }
+        for (int64_t rc = hb * tr.padded; rc < (hb + 1) * tr.padded; rc += kRows) {
+          RowState* st = &s.rows[rc];
+          bool any = false;
+          for (int r = 0; r < kRows; ++r) {
+            any |= st[r].pos >= k_lo && (k_hi - 1 >= st[r].lo || k_lo < a.sink_tokens);
+          }
+          if (!any) continue;
+          vf sc_rows[kRows];
+          Score::scores(&s.q[rc * D], D, krow, a.scale, sc_rows);
+          // ---- mask, soft-cap, online softmax ----
+          const vf key = iota + float(t0);
+          for (int r = 0; r < kRows; ++r) {
+            vf sc = sc_rows[r];
+            if (a.softcap > 0.f) sc = vsoftcap(sc, a.softcap);
+            const bool all_visible = k_lo == t0 && k_hi == t0 + kTile && k_hi - 1 <= st[r].pos &&
+                                     (t0 >= st[r].lo || k_hi <= a.sink_tokens);
+            if (!all_visible) {
+              const vi visible = (key >= float(k_lo)) & (key < float(k_hi)) & (key <= float(st[r].pos)) &
+                                 ((key >= float(st[r].lo)) | (key < float(a.sink_tokens)));
+              sc = visible ? sc : splat(-INFINITY);
+            }
+            const float mx = hmax(sc);
+            if (mx == -INFINITY) {
+              storev(p[r], vf{});
+              continue;
+            }
+            if (mx > st[r].m) {
+              const float alpha = std::exp(st[r].m - mx);  // 0 on the first visible tile
+              st[r].l *= alpha;
+              float* o = &s.o[(rc + r) * D];
+              for (int64_t d = 0; d < D; d += kLanes) storev(o + d, loadv(o + d) * alpha);
+              st[r].m = mx;
+            }
+            const vf pr = vexp(sc - st[r].m);
+            st[r].l += hsum(pr);
+            storev(p[r], pr);
+          }
+          Pv::accumulate(&s.o[rc * D], D, p, vrow, kTile);
+        }
+      }
+    }
+  }
+  finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return Pv::storage(d); });
+}
+
+/// Any head_dim, any dtype: the plain loop, for head dims that are not a multiple of 32.
+inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
+  const PagedLayout& L = a.layout;
+  const int64_t D = L.head_dim, G = a.group;
+  const int64_t kv_len = a.kv_lens[t.seq];
+  const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
+  const TaskRows tr(t, G, 1);
+  const int32_t* table = a.block_tables + t.seq * a.table_stride;
+  s.q.assign(tr.heads * tr.padded * D, 0.f);
+  s.o.assign(tr.heads * tr.padded * D, 0.f);
+  s.rows.resize(tr.heads * tr.padded);
+  for (int64_t r = 0; r < tr.heads * tr.padded; ++r) {
+    RowState& st = s.rows[r];
+    const int64_t hb = r / tr.padded, local = r % tr.padded, h = t.head_begin + hb;
+    const int64_t i = t.tok_begin + local / G, hq = h * G + local % G;
+    st.pos = kv_len - q_len + i;
+    st.lo = a.window_left >= 0 ? std::max<int64_t>(0, st.pos - a.window_left) : 0;
+    st.m = -INFINITY;
+    st.l = 0.f;
+    const int64_t base = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
+    float* q = &s.q[r * D];
+    for (int64_t d = 0; d < D; ++d) q[d] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+    float* o = &s.o[r * D];
+    const int64_t end = std::min<int64_t>(t.kv_end, st.pos + 1);
+    for (int64_t j = t.kv_begin; j < end; ++j) {
+      if (j < st.lo && j >= a.sink_tokens) continue;
+      const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
+      float sc = 0.f;
+      for (int64_t d = 0; d < D; ++d) sc += q[d] * load_as_float(a.k_cache, off + d, a.kv_dtype);
+      if (a.softcap > 0.f) sc = a.softcap * std::tanh(sc / a.softcap);
+      if (sc > st.m) {
+        const float alpha = std::exp(st.m - sc);
+        st.l *= alpha;
+        for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+        st.m = sc;
+      }
+      const float pj = std::exp(sc - st.m);
+      st.l += pj;
+      for (int64_t d = 0; d < D; ++d) o[d] += pj * load_as_float(a.v_cache, off + d, a.kv_dtype);
+    }
+  }
+  finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return d; });
+}
+
+/// Runs one task with the kernel that fits its KV dtype and head_dim.
+inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial) {
+  thread_local Scratch scratch;
+  if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
+  switch (a.kv_dtype) {
+    case DType::kFloat32: return run_task_vec<ReadF32, ScoreFma<ReadF32>, PvFma<ReadF32>>(a, t, partial, scratch);
+    case DType::kFloat16: return run_task_vec<ReadF16, ScoreFma<ReadF16>, PvFma<ReadF16>>(a, t, partial, scratch);
+    default:
+#ifdef __AVX512BF16__
+      // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
+      if (a.q_dtype == DType::kBFloat16) return run_task_vec<ReadBF16, ScoreDpBf16, PvDpBf16>(a, t, partial, scratch);
+#endif
+      return run_task_vec<ReadBF16, ScoreFma<ReadBF16>, PvFma<ReadBF16>>(a, t, partial, scratch);
+  }
+}
+
+}  // namespace kvcache::cpu::KVC_ISA

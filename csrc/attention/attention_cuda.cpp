@@ -1,0 +1,97 @@
+// CUDA registrations of paged_attention and merge_states: validate and plan on the host (the same
+// AttentionPlan as the CPU), upload the task lists, launch on the current stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "attention/attention_cuda_launch.h"
+#include "attention/attention_prepare.h"
+#include "core/check.h"
+
+namespace kvcache {
+namespace {
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "kvcache::", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+/// Copies a vector of POD structs to a device byte tensor.
+template <typename T>
+at::Tensor to_device(const std::vector<T>& items, const at::Device& device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(items.size() * sizeof(T))}, at::dtype(at::kByte));
+  if (!items.empty()) std::memcpy(host.data_ptr(), items.data(), items.size() * sizeof(T));
+  return host.to(device);
+}
+
+int64_t multiprocessors(const at::Device& device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()) != cudaSuccess) return 80;
+  return sms;
+}
+
+void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                          double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                          const std::optional<at::Tensor>& lse) {
+  TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache is on ", k_cache.device(), " but the CUDA kernel was dispatched");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  AttentionHostInfo host;
+  const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                            window_left, sink_tokens, softcap, out, lse, &host);
+  TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
+                    " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
+  PlanOptions opt;
+  opt.parallelism = multiprocessors(k_cache.device());
+  opt.tasks_per_worker = 2;
+  opt.prefill_rows = cuda::prefill_rows_per_task();
+  opt.min_split_keys = 256;
+  const AttentionPlan plan = make_attention_plan(a, host, opt);
+  std::vector<AttentionTask> decode, prefill;
+  for (const AttentionTask& t : plan.tasks) {
+    const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
+    (rows <= opt.decode_rows && t.tok_begin == 0 && t.tok_end == host.q_lens[t.seq] ? decode : prefill).push_back(t);
+  }
+  at::Tensor part_o, part_lse;
+  PartialStates partial;
+  if (plan.num_slots > 0) {
+    part_o = at::empty({plan.num_slots, plan.rows_per_slot, a.layout.head_dim}, query.options().dtype(at::kFloat));
+    part_lse = at::empty({plan.num_slots, plan.rows_per_slot}, query.options().dtype(at::kFloat));
+    partial = {part_o.data_ptr<float>(), part_lse.data_ptr<float>(), plan.rows_per_slot};
+  }
+  const at::Tensor d_decode = to_device(decode, k_cache.device());
+  const at::Tensor d_prefill = to_device(prefill, k_cache.device());
+  const at::Tensor d_splits = to_device(plan.splits, k_cache.device());
+  check_launch(cuda::launch_attention(a, reinterpret_cast<const AttentionTask*>(d_decode.data_ptr()),
+                                      static_cast<int64_t>(decode.size()),
+                                      reinterpret_cast<const AttentionTask*>(d_prefill.data_ptr()),
+                                      static_cast<int64_t>(prefill.size()),
+                                      reinterpret_cast<const AttentionPlan::Split*>(d_splits.data_ptr()),
+                                      static_cast<int64_t>(plan.splits.size()), partial,
+                                      c10::cuda::getCurrentCUDAStream()),
+               "paged_attention");
+  // The workspace tensors are released here; the caching allocator keeps them until the stream
+  // has run past the kernels that use them.
+}
+
+void merge_states_cuda(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,
+                       at::Tensor& v_out, at::Tensor& lse_out) {
+  check_merge_states(v_a, lse_a, v_b, lse_b, v_out, lse_out);
+  const c10::cuda::CUDAGuard guard(v_a.device());
+  const at::Tensor va = v_a.contiguous(), vb = v_b.contiguous(), la = lse_a.contiguous(), lb = lse_b.contiguous();
+  check_launch(cuda::launch_merge_states(va.data_ptr(), la.data_ptr<float>(), vb.data_ptr(), lb.data_ptr<float>(),
+                                         v_out.data_ptr(), lse_out.data_ptr<float>(), v_a.size(0) * v_a.size(1),
+                                         v_a.size(2), to_dtype(v_a.scalar_type()), c10::cuda::getCurrentCUDAStream()),
+               "merge_states");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvcache, CUDA, m) {
+  m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("merge_states", &merge_states_cuda);
+}
+
+}  // namespace kvcache

@@ -1,0 +1,26 @@
+// Raw-pointer launchers of the CUDA attention kernels (attention_kernels.cu). Torch-free.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "attention/attention_args.h"
+#include "attention/attention_plan.h"
+
+namespace kvcache::cuda {
+
+/// Query rows a prefill task may hold (rows kept in registers by the CTA's warps).
+int64_t prefill_rows_per_task();
+/// Largest head_dim the kernels support.
+int64_t max_head_dim();
+
+/// Runs the decode and prefill tasks (device arrays), then merges the split states.
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* decode_tasks, int64_t num_decode,
+                             const AttentionTask* prefill_tasks, int64_t num_prefill,
+                             const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
+                             cudaStream_t stream);
+
+/// merge_states over contiguous v [rows, head_dim] and lse [rows].
+cudaError_t launch_merge_states(const void* v_a, const float* lse_a, const void* v_b, const float* lse_b, void* v_out,
+                                float* lse_out, int64_t rows, int64_t head_dim, DType dtype, cudaStream_t stream);
+
+}  // namespace kvcache::cuda

@@ -1,0 +1,346 @@
+// CUDA kernels of paged_attention and merge_states.
+//
+// No GPU is available where this is developed: these kernels are compiled and linked in every CI run
+// but have never been executed. They are kept deliberately plain: a warp owns a query row (its lanes
+// split head_dim), scores are warp-reduced dot products, and the online-softmax and merge math is the
+// same as the CPU kernel's (core/softmax_state.h). Work is cut into the same AttentionTasks as on the
+// CPU (attention_plan.h):
+//   - decode tasks (few rows, a range of keys, split-K): each warp streams its row's keys straight
+//     from the pages;
+//   - prefill tasks (up to kWarps * kRowsPerWarp rows of one KV head): the CTA stages tiles of
+//     kTile keys in shared memory as fp32 and every warp reuses them for its rows.
+// Split tasks write partial states that merge_partials_kernel folds into the output.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/attention_cuda_launch.h"
+#include "core/softmax_state.h"
+
+namespace kvcache::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxPerLane = 8;   // head_dim <= 256: each lane holds at most 8 dims
+constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers in the prefill kernel
+constexpr int kTile = 16;        // keys per shared-memory tile
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+/// One query row held by a warp: its query (pre-scaled) and output dims d = lane + 32 k.
+struct Row {
+  float q[kMaxPerLane];
+  float o[kMaxPerLane];
+  float m, l;
+  int64_t pos, lo;  // position of the query, first key of its window
+  int64_t out_row;  // index of (token, query head) in out/lse, or of the partial-state row
+  bool valid;
+};
+
+__device__ __forceinline__ bool key_visible(const AttentionArgs& a, const Row& r, int64_t j) {
+  return j <= r.pos && (j >= r.lo || j < a.sink_tokens);
+}
+
+/// Online-softmax update of a row with one key: score s (already reduced over the warp) and the
+/// key's V, read through `v_at(d)`.
+template <class VAt>
+__device__ __forceinline__ void absorb(const AttentionArgs& a, Row& r, float s, int lane, VAt v_at) {
+  if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
+  if (s > r.m) {
+    const float alpha = __expf(r.m - s);  // 0 when m was -inf
+    r.l *= alpha;
+#pragma unroll
+    for (int k = 0; k < kMaxPerLane; ++k) r.o[k] *= alpha;
+    r.m = s;
+  }
+  const float p = __expf(s - r.m);
+  r.l += p;
+  const int64_t D = a.layout.head_dim;
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) {
+    const int64_t d = lane + 32 * k;
+    if (d < D) r.o[k] += p * v_at(d);
+  }
+}
+
+/// Sets up row `r` of task `t` (numbered as in AttentionTask) for this warp.
+__device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t r, int lane, Row& row) {
+  const int64_t G = a.group, D = a.layout.head_dim;
+  const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * G;
+  const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
+  row.valid = r < rows;
+  row.m = -INFINITY;
+  row.l = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = row.o[k] = 0.f;
+  if (!row.valid) {
+    row.pos = -1;
+    row.lo = 0;
+    return;
+  }
+  const int64_t h = t.head_begin + r / per_head, local = r % per_head;
+  const int64_t i = t.tok_begin + local / G, hq = h * G + local % G;
+  const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
+  row.pos = a.kv_lens[t.seq] - q_len + i;
+  row.lo = a.window_left >= 0 ? max(int64_t(0), row.pos - a.window_left) : int64_t(0);
+  row.out_row = (q_start + i) * a.q_heads + hq;  // used when the task writes the final output
+  const int64_t base = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) {
+    const int64_t d = lane + 32 * k;
+    if (d < D) row.q[k] = a.scale * load_any(a.query, base + d * a.q_strides[2], a.q_dtype);
+  }
+}
+
+/// Normalizes a finished row and writes it: the output and lse, or the task's partial state.
+__device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial,
+                           const Row& row, int64_t r, int lane) {
+  if (!row.valid) return;
+  const int64_t D = a.layout.head_dim;
+  const float inv = row.l > 0.f ? 1.f / row.l : 0.f;
+  const float lse = row.l > 0.f ? row.m + logf(row.l) : -INFINITY;
+  if (t.partial < 0) {
+#pragma unroll
+    for (int k = 0; k < kMaxPerLane; ++k) {
+      const int64_t d = lane + 32 * k;
+      if (d < D) store_any(a.out, row.out_row * D + d, a.q_dtype, row.o[k] * inv);
+    }
+    if (a.lse != nullptr && lane == 0) a.lse[row.out_row] = lse;
+  } else {
+    const int64_t slot_row = t.partial * partial.rows_per_slot + r;
+#pragma unroll
+    for (int k = 0; k < kMaxPerLane; ++k) {
+      const int64_t d = lane + 32 * k;
+      if (d < D) partial.o[slot_row * D + d] = row.o[k] * inv;
+    }
+    if (lane == 0) partial.lse[slot_row] = lse;
+  }
+}
+
+/// Decode tasks: one warp per row; keys read straight from the pages.
+template <typename KV>
+__global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const AttentionTask* tasks,
+                                                          PartialStates partial) {
+  const AttentionTask t = tasks[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const PagedLayout L = a.layout;
+  const int64_t D = L.head_dim;
+  const KV* kc = static_cast<const KV*>(a.k_cache);
+  const KV* vc = static_cast<const KV*>(a.v_cache);
+  const int32_t* table = a.block_tables + t.seq * a.table_stride;
+  const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * a.group;
+  const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
+  for (int64_t r = warp; r < rows; r += kWarps) {
+    Row row;
+    init_row(a, t, r, lane, row);
+    const int64_t h = t.head_begin + r / per_head;
+    const int64_t end = min(int64_t(t.kv_end), row.pos + 1);
+    for (int64_t j = t.kv_begin; j < end; ++j) {
+      if (!key_visible(a, row, j)) {
+        if (j >= a.sink_tokens && j < row.lo) j = row.lo - 1;  // jump to the window
+        continue;
+      }
+      const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int64_t d = lane + 32 * k;
+        if (d < D) s += row.q[k] * to_float(kc[off + d]);
+      }
+      s = warp_sum(s);
+      absorb(a, row, s, lane, [&](int64_t d) { return to_float(vc[off + d]); });
+    }
+    finish_row(a, t, partial, row, r, lane);
+  }
+}
+
+/// Prefill tasks (one KV head, at most kWarps * kRowsPerWarp rows): K/V tiles staged in shared memory.
+template <typename KV>
+__global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, const AttentionTask* tasks,
+                                                           PartialStates partial) {
+  __shared__ float ks[kTile][kMaxPerLane * 32];
+  __shared__ float vs[kTile][kMaxPerLane * 32];
+  const AttentionTask t = tasks[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const PagedLayout L = a.layout;
+  const int64_t D = L.head_dim;
+  const int64_t h = t.head_begin;
+  const KV* kc = static_cast<const KV*>(a.k_cache);
+  const KV* vc = static_cast<const KV*>(a.v_cache);
+  const int32_t* table = a.block_tables + t.seq * a.table_stride;
+
+  Row rows[kRowsPerWarp];
+  int64_t last = -1;  // the last key any row of this warp sees
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    init_row(a, t, warp * kRowsPerWarp + i, lane, rows[i]);
+    last = max(last, rows[i].pos);
+  }
+  // Every warp walks the same tiles (the CTA's union of keys) so that __syncthreads() is uniform.
+  const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
+  const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
+  const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
+  for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
+    __syncthreads();  // the previous tile is no longer read
+    for (int64_t idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
+      const int64_t jj = idx / D, d = idx % D, key = t0 + jj;
+      float kv = 0.f, vv = 0.f;
+      if (key < end) {
+        const int64_t off = L.token_offset(table[key >> L.page_shift], h, key);
+        kv = to_float(kc[off + d]);
+        vv = to_float(vc[off + d]);
+      }
+      ks[jj][d] = kv;
+      vs[jj][d] = vv;
+    }
+    __syncthreads();
+    if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
+    for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
+      const int64_t key = t0 + jj;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        Row& row = rows[i];
+        if (!row.valid || !key_visible(a, row, key)) continue;  // uniform across the warp
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < kMaxPerLane; ++k) {
+          const int64_t d = lane + 32 * k;
+          if (d < D) s += row.q[k] * ks[jj][d];
+        }
+        s = warp_sum(s);
+        absorb(a, row, s, lane, [&](int64_t d) { return vs[jj][d]; });
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) finish_row(a, t, partial, rows[i], warp * kRowsPerWarp + i, lane);
+}
+
+/// Folds the partial states of each split (sequence, head range) into out/lse. One CTA per split.
+__global__ void __launch_bounds__(kThreads) merge_partials_kernel(AttentionArgs a, const AttentionPlan::Split* splits,
+                                                                  PartialStates partial) {
+  const AttentionPlan::Split sp = splits[blockIdx.x];
+  const int64_t D = a.layout.head_dim, G = a.group;
+  const int64_t q_start = a.cu_q_lens[sp.seq], q_len = a.cu_q_lens[sp.seq + 1] - q_start;
+  const int64_t per_head = q_len * G;
+  const int64_t rows = int64_t(sp.head_end - sp.head_begin) * per_head;
+  for (int64_t r = threadIdx.x / 32; r < rows; r += kWarps) {
+    const int lane = threadIdx.x % 32;
+    // Merge weights depend only on the lse values: every lane recomputes them (cheap, no sync).
+    float acc_lse = -INFINITY;
+    float acc[kMaxPerLane] = {};
+    for (int64_t s = 0; s < sp.num_slots; ++s) {
+      const int64_t slot_row = (sp.first_slot + s) * partial.rows_per_slot + r;
+      const MergeWeights w = merge_weights(acc_lse, partial.lse[slot_row]);
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int64_t d = lane + 32 * k;
+        if (d < D) acc[k] = w.w_a * acc[k] + w.w_b * partial.o[slot_row * D + d];
+      }
+      acc_lse = w.lse;
+    }
+    const int64_t h = sp.head_begin + r / per_head, local = r % per_head;
+    const int64_t row = (q_start + local / G) * a.q_heads + h * G + local % G;
+#pragma unroll
+    for (int k = 0; k < kMaxPerLane; ++k) {
+      const int64_t d = lane + 32 * k;
+      if (d < D) store_any(a.out, row * D + d, a.q_dtype, acc[k]);
+    }
+    if (a.lse != nullptr && lane == 0) a.lse[row] = acc_lse;
+  }
+}
+
+/// merge_states: one thread per (token, head, dim); rows of contiguous v tensors.
+__global__ void merge_states_kernel(const void* v_a, const float* lse_a, const void* v_b, const float* lse_b,
+                                    void* v_out, float* lse_out, int64_t rows, int64_t D, DType dtype) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * D) return;
+  const int64_t r = i / D;
+  const MergeWeights w = merge_weights(lse_a[r], lse_b[r]);
+  store_any(v_out, i, dtype, w.w_a * load_any(v_a, i, dtype) + w.w_b * load_any(v_b, i, dtype));
+  if (i % D == 0) lse_out[r] = w.lse;
+}
+
+template <template <typename> class Kernel>
+cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int64_t n, const PartialStates& p,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(n));
+  switch (a.kv_dtype) {
+    case DType::kFloat32: Kernel<float>::launch(grid, stream, a, tasks, p); break;
+    case DType::kFloat16: Kernel<__half>::launch(grid, stream, a, tasks, p); break;
+    default: Kernel<__nv_bfloat16>::launch(grid, stream, a, tasks, p); break;
+  }
+  return cudaGetLastError();
+}
+
+template <typename KV>
+struct Decode {
+  static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
+    decode_kernel<KV><<<grid, kThreads, 0, s>>>(a, t, p);
+  }
+};
+template <typename KV>
+struct Prefill {
+  static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
+    prefill_kernel<KV><<<grid, kThreads, 0, s>>>(a, t, p);
+  }
+};
+
+}  // namespace
+
+int64_t prefill_rows_per_task() { return kWarps * kRowsPerWarp; }
+int64_t max_head_dim() { return kMaxPerLane * 32; }
+
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* decode_tasks, int64_t num_decode,
+                             const AttentionTask* prefill_tasks, int64_t num_prefill,
+                             const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
+                             cudaStream_t stream) {
+  cudaError_t err = launch_by_kv<Decode>(a, decode_tasks, num_decode, partial, stream);
+  if (err != cudaSuccess) return err;
+  err = launch_by_kv<Prefill>(a, prefill_tasks, num_prefill, partial, stream);
+  if (err != cudaSuccess) return err;
+  if (num_splits > 0) {
+    merge_partials_kernel<<<static_cast<unsigned>(num_splits), kThreads, 0, stream>>>(a, splits, partial);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+cudaError_t launch_merge_states(const void* v_a, const float* lse_a, const void* v_b, const float* lse_b, void* v_out,
+                                float* lse_out, int64_t rows, int64_t head_dim, DType dtype, cudaStream_t stream) {
+  const int64_t n = rows * head_dim;
+  if (n == 0) return cudaSuccess;
+  const int threads = 256;
+  merge_states_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+      v_a, lse_a, v_b, lse_b, v_out, lse_out, rows, head_dim, dtype);
+  return cudaGetLastError();
+}
+
+}  // namespace kvcache::cuda

@@ -1,0 +1,87 @@
+// Splitting one paged_attention call into tasks, shared by the CPU and CUDA backends. Torch-free.
+//
+// Decode-like sequences (few query rows per KV head) are bandwidth-bound: each of their KV heads is a
+// stream, split along the keys (split-K) until there are enough tasks to keep every core (or SM)
+// busy; the split states are merged afterwards. Prefill-like sequences are compute-bound and are cut
+// into blocks of query rows instead, so their keys are never split.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "attention/attention_args.h"
+
+namespace kvcache {
+
+/// Host copies of the per-sequence lengths.
+struct AttentionHostInfo {
+  std::vector<int64_t> kv_lens;
+  std::vector<int64_t> q_lens;
+};
+
+struct PlanOptions {
+  int64_t parallelism = 1;      // cores, or SMs
+  int64_t tasks_per_worker = 4; // aim for this many split tasks per worker
+  int64_t decode_rows = 16;     // at most this many query rows per KV head: split the keys
+  int64_t min_split_keys = 512; // keys per split task, at least
+  int64_t prefill_rows = 64;    // query rows per prefill task
+};
+
+struct AttentionPlan {
+  struct Split {
+    int32_t seq, head_begin, head_end;
+    int64_t first_slot, num_slots;
+  };
+  std::vector<AttentionTask> tasks;  // largest first
+  std::vector<Split> splits;         // (sequence, head) pairs whose keys were split
+  int64_t rows_per_slot = 0;
+  int64_t num_slots = 0;
+};
+
+inline AttentionPlan make_attention_plan(const AttentionArgs& a, const AttentionHostInfo& host, const PlanOptions& opt) {
+  AttentionPlan plan;
+  const int64_t H = a.layout.num_kv_heads, G = a.group;
+  int64_t decode_units = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    if (host.q_lens[b] > 0 && host.q_lens[b] * G <= opt.decode_rows) decode_units += H;
+  }
+  const int64_t want = opt.tasks_per_worker * opt.parallelism;
+  const int64_t want_splits = decode_units > 0 ? std::max<int64_t>(1, (want + decode_units - 1) / decode_units) : 1;
+  std::vector<std::pair<int64_t, AttentionTask>> costed;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t q_len = host.q_lens[b], kv_len = host.kv_lens[b];
+    if (q_len == 0) continue;  // kv_len >= q_len > 0 below
+    for (int64_t h = 0; h < H; ++h) {
+      if (q_len * G <= opt.decode_rows) {
+        const int64_t splits = std::max<int64_t>(1, std::min(want_splits, kv_len / opt.min_split_keys));
+        const int64_t chunk = ((kv_len + splits - 1) / splits + 15) / 16 * 16;
+        const int64_t first = plan.num_slots;
+        for (int64_t k0 = 0; k0 < kv_len; k0 += chunk) {
+          const int64_t k1 = std::min(kv_len, k0 + chunk);
+          AttentionTask t{int32_t(b), int32_t(h), int32_t(h + 1), 0, int32_t(q_len), int32_t(k0), int32_t(k1), -1};
+          if (splits > 1) t.partial = plan.num_slots++;
+          costed.push_back({q_len * G * (k1 - k0), t});
+        }
+        if (splits > 1) {
+          plan.splits.push_back({int32_t(b), int32_t(h), int32_t(h + 1), first, plan.num_slots - first});
+          plan.rows_per_slot = std::max(plan.rows_per_slot, q_len * G);
+        }
+      } else {
+        const int64_t tokens = std::max<int64_t>(1, opt.prefill_rows / G);
+        for (int64_t i0 = 0; i0 < q_len; i0 += tokens) {
+          const int64_t i1 = std::min(q_len, i0 + tokens);
+          AttentionTask t{int32_t(b), int32_t(h), int32_t(h + 1), int32_t(i0), int32_t(i1), 0, int32_t(kv_len), -1};
+          costed.push_back({(i1 - i0) * G * (kv_len - q_len + i1), t});
+        }
+      }
+    }
+  }
+  // Largest first, so a dynamic schedule ends with the small tasks.
+  std::stable_sort(costed.begin(), costed.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  plan.tasks.reserve(costed.size());
+  for (auto& c : costed) plan.tasks.push_back(c.second);
+  return plan;
+}
+
+}  // namespace kvcache

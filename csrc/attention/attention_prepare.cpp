@@ -1,0 +1,149 @@
+#include "attention/attention_prepare.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "cache/cache_prepare.h"
+#include "core/check.h"
+#include "core/index_checks.h"
+
+namespace kvcache {
+namespace {
+
+at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK_TYPE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, name, " has dtype ", s,
+                   "; supported: float32, float16, bfloat16");
+}
+
+}  // namespace
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", t, "; supported: float32, float16, bfloat16");
+  }
+}
+
+AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                const at::Tensor& cu_q_lens, double scale, int64_t window_left,
+                                int64_t sink_tokens, double softcap, const at::Tensor& out,
+                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host) {
+  const PagedLayout layout = check_pools(k_cache, v_cache);
+  KVC_CHECK_DIM(query, 3);
+  check_float_dtype(query, "query");
+  KVC_CHECK_SAME_DEVICE(query, k_cache);
+  KVC_CHECK_SIZE(query, 2, layout.head_dim, "head_dim of the cache");
+  const int64_t q_heads = query.size(1);
+  TORCH_CHECK_VALUE(q_heads > 0 && q_heads % layout.num_kv_heads == 0, "query has ", q_heads,
+                    " heads, which must be a positive multiple of the cache's num_kv_heads = ", layout.num_kv_heads);
+  KVC_CHECK_DIM(seq_lens, 1);
+  KVC_CHECK_DTYPE(seq_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
+  KVC_CHECK_DIM(cu_q_lens, 1);
+  KVC_CHECK_DTYPE(cu_q_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(cu_q_lens, k_cache);
+  const int64_t batch = seq_lens.size(0);
+  KVC_CHECK_SIZE(cu_q_lens, 0, batch + 1, "len(seq_lens) + 1");
+  KVC_CHECK_DIM(block_tables, 2);
+  KVC_CHECK_DTYPE(block_tables, at::kInt);
+  KVC_CHECK_SAME_DEVICE(block_tables, k_cache);
+  KVC_CHECK_SIZE(block_tables, 0, batch, "the batch size (len(seq_lens))");
+  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1,
+                    "block_tables must have unit stride along its last dimension (strides ", block_tables.strides(), ")");
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale = ", scale, " must be finite");
+  TORCH_CHECK_VALUE(window_left >= -1, "window_left = ", window_left, " must be -1 (no window) or >= 0");
+  TORCH_CHECK_VALUE(sink_tokens >= 0, "sink_tokens = ", sink_tokens, " must be >= 0");
+  TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap), "softcap = ", softcap, " must be 0 (off) or positive");
+  KVC_CHECK_DIM(out, 3);
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out has shape ", out.sizes(), " but must match query's ",
+                    query.sizes());
+  KVC_CHECK_DTYPE(out, query.scalar_type());
+  KVC_CHECK_SAME_DEVICE(out, k_cache);
+  KVC_CHECK_CONTIGUOUS(out);
+  if (lse.has_value()) {
+    const at::Tensor& l = *lse;
+    KVC_CHECK_DIM(l, 2);
+    KVC_CHECK_DTYPE(l, at::kFloat);
+    KVC_CHECK_SAME_DEVICE(l, k_cache);
+    KVC_CHECK_CONTIGUOUS(l);
+    TORCH_CHECK_VALUE(l.size(0) == query.size(0) && l.size(1) == q_heads, "lse has shape ", l.sizes(),
+                      " but must be [total_q, q_heads] = [", query.size(0), ", ", q_heads, "]");
+  }
+
+  // Index values, on the host: q offsets, lengths, the blocks those lengths use.
+  const at::Tensor cu_host = host_copy(cu_q_lens);
+  kvc_raise_index_error(check_cu_seq_lens("cu_q_lens", cu_host.data_ptr<int32_t>(), batch, query.size(0),
+                                          "query.shape[0] (total query tokens)", &host->q_lens));
+  const at::Tensor lens_host = host_copy(seq_lens);
+  host->kv_lens.assign(lens_host.data_ptr<int32_t>(), lens_host.data_ptr<int32_t>() + batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (host->q_lens[b] > host->kv_lens[b]) {
+      std::ostringstream m;
+      m << "sequence " << b << " has " << host->q_lens[b] << " queries (cu_q_lens) but seq_lens[" << b
+        << "] = " << host->kv_lens[b] << "; the queries are the last tokens of the sequence, so q_len <= seq_len";
+      kvc_raise_index_error(m.str());
+    }
+  }
+  const at::Tensor table_host = host_copy(block_tables);
+  kvc_raise_index_error(check_block_table("block_tables", table_host.data_ptr<int32_t>(), batch,
+                                          block_tables.size(1), block_tables.size(1), "seq_lens",
+                                          host->kv_lens.data(), layout.page_size, layout.num_blocks,
+                                          INT64_MAX, "the maximum"));
+  AttentionArgs a;
+  a.query = query.data_ptr();
+  for (int d = 0; d < 3; ++d) a.q_strides[d] = query.stride(d);
+  a.q_dtype = to_dtype(query.scalar_type());
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.kv_dtype = to_dtype(k_cache.scalar_type());
+  a.layout = layout;
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.kv_lens = seq_lens.data_ptr<int32_t>();
+  a.cu_q_lens = cu_q_lens.data_ptr<int32_t>();
+  a.batch = batch;
+  a.q_heads = q_heads;
+  a.group = q_heads / layout.num_kv_heads;
+  a.scale = static_cast<float>(scale);
+  a.window_left = window_left;
+  a.sink_tokens = sink_tokens;
+  a.softcap = static_cast<float>(softcap);
+  a.out = out.data_ptr();
+  a.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  return a;
+}
+
+void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,
+                        const at::Tensor& lse_b, const at::Tensor& v_out, const at::Tensor& lse_out) {
+  KVC_CHECK_DIM(v_a, 3);
+  check_float_dtype(v_a, "v_a");
+  for (const at::Tensor* t : {&v_b, &v_out}) {
+    TORCH_CHECK_VALUE(t->sizes() == v_a.sizes(), "v_b and v_out must have v_a's shape ", v_a.sizes(), " but have ",
+                      v_b.sizes(), " and ", v_out.sizes());
+    TORCH_CHECK_TYPE(t->scalar_type() == v_a.scalar_type(), "v_a, v_b and v_out must share a dtype but have ",
+                     v_a.scalar_type(), ", ", v_b.scalar_type(), ", ", v_out.scalar_type());
+    KVC_CHECK_SAME_DEVICE(*t, v_a);
+  }
+  for (const at::Tensor* t : {&lse_a, &lse_b, &lse_out}) {
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == v_a.size(0) && t->size(1) == v_a.size(1),
+                      "lse tensors must be [tokens, heads] = [", v_a.size(0), ", ", v_a.size(1), "] but got ",
+                      t->sizes());
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, "lse tensors must be float32 but got ", t->scalar_type());
+    KVC_CHECK_SAME_DEVICE(*t, v_a);
+  }
+  KVC_CHECK_CONTIGUOUS(v_out);
+  KVC_CHECK_CONTIGUOUS(lse_out);
+  TORCH_CHECK_VALUE(!v_out.is_alias_of(v_a) && !v_out.is_alias_of(v_b) && !lse_out.is_alias_of(lse_a) &&
+                        !lse_out.is_alias_of(lse_b),
+                    "merge_states writes v_out/lse_out, which must not share memory with its inputs");
+}
+
+}  // namespace kvcache

@@ -1,0 +1,258 @@
+"""paged_attention and merge_states against kvcache.reference, on every CPU instruction-set build.
+
+Tolerance (FlashAttention's rule): the kernel's error against an fp32 reference is at most twice the
+error of the same computation done by PyTorch in the input precision, plus the dtype's rounding noise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import reference as ref
+
+from conftest import DEVICES, DTYPES, make_paged_batch
+
+ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
+SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def isa(request):
+    before = kvcache._C.cpu_isa()
+    kvcache._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache._C.set_cpu_isa(before)
+
+
+def cu_from(q_lens: list[int], device="cpu") -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def run_and_check(pb, q, cu, *, window_left=-1, sink_tokens=0, softcap=0.0, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = kvcache.paged_attention(q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu, scale,
+                                       window_left=window_left, sink_tokens=sink_tokens, softcap=softcap,
+                                       return_lse=True)
+    args = (q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu, scale, window_left, sink_tokens, softcap)
+    # ground truth in float64 (the output keeps q's dtype, so compare before rounding: q.double())
+    out64 = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse32 = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    ref.paged_attention(q.double(), *args[1:], out64, lse32, compute_dtype=torch.float64)
+    out_pt = torch.zeros_like(q)
+    ref.paged_attention(*args, out_pt, None, compute_dtype=q.dtype)
+    if q.numel():
+        pt_err = (out_pt.double() - out64).abs().max().item()
+        noise = 2 * (out64.to(q.dtype).double() - out64).abs().max().item()  # rounding to q's dtype
+        err = (out.double() - out64).abs().max().item()
+        assert err <= 2 * pt_err + noise, f"error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + rounding {noise:.3g}"
+    finite = torch.isfinite(lse32)
+    assert torch.equal(torch.isfinite(lse), finite), "queries without visible keys must give lse = -inf"
+    assert torch.allclose(lse[finite], lse32[finite], rtol=1e-4, atol=1e-4 if q.dtype == torch.float32 else 2e-3)
+    assert not out.isnan().any(), "output has NaNs: most likely read out of bounds (poisoned pages)"
+    return out, lse
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_and_prefill_mixed(isa, dtype, head_dim):
+    # decode (1 query), chunked prefill over a cached prefix, a full prefill, a one-token sequence
+    kv_lens, q_lens = [300, 57, 33, 1], [1, 20, 33, 1]
+    pb = make_paged_batch(kv_lens, 16, 2, head_dim, dtype)
+    q = torch.randn(sum(q_lens), 8, head_dim).to(dtype)
+    run_and_check(pb, q, cu_from(q_lens))
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 8, 16, 32, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_boundaries(isa, dtype, page_size):
+    rng = random.Random(page_size)
+    kv_lens = [page_size, page_size + 1, 3 * page_size - 1, rng.randint(1, 200)]
+    q_lens = [1, 2, min(5, kv_lens[2]), 1]
+    pb = make_paged_batch(kv_lens, page_size, 2, 64, dtype)
+    q = torch.randn(sum(q_lens), 4, 64).to(dtype)
+    run_and_check(pb, q, cu_from(q_lens))
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1), (12, 3)])
+def test_gqa_and_mqa(isa, q_heads, kv_heads):
+    kv_lens, q_lens = [130, 40], [1, 17]
+    pb = make_paged_batch(kv_lens, 16, kv_heads, 128, torch.bfloat16)
+    q = torch.randn(sum(q_lens), q_heads, 128).to(torch.bfloat16)
+    run_and_check(pb, q, cu_from(q_lens))
+
+
+@pytest.mark.parametrize("window_left, sink_tokens", [(0, 0), (1, 0), (15, 0), (16, 4), (31, 1), (100, 16), (-1, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_sinks(isa, dtype, window_left, sink_tokens):
+    kv_lens, q_lens = [200, 77, 40], [1, 30, 40]
+    pb = make_paged_batch(kv_lens, 16, 2, 64, dtype)
+    q = torch.randn(sum(q_lens), 4, 64).to(dtype)
+    run_and_check(pb, q, cu_from(q_lens), window_left=window_left, sink_tokens=sink_tokens)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+def test_softcap(isa, softcap):
+    pb = make_paged_batch([90, 33], 16, 2, 64, torch.float32)
+    q = 3 * torch.randn(1 + 33, 4, 64)  # large scores, so the cap matters
+    run_and_check(pb, q, cu_from([1, 33]), softcap=softcap)
+
+
+def test_empty_sequences_and_queries(isa):
+    # a sequence with no tokens, one with tokens but no queries, and a normal one
+    pb = make_paged_batch([0, 50, 20], 16, 2, 64, torch.float16)
+    q = torch.randn(3, 4, 64).to(torch.float16)
+    out, _ = run_and_check(pb, q, cu_from([0, 0, 3]))
+    assert out.shape == (3, 4, 64)
+    empty = torch.empty(0, 4, 64, dtype=torch.float16)
+    out, lse = kvcache.paged_attention(empty, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens,
+                                       cu_from([0, 0, 0]), return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+def test_long_context_split_k_matches(isa):
+    # batch 1, MQA: the planner splits the keys across tasks and merges their states
+    pb = make_paged_batch([5000], 16, 1, 128, torch.bfloat16)
+    q = torch.randn(1, 8, 128).to(torch.bfloat16)
+    run_and_check(pb, q, cu_from([1]))
+    pb32 = make_paged_batch([3001], 32, 1, 64, torch.float32)
+    run_and_check(pb32, torch.randn(1, 2, 64), cu_from([1]), window_left=1000, sink_tokens=4)
+
+
+def test_non_contiguous_query(isa):
+    pb = make_paged_batch([64, 9], 16, 2, 64, torch.bfloat16)
+    base = torch.randn(2 + 9, 64, 8).to(torch.bfloat16)
+    q = base.transpose(1, 2)  # [tokens, heads, d] with stride 1 on heads
+    assert not q.is_contiguous()
+    run_and_check(pb, q, cu_from([2, 9]))
+
+
+def test_deterministic(isa):
+    pb = make_paged_batch([700, 30], 16, 2, 128, torch.bfloat16)
+    q = torch.randn(1 + 30, 8, 128).to(torch.bfloat16)
+    cu = cu_from([1, 30])
+    a = kvcache.paged_attention(q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu)
+    b = kvcache.paged_attention(q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu)
+    assert torch.equal(a, b)
+
+
+def test_query_dtype_independent_of_cache_dtype(isa):
+    pb = make_paged_batch([100], 16, 2, 64, torch.bfloat16)
+    q = torch.randn(3, 4, 64)  # fp32 queries over a bf16 cache
+    run_and_check(pb, q, cu_from([3]))
+
+
+def test_cascade_merge_equals_full_attention():
+    # Attention over a shared prefix and over the own suffix, merged by their lse = attention over all.
+    torch.manual_seed(0)
+    layout = kvcache.PageLayout(16, 16, 2, 64, torch.float32)
+    k_cache, v_cache = (torch.randn(layout.shape) for _ in range(2))
+    table = torch.arange(8, dtype=torch.int32).view(1, 8)
+    q = torch.randn(1, 4, 64)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    full = kvcache.paged_attention(q, k_cache, v_cache, table, torch.tensor([128], dtype=torch.int32), one)
+    prefix = kvcache.paged_attention(q, k_cache, v_cache, table[:, :5], torch.tensor([80], dtype=torch.int32), one,
+                                     return_lse=True)
+    suffix = kvcache.paged_attention(q, k_cache, v_cache, table[:, 5:].contiguous(),
+                                     torch.tensor([48], dtype=torch.int32), one, return_lse=True)
+    merged, lse = kvcache.merge_states(prefix[0], prefix[1], suffix[0], suffix[1])
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_states_matches_reference(dtype):
+    v_a, v_b = torch.randn(5, 3, 64).to(dtype), torch.randn(5, 3, 64).to(dtype)
+    lse_a, lse_b = torch.randn(5, 3), torch.randn(5, 3)
+    lse_a[0, 0] = float("-inf")                        # one side empty
+    lse_a[1, 1] = lse_b[1, 1] = float("-inf")          # both empty -> 0, -inf
+    v, lse = kvcache.merge_states(v_a, lse_a, v_b, lse_b)
+    v_ref, lse_ref = torch.empty_like(v_a, dtype=torch.float32), torch.empty_like(lse_a)
+    ref.merge_states(v_a, lse_a, v_b, lse_b, v_ref, lse_ref)
+    torch.testing.assert_close(v.float(), v_ref, rtol=0, atol={torch.float32: 1e-6}.get(dtype, 1e-2))
+    torch.testing.assert_close(lse, lse_ref)
+    assert v[1, 1].eq(0).all() and lse[1, 1] == float("-inf")
+
+
+# ---- opcheck ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_lse", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_paged_attention(dtype, with_lse, device):
+    pb = make_paged_batch([40, 9], 16, 2, 64, dtype, device)
+    q = torch.randn(1 + 9, 4, 64, device=device).to(dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(10, 4, device=device) if with_lse else None
+    torch.library.opcheck(torch.ops.kvcache.paged_attention.default,
+                          (q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu_from([1, 9], device),
+                           0.125, -1, 0, 0.0, out, lse))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_merge_states(device):
+    v_a, v_b = torch.randn(4, 2, 32, device=device), torch.randn(4, 2, 32, device=device)
+    lse_a, lse_b = torch.randn(4, 2, device=device), torch.randn(4, 2, device=device)
+    torch.library.opcheck(torch.ops.kvcache.merge_states.default,
+                          (v_a, lse_a, v_b, lse_b, torch.empty_like(v_a), torch.empty_like(lse_a)))
+
+
+def test_compiles_fullgraph():
+    pb = make_paged_batch([40], 16, 2, 64, torch.float32)
+
+    def f(q, k_cache, v_cache, table, lens, cu):
+        out, lse = kvcache.paged_attention(q, k_cache, v_cache, table, lens, cu, return_lse=True)
+        return out.sum() + lse.sum()
+
+    q = torch.randn(2, 4, 64)
+    args = (q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu_from([2]))
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(*args), f(*args))
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+def test_bad_attention_arguments_leave_out_untouched():
+    pb = make_paged_batch([40, 9], 16, 2, 64, torch.float32)
+    q = torch.randn(10, 4, 64)
+    cu = cu_from([1, 9])
+
+    def call(**kw):
+        a = dict(query=q, k_cache=pb.k_cache, v_cache=pb.v_cache, block_tables=pb.block_tables,
+                 seq_lens=pb.seq_lens, cu_q_lens=cu, scale=0.1, window_left=-1, sink_tokens=0, softcap=0.0,
+                 out=torch.full_like(q, 7.0), lse=None)
+        a.update(kw)
+        out = a["out"]
+        try:
+            torch.ops.kvcache.paged_attention.default(*a.values())
+        finally:
+            assert out.eq(7.0).all() or out.shape != q.shape, "a rejected call wrote its output"
+
+    cases = [
+        (dict(seq_lens=torch.tensor([40, 5], dtype=torch.int32)), IndexError,
+         r"sequence 1 has 9 queries \(cu_q_lens\) but seq_lens\[1\] = 5; .* q_len <= seq_len"),
+        (dict(cu_q_lens=cu_from([2, 9])), IndexError, r"cu_q_lens\[2\] = 11 must equal query.shape\[0\]"),
+        (dict(query=torch.randn(10, 3, 64)), ValueError, r"query has 3 heads, which must be a positive multiple of the cache's num_kv_heads = 2"),
+        (dict(query=torch.randn(10, 4, 32)), ValueError, r"query.shape\[2\] = 32 must equal head_dim of the cache = 64"),
+        (dict(query=torch.randn(10, 4, 64).double()), TypeError, r"query has dtype Double"),
+        (dict(out=torch.full((10, 4, 64), 7.0, dtype=torch.float16)), TypeError, r"out must have dtype Float but has Half"),
+        (dict(lse=torch.empty(10, 3)), ValueError, r"lse has shape \[10, 3\] but must be \[total_q, q_heads\] = \[10, 4\]"),
+        (dict(window_left=-2), ValueError, r"window_left = -2 must be -1"),
+        (dict(sink_tokens=-1), ValueError, r"sink_tokens = -1 must be >= 0"),
+        (dict(softcap=-1.0), ValueError, r"softcap = -1 must be 0"),
+        (dict(seq_lens=torch.tensor([40, 9], dtype=torch.int64)), TypeError, r"seq_lens must have dtype Int"),
+        (dict(block_tables=torch.full_like(pb.block_tables, 999)), IndexError, r"block_tables\[0, 0\] = 999 is not a block id"),
+        (dict(seq_lens=torch.tensor([40, 900], dtype=torch.int32)), IndexError, r"seq_lens\[1\] = 900 needs 57 blocks"),
+    ]
+    for kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call(**kwargs)
+
+
+def test_bad_merge_states_arguments():
+    v, lse = torch.randn(4, 2, 8), torch.randn(4, 2)
+    with pytest.raises(ValueError, match=r"lse tensors must be \[tokens, heads\] = \[4, 2\] but got \[4, 3\]"):
+        kvcache.merge_states(v, lse, v, torch.randn(4, 3))
+    with pytest.raises(TypeError, match=r"must share a dtype"):
+        kvcache.merge_states(v, lse, v.double(), lse)
+    with pytest.raises(TypeError, match=r"lse tensors must be float32"):
+        kvcache.merge_states(v, lse.double(), v, lse)
