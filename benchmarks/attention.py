@@ -1,0 +1,178 @@
+"""Decode and chunked-prefill attention over the pages vs PyTorch SDPA, against the machine's read roof.
+
+Llama-3-8B-like layer: 32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens, pages in shuffled
+order (as after allocator churn). For each configuration, in interleaved rounds of one run:
+  - ours:          kvcache.paged_attention on the pages
+  - sdpa:          torch SDPA (enable_gqa) on dense, contiguous K/V holding the same values
+  - gather+sdpa:   kvcache.paged_gather into a dense buffer, then SDPA (what users do with a paged cache)
+  - probe:         a streaming read of 1 GiB (the machine's read bandwidth in that same moment)
+Each method cycles through enough layers that its working set is >= 1 GiB (L3 here is far smaller),
+so every call streams its K/V from DRAM. Effective bandwidth = K+V bytes / time.
+
+    python benchmarks/attention.py            # the full table (several minutes)
+    python benchmarks/attention.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import kvcache
+from common import GiB, BandwidthProbe, best, machine, time_call, write_results
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+@dataclass
+class Layer:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_dense: torch.Tensor  # [batch, kv_heads, ctx, d]
+    v_dense: torch.Tensor
+
+
+def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, generator: torch.Generator):
+    blocks = batch * ctx // PAGE
+    per_layer = 2 * batch * KV_HEADS * ctx * HEAD_DIM * dtype.itemsize
+    count = max(1, math.ceil(min_bytes / per_layer))
+    table = torch.randperm(blocks, generator=generator).to(torch.int32).view(batch, ctx // PAGE)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    layers = []
+    for _ in range(count):
+        layout = kvcache.PageLayout(blocks, PAGE, KV_HEADS, HEAD_DIM, dtype)
+        k_cache, v_cache = layout.allocate()
+        k_cache.copy_(torch.randn(layout.shape, generator=generator))
+        v_cache.copy_(torch.randn(layout.shape, generator=generator))
+        k_dense, v_dense = kvcache.paged_gather(k_cache, v_cache, table, lens)
+        layers.append(Layer(k_cache, v_cache, k_dense, v_dense))
+    return layers, table, lens, per_layer
+
+
+def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator) -> dict:
+    layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q_sdpa = q.view(batch, Q_HEADS, 1, HEAD_DIM)
+    gather_out = (torch.empty_like(layers[0].k_dense), torch.empty_like(layers[0].v_dense))
+
+    def ours():
+        for layer in layers:
+            kvcache.paged_attention(q, layer.k_cache, layer.v_cache, table, lens, cu)
+
+    def sdpa():
+        for layer in layers:
+            F.scaled_dot_product_attention(q_sdpa, layer.k_dense, layer.v_dense, enable_gqa=True)
+
+    def gather_sdpa():
+        for layer in layers:
+            k, v = kvcache.paged_gather(layer.k_cache, layer.v_cache, table, lens, out=gather_out)
+            F.scaled_dot_product_attention(q_sdpa, k, v, enable_gqa=True)
+
+    # Same answer first: the benchmark compares equal work.
+    mine = kvcache.paged_attention(q, layers[0].k_cache, layers[0].v_cache, table, lens, cu)
+    theirs = F.scaled_dot_product_attention(q_sdpa.float(), layers[0].k_dense.float(), layers[0].v_dense.float(),
+                                            enable_gqa=True).view(batch, Q_HEADS, HEAD_DIM)
+    max_err = (mine.float() - theirs).abs().max().item()
+    assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
+
+    times = {"ours": [], "sdpa": [], "gather+sdpa": [], "probe": []}
+    ours()  # warm-up (thread pool, allocator)
+    for _ in range(rounds):
+        times["probe"].append(probe.buffer.nbytes / probe.measure())
+        times["ours"].append(time_call(ours) / len(layers))
+        times["sdpa"].append(time_call(sdpa) / len(layers))
+        times["gather+sdpa"].append(time_call(gather_sdpa) / len(layers))
+    roof = probe.buffer.nbytes / best(times["probe"])
+    row = {"batch": batch, "context": ctx, "dtype": str(dtype).removeprefix("torch."), "layers": len(layers),
+           "kv_bytes_per_call": per_layer, "read_roof_GBps": roof / 1e9, "max_abs_diff_vs_sdpa": max_err}
+    for name in ("ours", "sdpa", "gather+sdpa"):
+        t = best(times[name])
+        row[f"{name}_ms"] = t * 1e3
+        row[f"{name}_GBps"] = per_layer / t / 1e9
+        row[f"{name}_roof_fraction"] = per_layer / t / roof
+    row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ours_ms"]
+    row["speedup_vs_gather_sdpa"] = row["gather+sdpa_ms"] / row["ours_ms"]
+    del layers
+    return row
+
+
+def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: torch.Generator) -> dict:
+    """Chunked prefill: q_len new tokens attend to a cached prefix and causally to each other."""
+    ctx = prefix + q_len
+    layers, table, lens, _ = make_layers(1, ctx, dtype, 0, g)
+    layer = layers[0]
+    q = torch.randn(q_len, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    q_sdpa = q.transpose(0, 1).unsqueeze(0)                                  # [1, heads, q_len, d]
+    mask = kvcache.reference.attention_mask(q_len, ctx)                     # bottom-right causal
+    ours = lambda: kvcache.paged_attention(q, layer.k_cache, layer.v_cache, table, lens, cu)  # noqa: E731
+    sdpa = lambda: F.scaled_dot_product_attention(q_sdpa, layer.k_dense, layer.v_dense,  # noqa: E731
+                                                  attn_mask=mask, enable_gqa=True)
+    max_err = (ours().float() - sdpa().float().squeeze(0).transpose(0, 1)).abs().max().item()
+    assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
+    t_ours = best([time_call(ours) for _ in range(rounds)])
+    t_sdpa = best([time_call(sdpa) for _ in range(rounds)])
+    flops = 4 * Q_HEADS * HEAD_DIM * q_len * (prefix + (q_len + 1) / 2)  # QK and PV over visible keys
+    return {"q_len": q_len, "prefix": prefix, "dtype": str(dtype).removeprefix("torch."),
+            "ours_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ours_GFLOPs": flops / t_ours / 1e9,
+            "sdpa_GFLOPs": flops / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t_ours, "max_abs_diff_vs_sdpa": max_err}
+
+
+def markdown(info: dict, decode: list[dict], prefill: list[dict]) -> str:
+    lines = [
+        f"Measured {info['date']} on {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
+        f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q / 8 kv heads, d 128, "
+        "page 16); bandwidth = K+V bytes / time; roof = streaming read of 1 GiB measured in the same rounds.",
+        "",
+        "| dtype | batch | context | ours ms | ours GB/s | % of roof | SDPA ms | gather+SDPA ms | vs SDPA | vs gather+SDPA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in decode:
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['ours_ms']:.2f} | {r['ours_GBps']:.1f} | "
+                     f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {r['sdpa_ms']:.2f} | "
+                     f"{r['gather+sdpa_ms']:.2f} | {r['speedup_vs_sdpa']:.1f}x | {r['speedup_vs_gather_sdpa']:.1f}x |")
+    lines += ["", "| chunked prefill | dtype | ours ms | SDPA ms (explicit mask) | ours GFLOP/s | vs SDPA |",
+              "|---|---|---|---|---|---|"]
+    for r in prefill:
+        lines.append(f"| {r['q_len']} queries over {r['prefix']} | {r['dtype']} | {r['ours_ms']:.1f} | "
+                     f"{r['sdpa_ms']:.1f} | {r['ours_GFLOPs']:.0f} | {r['speedup_vs_sdpa']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few small configurations, for a smoke run")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    contexts = [1024, 8192] if args.quick else [1024, 4096, 16384, 32768, 65536, 131072]
+    batches = [1] if args.quick else [1, 16]
+    # batch x context <= 512k tokens: the pages, the dense copy and the gather buffer fit in 24 GiB
+    configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
+    probe = BandwidthProbe()
+    info = machine()
+    decode = []
+    for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
+        decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g))
+    prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
+               for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
+    table = markdown(info, decode, prefill)
+    print(table)
+    write_results("attention_quick" if args.quick else "attention", {"machine": info, "decode": decode,
+                                                                      "prefill": prefill}, table, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Shared pieces of the benchmarks: machine description, a read-bandwidth probe, timing, and output.
+
+Every figure a benchmark reports is a ratio measured in the same run (ours vs a peer vs the probe),
+never a bare time from another day: this machine's bandwidth moves with its neighbours.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import kvcache
+
+GiB = 1 << 30
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": _dt.date.today().isoformat(),
+        "cpu": model,
+        "logical_cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kvcache": kvcache.__version__,
+        "kvcache_cpu_isa": kvcache._C.cpu_isa(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+class BandwidthProbe:
+    """Streaming read of a 1 GiB buffer (torch's vectorized, multi-threaded sum): the machine's read roof."""
+
+    def __init__(self, nbytes: int = GiB):
+        self.buffer = torch.rand(nbytes // 4)
+
+    def measure(self) -> float:
+        """Bytes per second of one pass."""
+        start = time.perf_counter()
+        self.buffer.sum()
+        return self.buffer.nbytes / (time.perf_counter() - start)
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def best(samples: list[float]) -> float:
+    return min(samples)
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown)
