@@ -36,8 +36,9 @@ install: env
 
 env: sysdeps $(VENV)/.ready
 
-# A marker file written last, so an interrupted install is redone from scratch.
-$(VENV)/.ready: $(REQ)
+# A marker file written last, so an interrupted install is redone from scratch. No prerequisites: the
+# hash of the requirements is in the path (a fresh clone's newer file times must not force a rebuild).
+$(VENV)/.ready:
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r $(REQ)
@@ -62,7 +63,7 @@ test-cpu-build: sysdeps $(CPU_VENV)/.ready
 	  | grep -E "kvcache:|Linking|error|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
 	$(CPU_VENV)/bin/python -m pytest -q
 
-$(CPU_VENV)/.ready: $(CPU_REQ)
+$(CPU_VENV)/.ready:
 	rm -rf $(CPU_VENV)
 	$(PYTHON) -m venv $(CPU_VENV)
 	$(CPU_VENV)/bin/pip install -q -r $(CPU_REQ)

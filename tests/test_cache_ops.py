@@ -306,3 +306,13 @@ def test_compiles_fullgraph(device):
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled_args)
     assert torch.equal(expected, got)
     assert torch.equal(eager_args[2], compiled_args[2])  # the mutation of the pool survived compilation
+
+
+def test_large_cpu_pools_ask_for_huge_pages():
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are disabled on this machine")
+    buf = torch.empty(8 << 20, dtype=torch.uint8)
+    assert kvcache._C.advise_huge_pages(buf.data_ptr(), buf.nbytes)       # a 2 MiB-aligned interior exists
+    assert not kvcache._C.advise_huge_pages(buf.data_ptr(), 4096)         # too small: nothing to advise

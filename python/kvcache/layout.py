@@ -65,9 +65,18 @@ class PageLayout:
 
     def allocate(self, device: torch.device | str = "cpu", *, fill: float | None = None,
                  pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocates the K and V pools (uninitialized unless ``fill`` is given)."""
+        """Allocates the K and V pools (uninitialized unless ``fill`` is given).
+
+        Large CPU pools ask for transparent huge pages before they are touched: attention jumps from
+        page to page, and 4 KiB pages would make most of those jumps TLB misses.
+        """
         k = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
         v = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        if k.device.type == "cpu" and not pin_memory and k.nbytes >= (8 << 20):
+            from . import _C  # the extension is loaded by the package __init__
+
+            for t in (k, v):
+                _C.advise_huge_pages(t.data_ptr(), t.nbytes)
         if fill is not None:
             k.fill_(fill)
             v.fill_(fill)
