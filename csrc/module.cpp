@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/attention_cpu.h"
+#include "core/quant.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,40 @@ PYBIND11_MODULE(_C, m) {
     const std::uintptr_t begin = (ptr + kHuge - 1) & ~(kHuge - 1), end = (ptr + nbytes) & ~(kHuge - 1);
     if (end <= begin) return false;
     return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
+  });
+
+  // Test hooks: the scalar quantizers of core/quant.h over raw float32 buffers, so tests/test_quant.py
+  // can check them bit for bit against python/kvcache/quant.py (addresses come from tensor.data_ptr()).
+  m.def("_quant_int8_rows", [](std::uintptr_t src, std::uintptr_t codes, std::uintptr_t scales, int64_t rows, int64_t d) {
+    const float* x = reinterpret_cast<const float*>(src);
+    for (int64_t r = 0; r < rows; ++r) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < d; ++i) amax = std::fmax(amax, std::fabs(x[r * d + i]));
+      const float inv = kvcache::quant::int8_inv_scale(amax);
+      for (int64_t i = 0; i < d; ++i) reinterpret_cast<int8_t*>(codes)[r * d + i] = kvcache::quant::int8_encode(x[r * d + i], inv);
+      reinterpret_cast<float*>(scales)[r] = kvcache::quant::int8_scale(amax);
+    }
+  });
+  m.def("_quant_fp8", [](std::uintptr_t src, std::uintptr_t codes, int64_t n, float scale, bool e4m3) {
+    const float inv = 1.f / scale;
+    for (int64_t i = 0; i < n; ++i) {
+      reinterpret_cast<uint8_t*>(codes)[i] = kvcache::quant::fp8_encode(
+          reinterpret_cast<const float*>(src)[i] * inv, e4m3 ? kvcache::quant::kE4M3 : kvcache::quant::kE5M2);
+    }
+  });
+  m.def("_quant_uint_groups", [](std::uintptr_t src, std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t zeros,
+                                 int64_t groups, int64_t size, int bits) {
+    const float* x = reinterpret_cast<const float*>(src);
+    for (int64_t g = 0; g < groups; ++g) {
+      float mn = x[g * size], mx = x[g * size];
+      for (int64_t i = 1; i < size; ++i) mn = std::fmin(mn, x[g * size + i]), mx = std::fmax(mx, x[g * size + i]);
+      const float inv = kvcache::quant::uint_inv_scale(mn, mx, bits);
+      for (int64_t i = 0; i < size; ++i) {
+        reinterpret_cast<uint8_t*>(codes)[g * size + i] = kvcache::quant::uint_encode(x[g * size + i], mn, inv, bits);
+      }
+      reinterpret_cast<float*>(scales)[g] = kvcache::quant::uint_scale(mn, mx, bits);
+      reinterpret_cast<float*>(zeros)[g] = mn;
+    }
   });
 
   // Instruction set of the CPU attention kernel: "avx512bf16", "avx512", "avx2" or "generic" (tests run each).

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 import kvcache
+import kvcache.formats
 import kvcache.layout
 import kvcache.ops
+import kvcache.quant
 
 
-@pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

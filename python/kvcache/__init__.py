@@ -15,7 +15,8 @@ from ._build import load_extension
 
 _C = load_extension()  # registers torch.ops.kvcache.*; must precede any Python-side registration
 
-from . import memory, ops, reference  # noqa: E402
+from . import formats, memory, ops, quant, reference  # noqa: E402
+from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .ops import (  # noqa: E402
     append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
@@ -25,9 +26,12 @@ __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
 
 __all__ = [
+    "CacheFormat",
+    "KVFormat",
     "PageLayout",
     "append",
     "build_info",
+    "formats",
     "copy_blocks",
     "memory",
     "merge_states",
@@ -35,6 +39,7 @@ __all__ = [
     "paged_attention",
     "paged_gather",
     "paged_gather_ragged",
+    "quant",
     "reference",
     "swap_blocks",
 ]

@@ -1,0 +1,118 @@
+// The quantization math of every KV format, written once for the CPU kernels, the CUDA kernels and
+// the GoogleTest suite, and mirrored line by line in python/kvcache/quant.py. Stored codes must be
+// bit-identical between the two, so every step is spelled out: fp32 arithmetic, a reciprocal computed
+// once per group, round-half-to-even, explicit clamps.
+//
+//   int8  symmetric, one scale per (token, kv head):  scale = amax / 127, code = rne(x * (127 / amax))
+//   fp8   e4m3fn / e5m2, one scale per kv head:        code = fp8_rne_satfinite(x * (1 / scale))
+//   uintN asymmetric groups (int4 along head_dim; KIVI 2/4-bit per channel or per token):
+//         zero = min, scale = (max - min) / (2^N - 1), code = clamp(rne((x - min) * ((2^N - 1) / (max - min))))
+// A group whose values are all equal (amax = 0, or max = min) gets scale 0 and codes 0; it dequantizes
+// to exactly zero (int8) or exactly its value (asymmetric: 0 * 0 + min).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "core/host_device.h"
+
+namespace kvcache::quant {
+
+/// Round half to even, as torch.round does (nearbyint under the default rounding mode).
+KVC_HOST_DEVICE float rne(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+KVC_HOST_DEVICE float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+KVC_HOST_DEVICE uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+KVC_HOST_DEVICE float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- int8 -------------------------------------------------------------------------------------
+/// Multiplier that maps a row of absolute maximum `amax` onto [-127, 127] (0 for an all-zero row).
+KVC_HOST_DEVICE float int8_inv_scale(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+KVC_HOST_DEVICE float int8_scale(float amax) { return amax / 127.f; }
+KVC_HOST_DEVICE int8_t int8_encode(float x, float inv_scale) {
+  return static_cast<int8_t>(clampf(rne(x * inv_scale), -127.f, 127.f));
+}
+KVC_HOST_DEVICE float int8_decode(int8_t code, float scale) { return static_cast<float>(code) * scale; }
+
+// ---- fp8 --------------------------------------------------------------------------------------
+/// fp8 formats: e4m3fn (bias 7, no infinities, max 448) and e5m2 (bias 15, IEEE-like, max 57344).
+struct Fp8Spec {
+  int man_bits, exp_bias;
+  float max_finite;
+};
+constexpr Fp8Spec kE4M3{3, 7, 448.f};
+constexpr Fp8Spec kE5M2{2, 15, 57344.f};
+
+/// fp32 -> fp8, round half to even, saturating to +-max_finite (NaN stays NaN). Matches
+/// `x.clamp(-max, max).to(torch.float8_e4m3fn / float8_e5m2)`.
+KVC_HOST_DEVICE uint8_t fp8_encode(float x, Fp8Spec s) {
+  const uint32_t u = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return s.man_bits == 3 ? 0x7f : 0x7f;  // NaN (both have 0x7f as NaN)
+  float a = clampf(fabsf(x), 0.f, s.max_finite);
+  // Smallest normal exponent of the target is 1 - bias; below it values are subnormal with a fixed
+  // quantum of 2^(1 - bias - man_bits). Above, the quantum is 2^(e - man_bits).
+  const int min_exp = 1 - s.exp_bias;
+  int e;
+  frexpf(a, &e);  // a = f * 2^e, f in [0.5, 1): the leading bit has weight 2^(e - 1)
+  int lead = e - 1;
+  if (a == 0.f) return sign;
+  if (lead < min_exp) lead = min_exp;
+  const float quantum = ldexpf(1.f, lead - s.man_bits);
+  float q = rne(a / quantum) * quantum;  // exact: a / quantum is a power-of-two scaling
+  if (q > s.max_finite) q = s.max_finite;
+  // Re-encode q (exactly representable now).
+  if (q == 0.f) return sign;
+  frexpf(q, &e);
+  lead = e - 1;
+  uint32_t exp_field, man_field;
+  if (lead < min_exp) {  // subnormal
+    exp_field = 0;
+    man_field = static_cast<uint32_t>(q / ldexpf(1.f, min_exp - s.man_bits));
+  } else {
+    exp_field = static_cast<uint32_t>(lead + s.exp_bias);
+    man_field = static_cast<uint32_t>(q / ldexpf(1.f, lead - s.man_bits)) - (1u << s.man_bits);
+  }
+  return static_cast<uint8_t>(sign | (exp_field << s.man_bits) | man_field);
+}
+
+/// fp8 -> fp32 (exact).
+KVC_HOST_DEVICE float fp8_decode(uint8_t code, Fp8Spec s) {
+  const int exp_bits = 7 - s.man_bits;
+  const uint32_t man = code & ((1u << s.man_bits) - 1u);
+  const uint32_t exp = (code >> s.man_bits) & ((1u << exp_bits) - 1u);
+  const float sign = (code & 0x80u) ? -1.f : 1.f;
+  if (s.man_bits == 3 && exp == 15u && man == 7u) return NAN;           // e4m3fn NaN
+  if (s.man_bits == 2 && exp == 31u) return man ? NAN : sign * INFINITY;  // e5m2 inf / NaN
+  if (exp == 0) return sign * ldexpf(static_cast<float>(man), 1 - s.exp_bias - s.man_bits);
+  return sign * ldexpf(static_cast<float>(man + (1u << s.man_bits)), static_cast<int>(exp) - s.exp_bias - s.man_bits);
+}
+
+// ---- asymmetric unsigned N-bit groups (int4, KIVI) ------------------------------------------------
+KVC_HOST_DEVICE float uint_levels(int bits) { return static_cast<float>((1 << bits) - 1); }
+KVC_HOST_DEVICE float uint_inv_scale(float mn, float mx, int bits) {
+  return mx > mn ? uint_levels(bits) / (mx - mn) : 0.f;
+}
+KVC_HOST_DEVICE float uint_scale(float mn, float mx, int bits) { return (mx - mn) / uint_levels(bits); }
+KVC_HOST_DEVICE uint8_t uint_encode(float x, float mn, float inv_scale, int bits) {
+  return static_cast<uint8_t>(clampf(rne((x - mn) * inv_scale), 0.f, uint_levels(bits)));
+}
+KVC_HOST_DEVICE float uint_decode(uint8_t code, float scale, float zero) { return static_cast<float>(code) * scale + zero; }
+
+}  // namespace kvcache::quant

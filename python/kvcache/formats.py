@@ -1,0 +1,154 @@
+"""KV storage formats: small typed objects with a stable text form.
+
+A format says how K (or V) is stored in the pages: full precision, or quantized with its scales and
+zero points. It is part of a cache's identity (prefix-cache namespaces include ``str(fmt)``), so the
+text form is canonical and round-trips through :func:`parse`.
+
+>>> fmt = CacheFormat.parse("k=int8,v=int4")
+>>> str(fmt), fmt.k.bits, fmt.v.bits
+('k=int8,v=int4', 8, 4)
+>>> fmt.bytes_per_token_head(head_dim=128, page_size=16)  # (128 + 4) for K, (64 + 4 x 4) for V
+212.0
+>>> str(KVFormat.parse("kivi2")), str(KVFormat.parse("fp8_e4m3(scale=0.05)"))
+('kivi2', 'fp8_e4m3(scale=0.05)')
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+# name -> (bits per element, granularity of its scales)
+_KINDS = {
+    "fp32": 32, "fp16": 16, "bf16": 16,
+    "int8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
+    "int4": 4, "kivi4": 4, "kivi2": 2,
+}  # fmt: skip
+_TORCH_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one of K or V is stored.
+
+    - ``fp32`` / ``fp16`` / ``bf16``: as is.
+    - ``int8``: symmetric, one float32 scale per (token, kv head).
+    - ``fp8_e4m3`` / ``fp8_e5m2``: one float32 scale per kv head; ``scale=None`` computes it from the
+      first tokens written.
+    - ``int4``: asymmetric groups of ``group`` (32) along head_dim, fp16 scale and zero point per group.
+    - ``kivi2`` / ``kivi4`` (KIVI): keys per channel (statistics over the tokens of a page), values per
+      token in groups of ``group``; the open page stays in full precision until it is sealed.
+    """
+
+    kind: str
+    group: int = 32
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown KV format {self.kind!r}; known: {', '.join(_KINDS)}")
+        if self.group not in (16, 32, 64, 128):
+            raise ValueError(f"group={self.group} must be 16, 32, 64 or 128")
+        if self.scale is not None and not (self.kind.startswith("fp8") and self.scale > 0):
+            raise ValueError(f"scale={self.scale} is only for fp8 formats and must be positive")
+
+    # ---- properties ---------------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        return _KINDS[self.kind]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind not in ("fp32", "fp16", "bf16")
+
+    @property
+    def grouped(self) -> bool:
+        return self.kind in ("int4", "kivi2", "kivi4")
+
+    def metadata_bytes_per_token_head(self, head_dim: int, page_size: int, role: str) -> float:
+        """Scales and zero points stored per (token, kv head), averaged over a page (``role`` "k" or "v")."""
+        if self.kind == "int8":
+            return 4.0                                   # one float32 scale
+        if self.kind == "int4" or (self.kind.startswith("kivi") and role == "v"):
+            return head_dim // self.group * 4.0          # fp16 scale + fp16 zero per group
+        if self.kind.startswith("kivi"):                 # keys: fp16 scale + zero per channel per page
+            return head_dim * 4.0 / page_size
+        return 0.0                                       # full precision; fp8's per-head scale is per layer
+
+    def bytes_per_token_head(self, head_dim: int, page_size: int, role: str) -> float:
+        return head_dim * self.bits / 8 + self.metadata_bytes_per_token_head(head_dim, page_size, role)
+
+    # ---- text form ----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        args = []
+        if self.grouped and self.group != 32:
+            args.append(f"group={self.group}")
+        if self.scale is not None:
+            args.append(f"scale={self.scale:g}")
+        return self.kind + (f"({','.join(args)})" if args else "")
+
+    @classmethod
+    def parse(cls, text: "str | KVFormat | torch.dtype") -> "KVFormat":
+        if isinstance(text, KVFormat):
+            return text
+        if isinstance(text, torch.dtype):
+            if text not in _TORCH_NAMES:
+                raise ValueError(f"dtype {text} is not a KV storage dtype")
+            return cls(_TORCH_NAMES[text])
+        m = re.fullmatch(r"\s*([a-z0-9_]+)\s*(?:\((.*)\))?\s*", text)
+        if not m:
+            raise ValueError(f"cannot parse KV format {text!r}; e.g. 'int8', 'int4(group=64)', 'fp8_e4m3(scale=0.1)'")
+        kwargs: dict = {}
+        for item in filter(None, (m.group(2) or "").split(",")):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key == "group":
+                kwargs["group"] = int(value)
+            elif key == "scale":
+                kwargs["scale"] = float(value)
+            else:
+                raise ValueError(f"unknown option {key!r} in KV format {text!r} (options: group, scale)")
+        return cls(m.group(1), **kwargs)
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """The formats of K and V (they may differ, e.g. ``k=int8,v=int4``)."""
+
+    k: KVFormat
+    v: KVFormat
+
+    def __str__(self) -> str:
+        return str(self.k) if self.k == self.v else f"k={self.k},v={self.v}"
+
+    @classmethod
+    def parse(cls, text: "str | CacheFormat | KVFormat | torch.dtype") -> "CacheFormat":
+        """``"int8"`` (both), ``"k=int8,v=int4"``, a :class:`KVFormat` or a torch dtype."""
+        if isinstance(text, CacheFormat):
+            return text
+        if not isinstance(text, str) or "=" not in text.split("(")[0]:
+            fmt = KVFormat.parse(text)
+            return cls(fmt, fmt)
+        parts = dict(_split_kv(text))
+        unknown = set(parts) - {"k", "v"}
+        if unknown or len(parts) != 2:
+            raise ValueError(f"cannot parse cache format {text!r}; expected 'k=<format>,v=<format>'")
+        return cls(KVFormat.parse(parts["k"]), KVFormat.parse(parts["v"]))
+
+    def bytes_per_token_head(self, head_dim: int, page_size: int) -> float:
+        """Bytes of K plus V (codes and metadata) per token and kv head."""
+        return self.k.bytes_per_token_head(head_dim, page_size, "k") + self.v.bytes_per_token_head(head_dim, page_size, "v")
+
+
+def _split_kv(text: str):
+    """'k=int4(group=64),v=int8' -> [('k', 'int4(group=64)'), ('v', 'int8')], commas inside () kept."""
+    depth, start = 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            key, _, value = text[start:i].partition("=")
+            yield key.strip(), value.strip()
+            start = i + 1

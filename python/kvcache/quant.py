@@ -1,0 +1,102 @@
+"""Reference quantizers of the KV formats: the PyTorch mirror of ``csrc/core/quant.h``.
+
+Every function computes in float32 with the same steps as the C++ header (a reciprocal per group,
+round-half-to-even, clamps), so the codes a kernel stores are bit-identical to these. Shapes: the last
+dimension is ``head_dim``; everything before it is batch-like.
+
+>>> import torch
+>>> x = torch.tensor([[0.5, -1.0, 0.25, 0.0]])
+>>> codes, scale = int8_quantize(x)
+>>> codes.tolist(), round(scale.item(), 6)
+([[64, -127, 32, 0]], 0.007874)
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32)
+
+
+# ---- int8: symmetric, one scale per row (token, kv head) -----------------------------------------
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes int8 [..., d] and scales float32 [...] with ``x ~= codes * scale``."""
+    x = _f32(x)
+    amax = x.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return codes, amax / 127.0
+
+
+def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.to(torch.float32) * scale.unsqueeze(-1)
+
+
+# ---- fp8: one scale per kv head ------------------------------------------------------------------
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | float, kind: str = "e4m3") -> torch.Tensor:
+    """fp8 codes (as uint8 bit patterns) of ``x / scale``, rounded to nearest even, saturated."""
+    inv = 1.0 / torch.as_tensor(scale, dtype=torch.float32)
+    y = (_f32(x) * inv).clamp(-FP8_MAX[kind], FP8_MAX[kind])
+    return y.to(FP8_DTYPES[kind]).view(torch.uint8)
+
+
+def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor | float, kind: str = "e4m3") -> torch.Tensor:
+    return codes.view(FP8_DTYPES[kind]).to(torch.float32) * torch.as_tensor(scale, dtype=torch.float32)
+
+
+def fp8_scale_for(x: torch.Tensor, kind: str = "e4m3", dim: int | tuple[int, ...] = -1) -> torch.Tensor:
+    """A scale that maps the absolute maximum of ``x`` (over ``dim``) onto the format's largest value."""
+    amax = _f32(x).abs().amax(dim=dim)
+    return torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
+
+
+# ---- asymmetric unsigned N-bit groups --------------------------------------------------------------
+def uint_quantize(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes uint8 in [0, 2^bits - 1] (unpacked), scale and zero (float32) reduced over ``dim``."""
+    x = _f32(x)
+    levels = float((1 << bits) - 1)
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    inv = torch.where(mx > mn, levels / (mx - mn), torch.zeros_like(mx))
+    codes = torch.round((x - mn) * inv).clamp(0, levels).to(torch.uint8)
+    return codes, ((mx - mn) / levels).squeeze(dim), mn.squeeze(dim)
+
+
+def uint_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return codes.to(torch.float32) * scale.unsqueeze(dim) + zero.unsqueeze(dim)
+
+
+def group_quantize(x: torch.Tensor, bits: int, group: int = 32):
+    """Asymmetric groups of ``group`` along the last dim: codes [..., d], scale/zero [..., d / group]."""
+    *lead, d = x.shape
+    if d % group:
+        raise ValueError(f"head_dim={d} must be a multiple of group={group}")
+    codes, scale, zero = uint_quantize(x.reshape(*lead, d // group, group), bits)
+    return codes.reshape(*lead, d), scale, zero
+
+
+def group_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = 32) -> torch.Tensor:
+    *lead, d = codes.shape
+    out = uint_dequantize(codes.reshape(*lead, d // group, group), scale, zero)
+    return out.reshape(*lead, d)
+
+
+# ---- packing: 8 / bits codes per byte, lowest dim in the lowest bits ---------------------------------
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., d] -> bytes [..., d * bits / 8]."""
+    per = 8 // bits
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)

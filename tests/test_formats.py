@@ -1,0 +1,59 @@
+"""KV formats: typed objects, canonical text that round-trips, exact byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import CacheFormat, KVFormat, memory
+
+
+@pytest.mark.parametrize("text", ["fp16", "bf16", "fp32", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4",
+                                  "int4(group=64)", "fp8_e4m3(scale=0.05)", "kivi2(group=128)"])
+def test_text_round_trips(text):
+    fmt = KVFormat.parse(text)
+    assert str(fmt) == text
+    assert KVFormat.parse(str(fmt)) == fmt
+
+
+def test_cache_format_text():
+    assert str(CacheFormat.parse("int8")) == "int8"
+    both = CacheFormat.parse("k=int4(group=64),v=int8")
+    assert both.k == KVFormat("int4", group=64) and both.v == KVFormat("int8")
+    assert str(both) == "k=int4(group=64),v=int8"
+    assert CacheFormat.parse(str(both)) == both
+    assert CacheFormat.parse(torch.bfloat16) == CacheFormat(KVFormat("bf16"), KVFormat("bf16"))
+    assert hash(CacheFormat.parse("k=int8,v=int8")) == hash(CacheFormat.parse("int8"))  # same identity
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("int3", r"unknown KV format 'int3'"),
+    ("int4(group=48)", r"group=48 must be 16, 32, 64 or 128"),
+    ("int8(scale=0.1)", r"scale=0.1 is only for fp8 formats"),
+    ("int4(bits=3)", r"unknown option 'bits'"),
+    ("k=int8,x=int4", r"expected 'k=<format>,v=<format>'"),
+    ("k=int8", r"expected 'k=<format>,v=<format>'"),
+])
+def test_bad_formats(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CacheFormat.parse(bad)
+
+
+def test_bytes_per_token_head_by_hand():
+    d, page = 128, 16
+    assert KVFormat("bf16").bytes_per_token_head(d, page, "k") == 256
+    assert KVFormat("int8").bytes_per_token_head(d, page, "k") == 128 + 4          # + fp32 scale
+    assert KVFormat("fp8_e4m3").bytes_per_token_head(d, page, "k") == 128          # per-head scale only
+    assert KVFormat("int4").bytes_per_token_head(d, page, "v") == 64 + 4 * 4       # 4 groups x (2 + 2)
+    assert KVFormat("kivi2").bytes_per_token_head(d, page, "k") == 32 + 128 * 4 / 16  # per channel per page
+    assert KVFormat("kivi2").bytes_per_token_head(d, page, "v") == 32 + 4 * 4
+
+
+def test_memory_calculator_with_formats():
+    # Llama-3-8B geometry, int8 K + int4 V: bits for the codes plus metadata per (token, head)
+    shape = memory.KVShape(32, 8, 128)
+    fmt = CacheFormat.parse("k=int8,v=int4")
+    per_token = memory.bytes_per_token(shape, k_bits=8, v_bits=4,
+                                       k_meta_bytes_per_token_head=fmt.k.metadata_bytes_per_token_head(128, 16, "k"),
+                                       v_meta_bytes_per_token_head=fmt.v.metadata_bytes_per_token_head(128, 16, "v"))
+    assert per_token == 32 * 8 * fmt.bytes_per_token_head(128, 16) == 32 * 8 * (132 + 80)

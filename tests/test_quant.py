@@ -1,0 +1,77 @@
+"""The quantizers of csrc/core/quant.h against their PyTorch mirror (kvcache.quant): codes bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import quant
+
+
+def interesting_floats(n: int = 200_000, seed: int = 0) -> torch.Tensor:
+    """Random values over many binades, plus exact ties, subnormal-range and saturating values."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.exp2(torch.empty(n).uniform_(-24, 20, generator=g))
+    x = mags * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    ties = torch.arange(-64, 64, dtype=torch.float32) / 16 + 1 / 32  # halfway between fp8 grid points
+    return torch.cat([x, ties, torch.tensor([0.0, -0.0, 448.0, 464.0, 57344.0, 61440.0, 1e30, -1e30])])
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [1.0, 0.0173, 3.5])
+def test_fp8_codes_bit_identical_to_torch(kind, scale):
+    x = interesting_floats()
+    ref = quant.fp8_quantize(x, scale, kind)
+    got = torch.empty_like(ref)
+    kvcache._C._quant_fp8(x.data_ptr(), got.data_ptr(), x.numel(), scale, kind == "e4m3")
+    mismatch = (got != ref).nonzero().flatten()
+    assert mismatch.numel() == 0, f"{mismatch.numel()} codes differ, e.g. x={x[mismatch[:5]].tolist()}"
+
+
+def test_int8_rows_bit_identical():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, 128, generator=g) * torch.exp2(torch.empty(4096, 1).uniform_(-10, 10, generator=g))
+    x[7] = 0.0                      # an all-zero row
+    x[9, :5] = torch.tensor([0.5, -1.0, 0.25, 1 / 254, -3 / 254])  # exact ties at 127/amax
+    codes_ref, scale_ref = quant.int8_quantize(x)
+    codes, scale = torch.empty_like(codes_ref), torch.empty_like(scale_ref)
+    kvcache._C._quant_int8_rows(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), 4096, 128)
+    assert torch.equal(codes, codes_ref)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(quant.int8_dequantize(codes, scale)[7], torch.zeros(128))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_uint_groups_bit_identical(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2048, 32, generator=g) * 3 + 1
+    x[3] = 0.7                      # a constant group
+    codes_ref, scale_ref, zero_ref = quant.uint_quantize(x, bits)
+    codes, scale, zero = torch.empty_like(codes_ref), torch.empty_like(scale_ref), torch.empty_like(zero_ref)
+    kvcache._C._quant_uint_groups(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), 2048, 32, bits)
+    assert torch.equal(codes, codes_ref) and torch.equal(scale, scale_ref) and torch.equal(zero, zero_ref)
+    back = quant.uint_dequantize(codes, scale, zero)
+    assert torch.equal(back[3], x[3])                       # a constant group comes back exactly
+    err = (back - x).abs().max(dim=-1).values
+    assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-6).all())  # within half a step
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip(bits):
+    codes = torch.randint(0, 1 << bits, (3, 64), dtype=torch.uint8)
+    packed = quant.pack(codes, bits)
+    assert packed.shape == (3, 64 * bits // 8)
+    assert torch.equal(quant.unpack(packed, bits), codes)
+    if bits == 4:  # lowest dim in the low nibble
+        assert packed[0, 0].item() == codes[0, 0].item() | (codes[0, 1].item() << 4)
+
+
+def test_group_quantize_shapes_and_error():
+    x = torch.randn(5, 8, 128)
+    codes, scale, zero = quant.group_quantize(x, 4, 32)
+    assert codes.shape == (5, 8, 128) and scale.shape == zero.shape == (5, 8, 4)
+    rel = (quant.group_dequantize(codes, scale, zero) - x).norm() / x.norm()
+    assert rel < 0.1
+    with pytest.raises(ValueError, match="head_dim=100 must be a multiple of group=32"):
+        quant.group_quantize(torch.randn(2, 100), 4)
