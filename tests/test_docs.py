@@ -13,10 +13,12 @@ import kvcache
 import kvcache.formats
 import kvcache.layout
 import kvcache.ops
+import kvcache.pool
 import kvcache.quant
 
 
-@pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant],
+@pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant,
+                                    kvcache.pool],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

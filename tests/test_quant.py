@@ -42,10 +42,22 @@ def test_int8_rows_bit_identical():
     assert torch.equal(quant.int8_dequantize(codes, scale)[7], torch.zeros(128))
 
 
+def test_int8_ties_from_bfloat16_inputs():
+    # bf16 values have 8 significant bits: x * (127 / amax) lands on exact .5 ties often, where a
+    # reciprocal-then-multiply division (PyTorch's float / tensor) rounds the other way.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20000, 64, generator=g).to(torch.bfloat16).float()
+    codes_ref, scale_ref = quant.int8_quantize(x)
+    codes, scale = torch.empty_like(codes_ref), torch.empty_like(scale_ref)
+    kvcache._C._quant_int8_rows(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), 20000, 64)
+    assert torch.equal(codes, codes_ref)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_uint_groups_bit_identical(bits):
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(2048, 32, generator=g) * 3 + 1
+    x[1000:] = x[1000:].to(torch.bfloat16).float()  # bf16 inputs: frequent exact ties
     x[3] = 0.7                      # a constant group
     codes_ref, scale_ref, zero_ref = quant.uint_quantize(x, bits)
     codes, scale, zero = torch.empty_like(codes_ref), torch.empty_like(scale_ref), torch.empty_like(zero_ref)

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "core/kv_format.h"
 #include "core/paged_layout.h"
 
 namespace kvcache {
@@ -21,7 +22,10 @@ struct AttentionArgs {
   DType q_dtype = DType::kFloat32;
   const void* k_cache = nullptr;  // [num_blocks, kv_heads, page_size, head_dim]
   const void* v_cache = nullptr;
-  DType kv_dtype = DType::kFloat32;
+  DType kv_dtype = DType::kFloat32;       // of full-precision pools
+  KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
+  const float* k_scale = nullptr;         // quantized pools: see core/kv_format.h
+  const float* v_scale = nullptr;
   PagedLayout layout;
   const int32_t* block_tables = nullptr;  // [batch, max_blocks]
   int64_t table_stride = 0;

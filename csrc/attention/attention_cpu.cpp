@@ -63,10 +63,12 @@ void run_dynamic(int64_t n, Fn fn) {
 void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
                          double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
-                         const std::optional<at::Tensor>& lse) {
+                         const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
   AttentionHostInfo host;
   const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
-                                            window_left, sink_tokens, softcap, out, lse, &host);
+                                            window_left, sink_tokens, softcap, out, lse, &host,
+                                            k_scale, v_scale, k_format, v_format);
   PlanOptions opt;
   opt.parallelism = at::get_num_threads();
   const AttentionPlan plan = make_attention_plan(a, host, opt);

@@ -32,7 +32,9 @@
 
 #include "attention/attention_args.h"
 #include "core/dtype.h"
+#include "core/kv_format.h"
 #include "core/softmax_state.h"
+#include "cache/quant_rows.h"
 
 namespace kvcache::cpu::KVC_ISA {
 
@@ -157,6 +159,43 @@ struct ReadBF16 {
     std::memcpy(&x, row + 32 * c, sizeof x);
     a = (vf)(x << 16);
     b = (vf)(x & 0xffff0000u);
+  }
+};
+
+struct ReadI8 {
+  using Elem = int8_t;
+  static constexpr bool kEvenOdd = false;
+  // Codes only: the per-token scale multiplies the scores (K) or the probabilities (V), not each value.
+  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+    using v16i8 = int8_t __attribute__((vector_size(16)));
+    v16i8 x, y;
+    std::memcpy(&x, row + 32 * c, 16);
+    std::memcpy(&y, row + 32 * c + 16, 16);
+    a = __builtin_convertvector(__builtin_convertvector(x, vi), vf);
+    b = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
+  }
+};
+
+/// fp8 codes widened through fp16: e5m2 is the top byte of an fp16; e4m3fn, shifted into an fp16's
+/// bit positions, reads as its value times 2^-8 (normals and subnormals alike; the factor 256 is
+/// folded into the scale by the caller). No lookup table, no branches.
+template <bool kE4M3>
+struct ReadFp8 {
+  using Elem = uint8_t;
+  static constexpr bool kEvenOdd = false;
+  static constexpr float kFactor = kE4M3 ? 256.f : 1.f;
+  static vf widen16(const Elem* p) {
+    using v16u8 = uint8_t __attribute__((vector_size(16)));
+    using v16u16 = uint16_t __attribute__((vector_size(32)));
+    v16u8 x;
+    std::memcpy(&x, p, 16);
+    const v16u16 w = __builtin_convertvector(x, v16u16);
+    const v16u16 h = kE4M3 ? (v16u16)(((w & 0x7f) << 7) | ((w & 0x80) << 8)) : (v16u16)(w << 8);
+    return ReadF16::widen16(reinterpret_cast<const uint16_t*>(&h));
+  }
+  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+    a = widen16(row + 32 * c);
+    b = widen16(row + 32 * c + 16);
   }
 };
 
@@ -396,9 +435,31 @@ struct PvDpBf16 {
 };
 #endif
 
-template <class Read, class Score, class Pv>
+/// Per-token multipliers of a tile's scores (K) or probabilities (V): the quantization scales.
+inline void tile_scales(KVKind kind, const float* scales, float factor, const PagedLayout& L, const int32_t* table,
+                        int64_t h, int64_t t0, const int64_t* tok, float out[kTile]) {
+  if (kind == KVKind::kInt8) {
+    for (int j = 0; j < kTile; ++j) out[j] = scales[L.row_index(table[tok[j] >> L.page_shift], h, tok[j] & (L.page_size - 1))];
+  } else {
+    for (int j = 0; j < kTile; ++j) out[j] = scales[h] * factor;
+  }
+  (void)t0;
+}
+
+template <class Read>
+constexpr float read_factor() {
+  if constexpr (requires { Read::kFactor; }) {
+    return Read::kFactor;
+  } else {
+    return 1.f;
+  }
+}
+
+template <class ReadK, class ReadV, class Score, class Pv>
 void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
-  using Elem = typename Read::Elem;
+  using Read = ReadK;
+  using KElem = typename ReadK::Elem;
+  using VElem = typename ReadV::Elem;
   const PagedLayout& L = a.layout;
   const int64_t D = L.head_dim, G = a.group;
   const int64_t kv_len = a.kv_lens[t.seq];
@@ -428,18 +489,22 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
     Score::load_query(a, (q_start + i) * a.q_strides[0] + hq * a.q_strides[1], &s.q[r * D]);
   }
 
-  const Elem* kc = static_cast<const Elem*>(a.k_cache);
-  const Elem* vc = static_cast<const Elem*>(a.v_cache);
+  const KElem* kc = static_cast<const KElem*>(a.k_cache);
+  const VElem* vc = static_cast<const VElem*>(a.v_cache);
+  const bool k_scaled = a.k_kind != KVKind::kFull, v_scaled = a.v_kind != KVKind::kFull;
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   // Keys any row of the task can see: the sinks, then the windows; nothing past the last query.
   const int64_t end = std::min<int64_t>(t.kv_end, max_pos + 1);
   const int64_t sink_end = std::min<int64_t>(end, a.sink_tokens);
   const int64_t ranges[2][2] = {{t.kv_begin, sink_end},
                                 {std::max<int64_t>(t.kv_begin, std::max<int64_t>(min_lo, sink_end)), end}};
-  const int64_t row_bytes = D * int64_t(sizeof(Elem));
+  const int64_t row_bytes = D * int64_t(sizeof(KElem));  // K and V rows have the same width
+  static_assert(sizeof(KElem) == sizeof(VElem), "K and V formats of one call store equally wide elements");
   alignas(64) float p[kRows][kTile];
-  const Elem* krow[kTile];
-  const Elem* vrow[kTile];
+  alignas(64) float kscale[kTile], vscale[kTile];
+  int64_t tok_of[kTile];
+  const KElem* krow[kTile];
+  const VElem* vrow[kTile];
   vf iota;
   for (int i = 0; i < kLanes; ++i) iota[i] = float(i);
 
@@ -471,23 +536,28 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
         Prefetcher pf;
         if (tile_in_page && t0 + kTile < range[1]) {
           const int64_t next = L.token_offset(table[(t0 + kTile) >> L.page_shift], h, t0 + kTile);
+          // (K and V rows have the same width, so one line count serves both)
           pf = {reinterpret_cast<const char*>(kc + next), reinterpret_cast<const char*>(vc + next), kTile * row_bytes / 64};
         }
         if (tile_in_page) {
           const int64_t base = L.token_offset(table[t0 >> L.page_shift], h, t0);
           for (int64_t j = 0; j < kTile; ++j) {
-            const int64_t off = base + (t0 + j >= k_lo && t0 + j < k_hi ? j : k_lo - t0) * D;
+            tok_of[j] = t0 + j >= k_lo && t0 + j < k_hi ? t0 + j : k_lo;
+            const int64_t off = base + (tok_of[j] - t0) * D;
             krow[j] = kc + off;
             vrow[j] = vc + off;
           }
         } else {
           for (int64_t j = 0; j < kTile; ++j) {
             const int64_t tok = t0 + j >= k_lo && t0 + j < k_hi ? t0 + j : k_lo;
+            tok_of[j] = tok;
             const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
             krow[j] = kc + off;
             vrow[j] = vc + off;
           }
         }
+        if (k_scaled) tile_scales(a.k_kind, a.k_scale, read_factor<ReadK>(), L, table, h, t0, tok_of, kscale);
+        if (v_scaled) tile_scales(a.v_kind, a.v_scale, read_factor<ReadV>(), L, table, h, t0, tok_of, vscale);
         for (int64_t rc = hb * tr.padded; rc < (hb + 1) * tr.padded; rc += kRows) {
           RowState* st = &s.rows[rc];
           bool any = false;
@@ -497,6 +567,10 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
           if (!any) continue;
           vf sc_rows[kRows];
           Score::scores(&s.q[rc * D], D, krow, a.scale, sc_rows);
+          if (k_scaled) {
+            const vf ks = loadv(kscale);
+            for (int r = 0; r < kRows; ++r) sc_rows[r] *= ks;
+          }
           // ---- mask, soft-cap, online softmax ----
           const vf key = iota + float(t0);
           for (int r = 0; r < kRows; ++r) {
@@ -523,7 +597,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
             }
             const vf pr = vexp(sc - st[r].m);
             st[r].l += hsum(pr);
-            storev(p[r], pr);
+            storev(p[r], v_scaled ? pr * loadv(vscale) : pr);  // V's per-token scale rides on p
           }
           Pv::accumulate(&s.o[rc * D], D, p, vrow, kTile, pf);
         }
@@ -559,9 +633,15 @@ inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, cons
     const int64_t end = std::min<int64_t>(t.kv_end, st.pos + 1);
     for (int64_t j = t.kv_begin; j < end; ++j) {
       if (j < st.lo && j >= a.sink_tokens) continue;
-      const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
+      const int64_t block = table[j >> L.page_shift], pos = j & (L.page_size - 1);
+      const int64_t off = L.offset(block, h, pos);
+      auto value = [&](KVKind kind, const void* pool, const float* scales, int64_t d) {
+        if (kind == KVKind::kFull) return load_as_float(pool, off + d, a.kv_dtype);
+        const float sc = has_token_scales(kind) ? scales[L.row_index(block, h, pos)] : scales[h];
+        return dequantize(static_cast<const char*>(pool) + off, d, kind, sc);
+      };
       float sc = 0.f;
-      for (int64_t d = 0; d < D; ++d) sc += q[d] * load_as_float(a.k_cache, off + d, a.kv_dtype);
+      for (int64_t d = 0; d < D; ++d) sc += q[d] * value(a.k_kind, a.k_cache, a.k_scale, d);
       if (a.softcap > 0.f) sc = a.softcap * std::tanh(sc / a.softcap);
       if (sc > st.m) {
         const float alpha = std::exp(st.m - sc);
@@ -571,25 +651,44 @@ inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, cons
       }
       const float pj = std::exp(sc - st.m);
       st.l += pj;
-      for (int64_t d = 0; d < D; ++d) o[d] += pj * load_as_float(a.v_cache, off + d, a.kv_dtype);
+      for (int64_t d = 0; d < D; ++d) o[d] += pj * value(a.v_kind, a.v_cache, a.v_scale, d);
     }
   }
   finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return d; });
+}
+
+/// Calls fn(Reader{}) with the reader of a quantized kind.
+template <class Fn>
+void with_quantized_reader(KVKind kind, Fn&& fn) {
+  switch (kind) {
+    case KVKind::kInt8: fn(ReadI8{}); break;
+    case KVKind::kFp8E4M3: fn(ReadFp8<true>{}); break;
+    default: fn(ReadFp8<false>{}); break;
+  }
 }
 
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
 inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial) {
   thread_local Scratch scratch;
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
+  if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
+    return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
+      with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+        run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
+      });
+    });
+  }
   switch (a.kv_dtype) {
-    case DType::kFloat32: return run_task_vec<ReadF32, ScoreFma<ReadF32>, PvFma<ReadF32>>(a, t, partial, scratch);
-    case DType::kFloat16: return run_task_vec<ReadF16, ScoreFma<ReadF16>, PvFma<ReadF16>>(a, t, partial, scratch);
+    case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreFma<ReadF32>, PvFma<ReadF32>>(a, t, partial, scratch);
+    case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreFma<ReadF16>, PvFma<ReadF16>>(a, t, partial, scratch);
     default:
 #ifdef __AVX512BF16__
       // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
-      if (a.q_dtype == DType::kBFloat16) return run_task_vec<ReadBF16, ScoreDpBf16, PvDpBf16>(a, t, partial, scratch);
+      if (a.q_dtype == DType::kBFloat16) {
+        return run_task_vec<ReadBF16, ReadBF16, ScoreDpBf16, PvDpBf16>(a, t, partial, scratch);
+      }
 #endif
-      return run_task_vec<ReadBF16, ScoreFma<ReadBF16>, PvFma<ReadBF16>>(a, t, partial, scratch);
+      return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16>, PvFma<ReadBF16>>(a, t, partial, scratch);
   }
 }
 

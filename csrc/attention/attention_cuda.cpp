@@ -35,12 +35,14 @@ int64_t multiprocessors(const at::Device& device) {
 void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
                           double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
-                          const std::optional<at::Tensor>& lse) {
+                          const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
   TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache is on ", k_cache.device(), " but the CUDA kernel was dispatched");
   const c10::cuda::CUDAGuard guard(k_cache.device());
   AttentionHostInfo host;
   const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
-                                            window_left, sink_tokens, softcap, out, lse, &host);
+                                            window_left, sink_tokens, softcap, out, lse, &host,
+                                            k_scale, v_scale, k_format, v_format);
   TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
   PlanOptions opt;

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "attention/attention_cuda_launch.h"
+#include "core/quant.h"
 #include "core/softmax_state.h"
 
 namespace kvcache::cuda {
@@ -28,9 +29,26 @@ constexpr int kMaxPerLane = 8;   // head_dim <= 256: each lane holds at most 8 d
 constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers in the prefill kernel
 constexpr int kTile = 16;        // keys per shared-memory tile
 
+// Element types of the pools. Quantized codes widen to their code value; the scale is applied per key
+// (token_scale below), on the score for K and on the value for V.
+struct Fp8E4M3 { uint8_t bits; };
+struct Fp8E5M2 { uint8_t bits; };
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(Fp8E4M3 x) { return quant::fp8_decode(x.bits, quant::kE4M3); }
+__device__ __forceinline__ float to_float(Fp8E5M2 x) { return quant::fp8_decode(x.bits, quant::kE5M2); }
+
+/// The scale of the key at (block, head, pos): 1 for full precision, per row for int8, per head for fp8.
+__device__ __forceinline__ float token_scale(KVKind kind, const float* scales, const PagedLayout& L, int64_t block,
+                                             int64_t h, int64_t pos) {
+  switch (kind) {
+    case KVKind::kFull: return 1.f;
+    case KVKind::kInt8: return scales[L.row_index(block, h, pos)];
+    default: return scales[h];
+  }
+}
 
 __device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
   switch (t) {
@@ -144,15 +162,15 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
 }
 
 /// Decode tasks: one warp per row; keys read straight from the pages.
-template <typename KV>
+template <typename KT, typename VT>
 __global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const AttentionTask* tasks,
                                                           PartialStates partial) {
   const AttentionTask t = tasks[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PagedLayout L = a.layout;
   const int64_t D = L.head_dim;
-  const KV* kc = static_cast<const KV*>(a.k_cache);
-  const KV* vc = static_cast<const KV*>(a.v_cache);
+  const KT* kc = static_cast<const KT*>(a.k_cache);
+  const VT* vc = static_cast<const VT*>(a.v_cache);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * a.group;
   const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
@@ -166,22 +184,24 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const
         if (j >= a.sink_tokens && j < row.lo) j = row.lo - 1;  // jump to the window
         continue;
       }
-      const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
+      const int64_t block = table[j >> L.page_shift], pos = j & (L.page_size - 1);
+      const int64_t off = L.offset(block, h, pos);
       float s = 0.f;
 #pragma unroll
       for (int k = 0; k < kMaxPerLane; ++k) {
         const int64_t d = lane + 32 * k;
         if (d < D) s += row.q[k] * to_float(kc[off + d]);
       }
-      s = warp_sum(s);
-      absorb(a, row, s, lane, [&](int64_t d) { return to_float(vc[off + d]); });
+      s = warp_sum(s) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+      const float vs = token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+      absorb(a, row, s, lane, [&](int64_t d) { return to_float(vc[off + d]) * vs; });
     }
     finish_row(a, t, partial, row, r, lane);
   }
 }
 
 /// Prefill tasks (one KV head, at most kWarps * kRowsPerWarp rows): K/V tiles staged in shared memory.
-template <typename KV>
+template <typename KT, typename VT>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, const AttentionTask* tasks,
                                                            PartialStates partial) {
   __shared__ float ks[kTile][kMaxPerLane * 32];
@@ -191,8 +211,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
   const PagedLayout L = a.layout;
   const int64_t D = L.head_dim;
   const int64_t h = t.head_begin;
-  const KV* kc = static_cast<const KV*>(a.k_cache);
-  const KV* vc = static_cast<const KV*>(a.v_cache);
+  const KT* kc = static_cast<const KT*>(a.k_cache);
+  const VT* vc = static_cast<const VT*>(a.v_cache);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
 
   Row rows[kRowsPerWarp];
@@ -211,10 +231,11 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
     for (int64_t idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
       const int64_t jj = idx / D, d = idx % D, key = t0 + jj;
       float kv = 0.f, vv = 0.f;
-      if (key < end) {
-        const int64_t off = L.token_offset(table[key >> L.page_shift], h, key);
-        kv = to_float(kc[off + d]);
-        vv = to_float(vc[off + d]);
+      if (key < end) {  // staged dequantized: scales applied here, once per element
+        const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
+        const int64_t off = L.offset(block, h, pos);
+        kv = to_float(kc[off + d]) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+        vv = to_float(vc[off + d]) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
       }
       ks[jj][d] = kv;
       vs[jj][d] = vv;
@@ -287,29 +308,47 @@ __global__ void merge_states_kernel(const void* v_a, const float* lse_a, const v
   if (i % D == 0) lse_out[r] = w.lse;
 }
 
-template <template <typename> class Kernel>
+/// Calls fn(T{}) with the element type of a quantized kind.
+template <class Fn>
+void with_code_type(KVKind kind, Fn&& fn) {
+  switch (kind) {
+    case KVKind::kInt8: fn(int8_t{}); break;
+    case KVKind::kFp8E4M3: fn(Fp8E4M3{}); break;
+    default: fn(Fp8E5M2{}); break;
+  }
+}
+
+template <template <typename, typename> class Kernel>
 cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int64_t n, const PartialStates& p,
                          cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(n));
+  if (a.k_kind != KVKind::kFull) {  // both quantized (validated on the host)
+    with_code_type(a.k_kind, [&](auto k) {
+      with_code_type(a.v_kind, [&](auto v) {
+        Kernel<decltype(k), decltype(v)>::launch(grid, stream, a, tasks, p);
+      });
+    });
+    return cudaGetLastError();
+  }
   switch (a.kv_dtype) {
-    case DType::kFloat32: Kernel<float>::launch(grid, stream, a, tasks, p); break;
-    case DType::kFloat16: Kernel<__half>::launch(grid, stream, a, tasks, p); break;
-    default: Kernel<__nv_bfloat16>::launch(grid, stream, a, tasks, p); break;
+    case DType::kFloat32: Kernel<float, float>::launch(grid, stream, a, tasks, p); break;
+    case DType::kFloat16: Kernel<__half, __half>::launch(grid, stream, a, tasks, p); break;
+    default: Kernel<__nv_bfloat16, __nv_bfloat16>::launch(grid, stream, a, tasks, p); break;
   }
   return cudaGetLastError();
 }
 
-template <typename KV>
+template <typename KT, typename VT>
 struct Decode {
   static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
-    decode_kernel<KV><<<grid, kThreads, 0, s>>>(a, t, p);
+    decode_kernel<KT, VT><<<grid, kThreads, 0, s>>>(a, t, p);
   }
 };
-template <typename KV>
+template <typename KT, typename VT>
 struct Prefill {
   static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
-    prefill_kernel<KV><<<grid, kThreads, 0, s>>>(a, t, p);
+    prefill_kernel<KT, VT><<<grid, kThreads, 0, s>>>(a, t, p);
   }
 };
 

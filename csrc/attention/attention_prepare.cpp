@@ -35,8 +35,14 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& cu_q_lens, double scale, int64_t window_left,
                                 int64_t sink_tokens, double softcap, const at::Tensor& out,
-                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host) {
-  const PagedLayout layout = check_pools(k_cache, v_cache);
+                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                int64_t k_format, int64_t v_format) {
+  const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
+  const PagedLayout layout = check_formatted_pools(k_cache, v_cache, formats);
+  TORCH_CHECK_VALUE((formats.k_kind == KVKind::kFull) == (formats.v_kind == KVKind::kFull),
+                    "paged_attention reads K and V both full precision or both quantized; got k_format = ", k_format,
+                    " and v_format = ", v_format);
   KVC_CHECK_DIM(query, 3);
   check_float_dtype(query, "query");
   KVC_CHECK_SAME_DEVICE(query, k_cache);
@@ -103,7 +109,11 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   a.q_dtype = to_dtype(query.scalar_type());
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
-  a.kv_dtype = to_dtype(k_cache.scalar_type());
+  a.kv_dtype = formats.quantized() ? DType::kFloat32 : to_dtype(k_cache.scalar_type());
+  a.k_kind = formats.k_kind;
+  a.v_kind = formats.v_kind;
+  a.k_scale = formats.quantized() ? (*formats.k_scale)->data_ptr<float>() : nullptr;
+  a.v_scale = formats.quantized() ? (*formats.v_scale)->data_ptr<float>() : nullptr;
   a.layout = layout;
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.table_stride = block_tables.stride(0);

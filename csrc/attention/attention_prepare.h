@@ -15,7 +15,9 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& cu_q_lens, double scale, int64_t window_left,
                                 int64_t sink_tokens, double softcap, const at::Tensor& out,
-                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host);
+                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                int64_t k_format, int64_t v_format);
 
 /// Checks merge_states' arguments: v_* [tokens, heads, head_dim], lse_* [tokens, heads] float32.
 void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,

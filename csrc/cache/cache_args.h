@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+#include "core/kv_format.h"
 #include "core/paged_layout.h"
 
 namespace kvcache {
@@ -21,6 +23,11 @@ struct AppendArgs {
   void* k_cache = nullptr;         // [num_blocks, num_kv_heads, page_size, head_dim], contiguous
   void* v_cache = nullptr;
   PagedLayout layout;
+  // Quantized storage (core/kv_format.h): key/value (dtype in_dtype) are quantized on the way in.
+  DType in_dtype = DType::kFloat32;
+  KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
+  float* k_scale = nullptr;        // int8: written per (block, head, pos); fp8: read per head
+  float* v_scale = nullptr;
 };
 
 /// paged_gather / paged_gather_ragged: block tables + lengths -> contiguous K/V.
@@ -38,6 +45,11 @@ struct GatherArgs {
   const int32_t* cu_seq_lens = nullptr;
   void* k_out = nullptr;
   void* v_out = nullptr;
+  // Quantized storage: rows are dequantized to out_dtype.
+  DType out_dtype = DType::kFloat32;
+  KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 /// copy_blocks / swap_blocks: copy whole blocks (each one contiguous run of bytes) between pools.

@@ -28,22 +28,44 @@ template <typename U> struct PaddedFn { static void run(const GatherArgs& a, int
 template <typename U> struct RaggedFn { static void run(const GatherArgs& a, int64_t b, int64_t e) { cpu::gather_ragged<U>(a, b, e); } };
 
 void append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                const at::Tensor& slot_mapping) {
-  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping);
+                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
   const int64_t rows = a.batch * a.q_len * a.layout.num_kv_heads;
+  if (f.quantized()) {
+    const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
+    at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) { cpu::append_rows_quantized(a, elem, b, e); });
+    return;
+  }
   run_by_width<AppendFn>(kv_element_bytes(k_cache), a, rows, /*grain=*/256);
 }
 
 void paged_gather_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, at::Tensor& k_out, at::Tensor& v_out) {
-  const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out);
+                      const at::Tensor& seq_lens, at::Tensor& k_out, at::Tensor& v_out,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                      int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out, f);
+  if (f.quantized()) {
+    at::parallel_for(0, a.batch * a.layout.num_kv_heads, 1,
+                     [&](int64_t b, int64_t e) { cpu::gather_padded_dequantized(a, b, e); });
+    return;
+  }
   run_by_width<PaddedFn>(kv_element_bytes(k_cache), a, a.batch * a.layout.num_kv_heads, /*grain=*/1);
 }
 
 void paged_gather_ragged_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& cu_seq_lens, at::Tensor& k_out,
-                             at::Tensor& v_out) {
-  const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out);
+                             at::Tensor& v_out, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out, f);
+  if (f.quantized()) {
+    at::parallel_for(0, a.batch * a.layout.num_kv_heads, 1,
+                     [&](int64_t b, int64_t e) { cpu::gather_ragged_dequantized(a, b, e); });
+    return;
+  }
   run_by_width<RaggedFn>(kv_element_bytes(k_cache), a, a.batch * a.layout.num_kv_heads, /*grain=*/1);
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cache/cache_args.h"
+#include "cache/quant_rows.h"
 
 namespace kvcache::cpu {
 
@@ -38,6 +39,86 @@ void append_rows(const AppendArgs& a, int64_t begin, int64_t end) {
     } else {
       for (int64_t d = 0; d < D; ++d) vd[d] = vs[d * a.value_strides[3]];
     }
+  }
+}
+
+/// append into quantized pools (either of K, V or both): work items as in append_rows. A full-precision
+/// side copies its elements (elem_bytes wide), a quantized side quantizes from a.in_dtype.
+inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t begin, int64_t end) {
+  const PagedLayout& L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t h = i % H, token = i / H;
+    const int64_t b = token / a.q_len, q = token % a.q_len;
+    const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
+    if (slot < 0) continue;
+    const int64_t block = L.block_of(slot), pos = L.offset_in_page(slot);
+    for (int role = 0; role < 2; ++role) {
+      const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+      const void* src = role == 0 ? a.key : a.value;
+      const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
+      void* pool = role == 0 ? a.k_cache : a.v_cache;
+      float* scales = role == 0 ? a.k_scale : a.v_scale;
+      const int64_t base = b * st[0] + h * st[1] + q * st[2];
+      if (kind == KVKind::kFull) {
+        char* dst = static_cast<char*>(pool) + L.offset(block, h, pos) * elem_bytes;
+        for (int64_t d = 0; d < D; ++d) {
+          std::memcpy(dst + d * elem_bytes, static_cast<const char*>(src) + (base + d * st[3]) * elem_bytes, elem_bytes);
+        }
+      } else {
+        float* scale = has_token_scales(kind) ? scales + L.row_index(block, h, pos) : scales + h;
+        quantize_row(src, base, st[3], a.in_dtype, D, kind, static_cast<char*>(pool) + L.offset(block, h, pos), scale);
+      }
+    }
+  }
+}
+
+/// Dequantized (or converted) copy of tokens [0, len) of one (sequence, head) into out rows of dtype
+/// a.out_dtype (dst_row_stride elements apart).
+inline void gather_head_dequantized(const GatherArgs& a, int64_t b, int64_t h, int64_t len, int64_t k_dst,
+                                    int64_t v_dst, int64_t dst_row_stride) {
+  const PagedLayout& L = a.layout;
+  const int32_t* row = a.block_table + b * a.table_stride;
+  const int64_t D = L.head_dim;
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t block = row[t >> L.page_shift], pos = t & (L.page_size - 1);
+    for (int role = 0; role < 2; ++role) {
+      const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+      const void* pool = role == 0 ? a.k_cache : a.v_cache;
+      const float* scales = role == 0 ? a.k_scale : a.v_scale;
+      void* out = role == 0 ? a.k_out : a.v_out;
+      const int64_t dst = (role == 0 ? k_dst : v_dst) + t * dst_row_stride;
+      const int64_t off = L.offset(block, h, pos);
+      if (kind == KVKind::kFull) {  // full-precision side of a mixed pair: the pool has out's dtype
+        for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, load_as_float(pool, off + d, a.out_dtype));
+        continue;
+      }
+      const float scale = has_token_scales(kind) ? scales[L.row_index(block, h, pos)] : scales[h];
+      const void* codes = static_cast<const char*>(pool) + off;
+      for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, dequantize(codes, d, kind, scale));
+    }
+  }
+}
+
+/// Padded and ragged gathers from quantized pools. Work item i = b * num_kv_heads + h.
+inline void gather_padded_dequantized(const GatherArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, h = i % H, len = a.seq_lens[b];
+    gather_head_dequantized(a, b, h, len, i * a.max_len * D, i * a.max_len * D, D);
+    for (int64_t e = len * D; e < a.max_len * D; ++e) {
+      store_from_float(a.k_out, i * a.max_len * D + e, a.out_dtype, 0.f);
+      store_from_float(a.v_out, i * a.max_len * D + e, a.out_dtype, 0.f);
+    }
+  }
+}
+
+inline void gather_ragged_dequantized(const GatherArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, h = i % H;
+    const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
+    gather_head_dequantized(a, b, h, len, (start * H + h) * D, (start * H + h) * D, H * D);
   }
 }
 

@@ -21,29 +21,46 @@ void check_on_cuda(const at::Tensor& t, const char* name) {
 }
 
 void append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                 const at::Tensor& slot_mapping) {
+                 const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                 const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
   check_on_cuda(k_cache, "k_cache");
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping);
-  check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()), "append");
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (f.quantized()) {
+    const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
+    check_launch(cuda::launch_append_quantized(a, elem, stream), "append");
+    return;
+  }
+  check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), stream), "append");
 }
 
 void paged_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                       const at::Tensor& seq_lens, at::Tensor& k_out, at::Tensor& v_out) {
+                       const at::Tensor& seq_lens, at::Tensor& k_out, at::Tensor& v_out,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       int64_t k_format, int64_t v_format) {
   check_on_cuda(k_cache, "k_cache");
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out);
-  check_launch(cuda::launch_gather_padded(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()),
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out, f);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/false, stream)
+                             : cuda::launch_gather_padded(a, kv_element_bytes(k_cache), stream),
                "paged_gather");
 }
 
 void paged_gather_ragged_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& cu_seq_lens, at::Tensor& k_out,
-                              at::Tensor& v_out) {
+                              at::Tensor& v_out, const std::optional<at::Tensor>& k_scale,
+                              const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
   check_on_cuda(k_cache, "k_cache");
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out);
-  check_launch(cuda::launch_gather_ragged(a, kv_element_bytes(k_cache), c10::cuda::getCurrentCUDAStream()),
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out, f);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/true, stream)
+                             : cuda::launch_gather_ragged(a, kv_element_bytes(k_cache), stream),
                "paged_gather_ragged");
 }
 

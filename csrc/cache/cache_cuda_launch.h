@@ -11,6 +11,9 @@ namespace kvcache::cuda {
 cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stream);
 cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream_t stream);
 cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream_t stream);
+/// Quantizing append / dequantizing gathers (any KVKind on either side).
+cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStream_t stream);
+cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStream_t stream);
 /// `a.pairs` must point to device memory here.
 cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream);
 

@@ -1,9 +1,13 @@
 // CUDA kernels of the cache ops. They cannot be run on the development machines (no GPU), so they
 // stay as plain as possible: one thread per element, the same PagedLayout accessors as the CPU
 // kernels, integer math in int64, and every launch checked.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "cache/cache_cuda_launch.h"
+#include "core/quant.h"
 
 namespace kvcache::cuda {
 namespace {
@@ -103,6 +107,108 @@ __global__ void copy_blocks_kernel(BlockCopyArgs a) {
   }
 }
 
+__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+/// Quantizing append: one warp per (token, kv head) row; lanes stride over head_dim. A full-precision
+/// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
+__global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
+  const PagedLayout L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.batch * a.q_len * H) return;  // whole warps exit together
+  const int64_t h = row % H, token = row / H, b = token / a.q_len, q = token % a.q_len;
+  const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
+  if (slot < 0) return;
+  const int64_t block = L.block_of(slot), pos = L.offset_in_page(slot), off = L.offset(block, h, pos);
+  for (int role = 0; role < 2; ++role) {
+    const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+    const void* src = role == 0 ? a.key : a.value;
+    const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
+    char* pool = static_cast<char*>(role == 0 ? a.k_cache : a.v_cache);
+    float* scales = role == 0 ? a.k_scale : a.v_scale;
+    const int64_t base = b * st[0] + h * st[1] + q * st[2];
+    if (kind == KVKind::kFull) {
+      for (int64_t d = lane; d < D; d += 32) {
+        for (int k = 0; k < elem_bytes; ++k) {
+          pool[(off + d) * elem_bytes + k] = static_cast<const char*>(src)[(base + d * st[3]) * elem_bytes + k];
+        }
+      }
+    } else if (kind == KVKind::kInt8) {
+      float amax = 0.f;
+      for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(load_any(src, base + d * st[3], a.in_dtype)));
+      amax = warp_max(amax);
+      const float inv = quant::int8_inv_scale(amax);
+      for (int64_t d = lane; d < D; d += 32) {
+        reinterpret_cast<int8_t*>(pool)[off + d] = quant::int8_encode(load_any(src, base + d * st[3], a.in_dtype), inv);
+      }
+      if (lane == 0) scales[L.row_index(block, h, pos)] = quant::int8_scale(amax);
+    } else {
+      const quant::Fp8Spec spec = kind == KVKind::kFp8E4M3 ? quant::kE4M3 : quant::kE5M2;
+      const float inv = 1.f / scales[h];
+      for (int64_t d = lane; d < D; d += 32) {
+        reinterpret_cast<uint8_t*>(pool)[off + d] = quant::fp8_encode(load_any(src, base + d * st[3], a.in_dtype) * inv, spec);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float dequantize(const char* pool, int64_t off, int64_t d, KVKind kind, float scale,
+                                            DType full_dtype) {
+  switch (kind) {
+    case KVKind::kFull: return load_any(pool, off + d, full_dtype);
+    case KVKind::kInt8: return quant::int8_decode(reinterpret_cast<const int8_t*>(pool)[off + d], scale);
+    case KVKind::kFp8E4M3: return quant::fp8_decode(reinterpret_cast<const uint8_t*>(pool)[off + d], quant::kE4M3) * scale;
+    default: return quant::fp8_decode(reinterpret_cast<const uint8_t*>(pool)[off + d], quant::kE5M2) * scale;
+  }
+}
+
+/// Dequantizing gather. grid.x = batch * num_kv_heads; threads stride over (token, dim) of the sequence.
+/// Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged: [total, H, D].
+__global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
+  const PagedLayout L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
+  const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
+  const int64_t rows = ragged ? len : a.max_len;
+  const int32_t* table = a.block_table + b * a.table_stride;
+  for (int64_t i = threadIdx.x; i < rows * D; i += blockDim.x) {
+    const int64_t t = i / D, d = i % D;
+    const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
+    if (t >= len) {
+      store_any(a.k_out, dst, a.out_dtype, 0.f);
+      store_any(a.v_out, dst, a.out_dtype, 0.f);
+      continue;
+    }
+    const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
+    const int64_t r = L.row_index(block, h, pos);
+    const float ks = a.k_kind == KVKind::kInt8 ? a.k_scale[r] : (a.k_kind == KVKind::kFull ? 1.f : a.k_scale[h]);
+    const float vs = a.v_kind == KVKind::kInt8 ? a.v_scale[r] : (a.v_kind == KVKind::kFull ? 1.f : a.v_scale[h]);
+    store_any(a.k_out, dst, a.out_dtype, dequantize(static_cast<const char*>(a.k_cache), off, d, a.k_kind, ks, a.out_dtype));
+    store_any(a.v_out, dst, a.out_dtype, dequantize(static_cast<const char*>(a.v_cache), off, d, a.v_kind, vs, a.out_dtype));
+  }
+}
+
 unsigned grid_y(int64_t rows) {
   const int64_t chunks = (rows + kRowsPerCta - 1) / kRowsPerCta;
   return static_cast<unsigned>(chunks < 1 ? 1 : (chunks > kMaxGridY ? kMaxGridY : chunks));
@@ -147,6 +253,22 @@ cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream
   } else {
     gather_ragged_kernel<uint16_t><<<grid, threads, 0, stream>>>(a);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStream_t stream) {
+  const int64_t rows = a.batch * a.q_len * a.layout.num_kv_heads;
+  if (rows == 0) return cudaSuccess;
+  const int warps_per_block = kThreads / 32;
+  append_quantized_kernel<<<static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), kThreads, 0, stream>>>(
+      a, elem_bytes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStream_t stream) {
+  const int64_t bh = a.batch * a.layout.num_kv_heads;
+  if (bh == 0) return cudaSuccess;
+  gather_dequantized_kernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(a, ragged);
   return cudaGetLastError();
 }
 

@@ -23,12 +23,18 @@ std::vector<int64_t> to_int64(const at::Tensor& host_int32) {
   return std::vector<int64_t>(p, p + host_int32.numel());
 }
 
-void check_out_pair(const at::Tensor& k_out, const at::Tensor& v_out, const at::Tensor& k_cache) {
+void check_out_pair(const at::Tensor& k_out, const at::Tensor& v_out, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const PoolFormats& f) {
   TORCH_CHECK_VALUE(k_out.sizes() == v_out.sizes(), "k_out has shape ", k_out.sizes(),
                     " but v_out has shape ", v_out.sizes(), "; they must match");
-  TORCH_CHECK_TYPE(k_out.scalar_type() == k_cache.scalar_type() && v_out.scalar_type() == k_cache.scalar_type(),
+  // Full-precision pools gather bit for bit into their own dtype; quantized pools dequantize into any
+  // float dtype (k_out and v_out alike).
+  const at::Tensor& full = f.k_kind == KVKind::kFull ? k_cache : v_cache;
+  const bool any_full = f.k_kind == KVKind::kFull || f.v_kind == KVKind::kFull;
+  TORCH_CHECK_TYPE(is_kv_dtype(k_out.scalar_type()) && v_out.scalar_type() == k_out.scalar_type() &&
+                       (!any_full || k_out.scalar_type() == full.scalar_type()),
                    "k_out/v_out have dtypes ", k_out.scalar_type(), "/", v_out.scalar_type(),
-                   " but the cache holds ", k_cache.scalar_type());
+                   " but the cache holds ", full.scalar_type());
   KVC_CHECK_SAME_DEVICE(k_out, k_cache);
   KVC_CHECK_SAME_DEVICE(v_out, k_cache);
   KVC_CHECK_CONTIGUOUS(k_out);
@@ -43,6 +49,22 @@ void check_block_table_tensor(const at::Tensor& block_tables, const at::Tensor& 
                     "block_tables must have unit stride along its last dimension (strides ",
                     block_tables.strides(), ")");
   if (batch_hint >= 0) KVC_CHECK_SIZE(block_tables, 0, batch_hint, "the batch size");
+}
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    default: return DType::kBFloat16;
+  }
+}
+
+void set_gather_formats(GatherArgs& a, const at::Tensor& k_out, const PoolFormats& f) {
+  a.out_dtype = dtype_of(k_out);
+  a.k_kind = f.k_kind;
+  a.v_kind = f.v_kind;
+  a.k_scale = f.k_kind != KVKind::kFull ? (*f.k_scale)->data_ptr<float>() : nullptr;
+  a.v_scale = f.v_kind != KVKind::kFull ? (*f.v_scale)->data_ptr<float>() : nullptr;
 }
 
 }  // namespace
@@ -69,14 +91,93 @@ PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
 }
 
+PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
+  for (const auto& [name, f] : {std::pair<const char*, int64_t>{"k_format", k_format}, {"v_format", v_format}}) {
+    TORCH_CHECK_VALUE(f >= 0 && f < kNumKVKinds, name, " = ", f,
+                      " is not a storage format (0 full precision, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2)");
+  }
+  PoolFormats p;
+  p.k_kind = static_cast<KVKind>(k_format);
+  p.v_kind = static_cast<KVKind>(v_format);
+  p.k_scale = &k_scale;
+  p.v_scale = &v_scale;
+  return p;
+}
+
+namespace {
+
+void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const std::optional<at::Tensor>* scale,
+                    const char* scale_name) {
+  const auto dt = pool.scalar_type();
+  switch (kind) {
+    case KVKind::kFull:
+      TORCH_CHECK_TYPE(is_kv_dtype(dt), name, " has dtype ", dt, "; a full-precision pool holds float32, float16 or bfloat16");
+      break;
+    case KVKind::kInt8:
+      TORCH_CHECK_TYPE(dt == at::kChar, name, " has dtype ", dt, "; an int8 pool holds int8 codes");
+      break;
+    default:
+      TORCH_CHECK_TYPE(dt == at::kByte || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2, name, " has dtype ", dt,
+                       "; an fp8 pool holds uint8 (or float8) codes");
+  }
+  const bool has_scale = scale != nullptr && scale->has_value();
+  if (kind == KVKind::kFull) {
+    TORCH_CHECK_VALUE(!has_scale, scale_name, " was given but ", name, " is full precision");
+    return;
+  }
+  TORCH_CHECK_VALUE(has_scale, name, " is quantized and needs ", scale_name);
+  const at::Tensor& s = **scale;
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, scale_name, " must have dtype Float but has ", s.scalar_type());
+  KVC_CHECK_SAME_DEVICE(s, pool);
+  TORCH_CHECK_VALUE(s.is_contiguous(), scale_name, " must be contiguous");
+  if (has_token_scales(kind)) {
+    TORCH_CHECK_VALUE(s.dim() == 3 && s.size(0) == pool.size(0) && s.size(1) == pool.size(1) && s.size(2) == pool.size(2),
+                      scale_name, " has shape ", s.sizes(), " but int8 keeps one scale per row: [num_blocks, num_kv_heads, page_size] = ",
+                      pool.sizes().slice(0, 3));
+  } else {
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == pool.size(1), scale_name, " has shape ", s.sizes(),
+                      " but fp8 keeps one scale per kv head: [", pool.size(1), "]");
+  }
+}
+
+}  // namespace
+
+PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const PoolFormats& f) {
+  if (!f.quantized()) {
+    for (const auto* s : {f.k_scale, f.v_scale}) {
+      TORCH_CHECK_VALUE(s == nullptr || !s->has_value(), (s == f.k_scale ? "k_scale" : "v_scale"),
+                        " was given but the pools are full precision (k_format = v_format = 0)");
+    }
+    return check_pools(k_cache, v_cache);
+  }
+  KVC_CHECK_DIM(k_cache, 4);
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache has shape ", k_cache.sizes(),
+                    " but v_cache has shape ", v_cache.sizes(), "; the K and V pools must match");
+  KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
+  KVC_CHECK_CONTIGUOUS(k_cache);
+  KVC_CHECK_CONTIGUOUS(v_cache);
+  check_one_pool(k_cache, "k_cache", f.k_kind, f.k_scale, "k_scale");
+  check_one_pool(v_cache, "v_cache", f.v_kind, f.v_scale, "v_scale");
+  if (f.k_kind == KVKind::kFull && f.v_kind == KVKind::kFull) return check_pools(k_cache, v_cache);
+  const int64_t page_size = k_cache.size(2);
+  TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
+                    " must be a power of two from 1 to ", kMaxPageSize);
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, "k_cache has shape ", k_cache.sizes(),
+                    "; num_kv_heads and head_dim must be positive");
+  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
+}
+
 AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  const PagedLayout layout = check_pools(k_cache, v_cache);
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping, const PoolFormats& f) {
+  const PagedLayout layout = check_formatted_pools(k_cache, v_cache, f);
   KVC_CHECK_DIM(key, 4);
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
                     key.sizes(), "; both are [batch, num_kv_heads, q_len, head_dim]");
-  KVC_CHECK_DTYPE(key, k_cache.scalar_type());
-  KVC_CHECK_DTYPE(value, k_cache.scalar_type());
+  if (f.k_kind == KVKind::kFull) KVC_CHECK_DTYPE(key, k_cache.scalar_type());
+  if (f.v_kind == KVKind::kFull) KVC_CHECK_DTYPE(value, v_cache.scalar_type());
+  TORCH_CHECK_TYPE(is_kv_dtype(key.scalar_type()), "key has dtype ", key.scalar_type(), "; supported: float32, float16, bfloat16");
+  KVC_CHECK_DTYPE(value, key.scalar_type());
   KVC_CHECK_SAME_DEVICE(key, k_cache);
   KVC_CHECK_SAME_DEVICE(value, k_cache);
   KVC_CHECK_SIZE(key, 1, layout.num_kv_heads, "num_kv_heads of the cache");
@@ -107,19 +208,25 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
   a.layout = layout;
+  a.in_dtype = dtype_of(key);
+  a.k_kind = f.k_kind;
+  a.v_kind = f.v_kind;
+  a.k_scale = f.k_kind != KVKind::kFull ? (*f.k_scale)->data_ptr<float>() : nullptr;
+  a.v_scale = f.v_kind != KVKind::kFull ? (*f.v_scale)->data_ptr<float>() : nullptr;
   return a;
 }
 
 GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                          const at::Tensor& seq_lens, const at::Tensor& k_out, const at::Tensor& v_out) {
-  const PagedLayout layout = check_pools(k_cache, v_cache);
+                          const at::Tensor& seq_lens, const at::Tensor& k_out, const at::Tensor& v_out,
+                          const PoolFormats& f) {
+  const PagedLayout layout = check_formatted_pools(k_cache, v_cache, f);
   KVC_CHECK_DIM(seq_lens, 1);
   KVC_CHECK_DTYPE(seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
   const int64_t batch = seq_lens.size(0);
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 4);
-  check_out_pair(k_out, v_out, k_cache);
+  check_out_pair(k_out, v_out, k_cache, v_cache, f);
   KVC_CHECK_SIZE(k_out, 0, batch, "the batch size (len(seq_lens))");
   KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
   KVC_CHECK_SIZE(k_out, 3, layout.head_dim, "head_dim of the cache");
@@ -141,13 +248,14 @@ GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, 
   a.max_len = k_out.size(2);
   a.k_out = k_out.data_ptr();
   a.v_out = v_out.data_ptr();
+  set_gather_formats(a, k_out, f);
   return a;
 }
 
 GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& block_tables, const at::Tensor& cu_seq_lens,
-                                 const at::Tensor& k_out, const at::Tensor& v_out) {
-  const PagedLayout layout = check_pools(k_cache, v_cache);
+                                 const at::Tensor& k_out, const at::Tensor& v_out, const PoolFormats& f) {
+  const PagedLayout layout = check_formatted_pools(k_cache, v_cache, f);
   KVC_CHECK_DIM(cu_seq_lens, 1);
   KVC_CHECK_DTYPE(cu_seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(cu_seq_lens, k_cache);
@@ -155,7 +263,7 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t batch = cu_seq_lens.size(0) - 1;
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 3);
-  check_out_pair(k_out, v_out, k_cache);
+  check_out_pair(k_out, v_out, k_cache, v_cache, f);
   KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
   KVC_CHECK_SIZE(k_out, 2, layout.head_dim, "head_dim of the cache");
 
@@ -178,6 +286,7 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
   a.cu_seq_lens = cu_seq_lens.data_ptr<int32_t>();
   a.k_out = k_out.data_ptr();
   a.v_out = v_out.data_ptr();
+  set_gather_formats(a, k_out, f);
   return a;
 }
 

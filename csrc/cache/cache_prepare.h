@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "cache/cache_args.h"
 
 namespace kvcache {
@@ -11,16 +13,30 @@ namespace kvcache {
 /// Checks a K/V pool pair ([num_blocks, num_kv_heads, page_size, head_dim] each) and returns its layout.
 PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache);
 
+/// The storage format of the K and V pools of a call: kinds (core/kv_format.h) and scale tensors.
+struct PoolFormats {
+  KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
+  const std::optional<at::Tensor>* k_scale = nullptr;
+  const std::optional<at::Tensor>* v_scale = nullptr;
+  bool quantized() const { return k_kind != KVKind::kFull || v_kind != KVKind::kFull; }
+};
+
+PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale);
+
+/// check_pools for any storage format: codes dtypes, scale tensors' dtype/shape/device.
+PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const PoolFormats& f);
+
 AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping, const PoolFormats& f = {});
 
 GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& k_out, const at::Tensor& v_out);
+                          const at::Tensor& k_out, const at::Tensor& v_out, const PoolFormats& f = {});
 
 GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& block_tables, const at::Tensor& cu_seq_lens,
-                                 const at::Tensor& k_out, const at::Tensor& v_out);
+                                 const at::Tensor& k_out, const at::Tensor& v_out, const PoolFormats& f = {});
 
 /// copy_blocks (src == dst pools) and swap_blocks (src and dst pools may live on different devices).
 /// `block_mapping` must be the CPU copy of the mapping; its pointer goes into the result.

@@ -56,6 +56,11 @@ struct PagedLayout {
   KVC_HOST_DEVICE int64_t offset(int64_t block, int64_t head, int64_t pos) const {
     return block * block_stride() + head * head_stride() + pos * head_dim;
   }
+  /// Index of the (block, head, position) row among all rows of the pool: where a per-token scale of
+  /// that row lives in a [num_blocks, num_kv_heads, page_size] tensor.
+  KVC_HOST_DEVICE int64_t row_index(int64_t block, int64_t head, int64_t pos) const {
+    return (block * num_kv_heads + head) * page_size + pos;
+  }
   /// Element offset of the head_dim values of one kv head at one slot.
   KVC_HOST_DEVICE int64_t slot_offset(int64_t slot, int64_t head) const {
     return offset(block_of(slot), head, offset_in_page(slot));

@@ -18,6 +18,7 @@ _C = load_extension()  # registers torch.ops.kvcache.*; must precede any Python-
 from . import formats, memory, ops, quant, reference  # noqa: E402
 from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
+from .pool import KVPool  # noqa: E402
 from .ops import (  # noqa: E402
     append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
 )
@@ -28,6 +29,7 @@ build_info: dict = dict(_C.build_info)
 __all__ = [
     "CacheFormat",
     "KVFormat",
+    "KVPool",
     "PageLayout",
     "append",
     "build_info",

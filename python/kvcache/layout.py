@@ -88,7 +88,9 @@ class PageLayout:
         if k_cache.dim() != 4:
             raise ValueError(f"k_cache must be [num_blocks, num_kv_heads, page_size, head_dim], got {tuple(k_cache.shape)}")
         n, h, p, d = k_cache.shape
-        return cls(num_blocks=n, page_size=p, num_kv_heads=h, head_dim=d, dtype=k_cache.dtype)
+        # Codes of quantized pools (and float64 pools in tests) have other dtypes; the geometry is what counts.
+        dtype = k_cache.dtype if k_cache.dtype in SUPPORTED_DTYPES else torch.float32
+        return cls(num_blocks=n, page_size=p, num_kv_heads=h, head_dim=d, dtype=dtype)
 
     # ---- slots --------------------------------------------------------------------------------
     def slot(self, block: int | torch.Tensor, offset: int | torch.Tensor) -> int | torch.Tensor:

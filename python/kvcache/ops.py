@@ -13,7 +13,8 @@ _ops = torch.ops.kvcache
 
 
 def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           slot_mapping: torch.Tensor) -> None:
+           slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+           k_format: int = 0, v_format: int = 0) -> None:
     """Writes the K/V of new tokens into the page pools.
 
     Args:
@@ -21,6 +22,8 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
             them over), same dtype as the pools.
         k_cache, v_cache: pools ``[num_blocks, num_kv_heads, page_size, head_dim]``, written in place.
         slot_mapping: ``[batch, q_len]`` int64; ``slot = block_id * page_size + offset``, -1 skips a token.
+        k_scale, v_scale, k_format, v_format: quantized storage (see :class:`kvcache.KVPool`, which passes
+            them for you): K/V are quantized on the way in, int8 scales written per row.
 
     >>> import torch, kvcache
     >>> k_cache, v_cache = kvcache.PageLayout(2, 4, 1, 8, torch.float32).allocate(fill=0.0)
@@ -29,12 +32,14 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
     >>> k_cache[1, 0, 1].tolist() == [1.0] * 8, float(v_cache.sum())
     (True, 16.0)
     """
-    _ops.append.default(key, value, k_cache, v_cache, slot_mapping)
+    _ops.append.default(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_format, v_format)
 
 
 def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_len: int | None = None, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, k_format: int = 0,
+                 v_format: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Gathers each sequence's pages into padded ``[batch, num_kv_heads, max_len, head_dim]`` K and V.
 
     Rows past a sequence's length are zero. ``block_tables`` is ``[batch, max_blocks]`` int32 and
@@ -53,14 +58,18 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
         shape = (seq_lens.shape[0], heads, max_len, dim)
-        out = (k_cache.new_empty(shape), v_cache.new_empty(shape))
-    _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1])
+        dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
+        out = (k_cache.new_empty(shape, dtype=dtype), v_cache.new_empty(shape, dtype=dtype))
+    _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1], k_scale, v_scale, k_format,
+                              v_format)
     return out
 
 
 def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         cu_seq_lens: torch.Tensor, *,
-                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None, k_format: int = 0,
+                        v_format: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Gathers the pages into packed ``[total_tokens, num_kv_heads, head_dim]`` K and V.
 
     Sequence ``b`` occupies rows ``cu_seq_lens[b]:cu_seq_lens[b + 1]`` (``cu_seq_lens`` is
@@ -69,8 +78,10 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     if out is None:
         total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        out = (k_cache.new_empty((total, heads, dim)), v_cache.new_empty((total, heads, dim)))
-    _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1])
+        dtype = k_cache.dtype if k_format == 0 else torch.float32
+        out = (k_cache.new_empty((total, heads, dim), dtype=dtype), v_cache.new_empty((total, heads, dim), dtype=dtype))
+    _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
+                                     k_format, v_format)
     return out
 
 
@@ -93,7 +104,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float | None = None, *,
                     window_left: int = -1, sink_tokens: int = 0, softcap: float = 0.0,
                     return_lse: bool = False, out: torch.Tensor | None = None,
-                    lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, k_format: int = 0,
+                    v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a ragged batch of queries straight over the pages (decode and chunked prefill alike).
 
     Args:
@@ -119,7 +132,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if return_lse and lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     _ops.paged_attention.default(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale),
-                                 int(window_left), int(sink_tokens), float(softcap), out, lse)
+                                 int(window_left), int(sink_tokens), float(softcap), out, lse, k_scale, v_scale,
+                                 k_format, v_format)
     return (out, lse) if return_lse else out
 
 

@@ -23,12 +23,18 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
+def _div(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """numerator / t, correctly rounded like C++'s fp32 division. (``float / tensor`` in PyTorch is
+    ``t.reciprocal() * float``: two roundings, which moves codes at exact ties.)"""
+    return torch.full_like(t, numerator) / t
+
+
 # ---- int8: symmetric, one scale per row (token, kv head) -----------------------------------------
 def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes int8 [..., d] and scales float32 [...] with ``x ~= codes * scale``."""
     x = _f32(x)
     amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
     codes = torch.round(x * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
     return codes, amax / 127.0
 
@@ -40,7 +46,7 @@ def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---- fp8: one scale per kv head ------------------------------------------------------------------
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | float, kind: str = "e4m3") -> torch.Tensor:
     """fp8 codes (as uint8 bit patterns) of ``x / scale``, rounded to nearest even, saturated."""
-    inv = 1.0 / torch.as_tensor(scale, dtype=torch.float32)
+    inv = _div(1.0, torch.as_tensor(scale, dtype=torch.float32))
     y = (_f32(x) * inv).clamp(-FP8_MAX[kind], FP8_MAX[kind])
     return y.to(FP8_DTYPES[kind]).view(torch.uint8)
 
@@ -62,7 +68,7 @@ def uint_quantize(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tens
     levels = float((1 << bits) - 1)
     mn = x.amin(dim=dim, keepdim=True)
     mx = x.amax(dim=dim, keepdim=True)
-    inv = torch.where(mx > mn, levels / (mx - mn), torch.zeros_like(mx))
+    inv = torch.where(mx > mn, _div(levels, mx - mn), torch.zeros_like(mx))
     codes = torch.round((x - mn) * inv).clamp(0, levels).to(torch.uint8)
     return codes, ((mx - mn) / levels).squeeze(dim), mn.squeeze(dim)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
 from .layout import PageLayout
 
 
@@ -131,3 +132,40 @@ def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_
     w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
     v_out.copy_(w_a * v_a.float() + w_b * v_b.float())
     lse_out.copy_(lse)
+
+
+# ---- quantized pools (kvcache.KVPool): format ids 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2 ----------------
+_FP8_KIND = {2: "e4m3", 3: "e5m2"}
+
+
+def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                     k_format: int, v_format: int) -> None:
+    """append into pools of any format: full precision copies, int8 / fp8 quantize with kvcache.quant."""
+    layout = PageLayout.of(k_cache) if k_format == 0 else None
+    n_slots = k_cache.shape[0] * k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    page = k_cache.shape[2]
+    block, offset = torch.div(slots, page, rounding_mode="floor"), slots % page
+    assert layout is None or n_slots == layout.num_slots
+    for x, pool, scale, fmt in ((key, k_cache, k_scale, k_format), (value, v_cache, v_scale, v_format)):
+        rows = x.transpose(1, 2)[keep]                                   # [n, kv_heads, head_dim]
+        if fmt == 0:
+            pool[block, :, offset, :] = rows
+        elif fmt == 1:
+            codes, row_scale = quant.int8_quantize(rows)
+            pool[block, :, offset, :] = codes
+            scale[block, :, offset] = row_scale
+        else:
+            per_head = scale.view(1, -1, 1)
+            pool[block, :, offset, :] = quant.fp8_quantize(rows, per_head, _FP8_KIND[fmt]).to(pool.dtype)
+
+
+def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor | None, fmt: int) -> torch.Tensor:
+    """The values a pool of any format stands for, in float32, shaped like the pool."""
+    if fmt == 0:
+        return pool.float()
+    if fmt == 1:
+        return quant.int8_dequantize(pool, scale)
+    return quant.fp8_dequantize(pool.view(torch.uint8), scale.view(1, -1, 1, 1), _FP8_KIND[fmt])

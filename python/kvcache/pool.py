@@ -1,0 +1,124 @@
+"""KVPool: the K/V pages of one layer in a storage format, with the tensors every op needs.
+
+>>> import torch, kvcache
+>>> pool = kvcache.KVPool.allocate(num_blocks=8, page_size=16, num_kv_heads=2, head_dim=64, format="int8")
+>>> pool.k.dtype, tuple(pool.k_scale.shape), str(pool.format)
+(torch.int8, (8, 2, 16), 'int8')
+>>> key = value = torch.randn(1, 2, 5, 64)
+>>> pool.append(key, value, torch.arange(5).view(1, 5))
+>>> k, v = pool.gather(torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
+>>> bool((k - key).abs().max() < 0.05)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .formats import CacheFormat, KVFormat
+from .layout import PageLayout
+from .quant import FP8_MAX
+
+# Storage kinds as the kernels number them (csrc/core/kv_format.h).
+_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+_FULL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def format_id(fmt: KVFormat) -> int:
+    """The kernels' number of a format (0 = full precision)."""
+    if not fmt.quantized:
+        return 0
+    if fmt.kind not in _KIND_IDS:
+        raise NotImplementedError(f"KV format {fmt} is not implemented by the kernels yet (int8 and fp8 are)")
+    return _KIND_IDS[fmt.kind]
+
+
+@dataclass
+class KVPool:
+    """One layer's pools: codes ``k``/``v`` ``[num_blocks, num_kv_heads, page_size, head_dim]`` and, for
+    quantized formats, ``k_scale``/``v_scale`` (int8: per row ``[num_blocks, num_kv_heads, page_size]``;
+    fp8: per kv head ``[num_kv_heads]``)."""
+
+    num_blocks: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    format: CacheFormat
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    _scales_set: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 format: "str | CacheFormat | torch.dtype" = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> "KVPool":
+        fmt = CacheFormat.parse(format)
+        layout = PageLayout(num_blocks, page_size, num_kv_heads, head_dim)  # validates the geometry
+        tensors = {}
+        for role, f in (("k", fmt.k), ("v", fmt.v)):
+            format_id(f)  # rejects formats the kernels do not implement yet
+            if not f.quantized:
+                codes = torch.empty(layout.shape, dtype=_FULL_DTYPES[f.kind], device=device)
+                scale = None
+            elif f.kind == "int8":
+                codes = torch.zeros(layout.shape, dtype=torch.int8, device=device)
+                scale = torch.zeros(layout.shape[:3], dtype=torch.float32, device=device)
+            else:  # fp8: one scale per kv head, given or computed from the first tokens
+                codes = torch.zeros(layout.shape, dtype=torch.uint8, device=device)
+                scale = torch.full((num_kv_heads,), f.scale or 1.0, dtype=torch.float32, device=device)
+            tensors[role], tensors[f"{role}_scale"] = codes, scale
+        pool = cls(num_blocks, page_size, num_kv_heads, head_dim, fmt, **tensors)
+        pool._scales_set = {"k": fmt.k.scale is not None, "v": fmt.v.scale is not None}
+        return pool
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self.num_blocks, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def op_kwargs(self) -> dict:
+        """The format arguments of append / paged_gather / paged_attention for this pool."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale,
+                "k_format": format_id(self.format.k), "v_format": format_id(self.format.v)}
+
+    # ---- ops -----------------------------------------------------------------------------------
+    def append(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Writes (quantizing) K/V ``[batch, kv_heads, q_len, head_dim]`` at ``slot_mapping``.
+
+        fp8 formats without a fixed scale take theirs from the first tokens appended: per kv head,
+        the absolute maximum mapped onto the format's largest value.
+        """
+        for role, x, f in (("k", key, self.format.k), ("v", value, self.format.v)):
+            if f.kind.startswith("fp8") and not self._scales_set[role] and x.numel():
+                amax = x.detach().float().abs().amax(dim=(0, 2, 3))
+                kind = f.kind.removeprefix("fp8_")
+                scale = torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
+                getattr(self, f"{role}_scale").copy_(scale)
+                self._scales_set[role] = True
+        ops.append(key, value, self.k, self.v, slot_mapping, **self.op_kwargs())
+
+    def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized padded K/V ``[batch, kv_heads, max_len, head_dim]`` (``dtype`` defaults to float32
+        for quantized pools, the pool's own dtype otherwise)."""
+        out_dtype = dtype or (self.k.dtype if not self.format.k.quantized else torch.float32)
+        if max_len is None:
+            max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        shape = (seq_lens.shape[0], self.num_kv_heads, max_len, self.head_dim)
+        out = (torch.empty(shape, dtype=out_dtype, device=self.k.device),
+               torch.empty(shape, dtype=out_dtype, device=self.k.device))
+        return ops.paged_gather(self.k, self.v, block_tables, seq_lens, out=out, **self.op_kwargs())
+
+    def attention(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  cu_q_lens: torch.Tensor, scale: float | None = None, **kwargs):
+        """:func:`kvcache.paged_attention` over this pool (K/V dequantized in registers)."""
+        return ops.paged_attention(query, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
+                                   **kwargs, **self.op_kwargs())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)

@@ -1,0 +1,182 @@
+"""Quantized pools (int8, fp8 e4m3/e5m2): append stores exactly the reference codes and scales, gather
+dequantizes exactly, attention reads the codes in registers within the attention tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import reference as ref
+from kvcache.pool import format_id
+
+from conftest import DEVICES
+
+FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8"]
+ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
+SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def isa(request):
+    before = kvcache._C.cpu_isa()
+    kvcache._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache._C.set_cpu_isa(before)
+
+
+def filled_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int, in_dtype: torch.dtype, device="cpu",
+                seed: int = 0):
+    """A pool holding `lens` tokens per sequence through shuffled block tables, appended in two steps
+    (a prefill and a decode token), plus the K/V that went in."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in lens]
+    pool = kvcache.KVPool.allocate(sum(pages) + 2, page, heads, dim, fmt, device)
+    perm = torch.randperm(pool.num_blocks, generator=g)
+    table = torch.full((len(lens), max(pages) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[start:start + p].to(torch.int32)
+        start += p
+    keys, values = [], []
+    for b, n in enumerate(lens):
+        k = (torch.randn(1, n, heads, dim, generator=g) * 2).to(in_dtype).transpose(1, 2)
+        v = torch.randn(1, n, heads, dim, generator=g).to(in_dtype).transpose(1, 2)
+        slots = pool.layout.token_slots(table[b], torch.arange(n)).view(1, n)
+        pool.append(k[:, :, :-1].to(device), v[:, :, :-1].to(device), slots[:, :-1].to(device))
+        pool.append(k[:, :, -1:].to(device), v[:, :, -1:].to(device), slots[:, -1:].to(device))
+        keys.append(k)
+        values.append(v)
+    return pool, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device), keys, values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
+    pool, table, lens, keys, values = filled_pool(fmt, [37, 5], page, 2, 64, in_dtype, device)
+    expect = kvcache.KVPool.allocate(pool.num_blocks, page, 2, 64, fmt)
+    for t_exp, t_got in ((expect.k_scale, pool.k_scale), (expect.v_scale, pool.v_scale)):
+        if t_exp is not None and t_exp.dim() == 1:
+            t_exp.copy_(t_got.cpu())  # fp8: the same per-head scale (taken from the first tokens)
+    for b, n in enumerate(lens.tolist()):
+        slots = pool.layout.token_slots(table[b].cpu(), torch.arange(n)).view(1, n)
+        ref.append_quantized(keys[b], values[b], expect.k, expect.v, slots, expect.k_scale, expect.v_scale,
+                             format_id(pool.format.k), format_id(pool.format.v))
+    used = table[table >= 0].long().cpu()
+    assert torch.equal(pool.k.cpu()[used], expect.k[used]), "K codes differ from the reference"
+    assert torch.equal(pool.v.cpu()[used], expect.v[used]), "V codes differ from the reference"
+    for got, exp in ((pool.k_scale, expect.k_scale), (pool.v_scale, expect.v_scale)):
+        if exp.dim() == 3:
+            assert torch.equal(got.cpu()[used], exp[used])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_dequantizes_exactly(fmt, device):
+    pool, table, lens, keys, values = filled_pool(fmt, [40, 17], 16, 2, 64, torch.float32, device)
+    k, v = pool.gather(table, lens, max_len=42)
+    deq_k = ref.dequantize_pool(pool.k.cpu(), None if pool.k_scale is None else pool.k_scale.cpu(), format_id(pool.format.k))
+    deq_v = ref.dequantize_pool(pool.v.cpu(), None if pool.v_scale is None else pool.v_scale.cpu(), format_id(pool.format.v))
+    k_ref, v_ref = torch.empty_like(k.cpu()), torch.empty_like(v.cpu())
+    ref.paged_gather(deq_k, deq_v, table.cpu(), lens.cpu(), k_ref, v_ref)
+    assert torch.equal(k.cpu(), k_ref) and torch.equal(v.cpu(), v_ref)
+    # and the values are close to what went in (quantization error only)
+    for b, n in enumerate(lens.tolist()):
+        tol = 0.02 if "int8" in str(pool.format.k) else 0.2
+        assert (k[b, :, :n].cpu() - keys[b][0]).abs().max() <= tol * keys[b].abs().max()
+    # ragged too
+    kr, vr = kvcache.paged_gather_ragged(pool.k, pool.v, table, torch.tensor([0, 40, 57], dtype=torch.int32, device=device),
+                                         **pool.op_kwargs())
+    assert torch.equal(kr[:40].cpu(), k_ref[0, :, :40].transpose(0, 1))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_reads_codes_in_registers(isa, fmt, q_dtype):
+    # decode + chunked prefill + window, checked against float64 attention on the dequantized values
+    pool, table, lens, _, _ = filled_pool(fmt, [300, 45], 16, 2, 128, torch.bfloat16)
+    q_lens = [1, 20]
+    q = torch.randn(sum(q_lens), 8, 128).to(q_dtype)
+    cu = torch.tensor([0, 1, 21], dtype=torch.int32)
+    deq = [ref.dequantize_pool(t, s, format_id(f)) for t, s, f in
+           ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
+    for window in (-1, 50):
+        out, lse = pool.attention(q, table, lens, cu, window_left=window, return_lse=True)
+        out64 = torch.zeros(q.shape, dtype=torch.float64)
+        lse64 = torch.zeros(q.shape[:2])
+        ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, 128 ** -0.5, window, 0, 0.0,
+                            out64, lse64, compute_dtype=torch.float64)
+        out_pt = torch.zeros_like(q)
+        ref.paged_attention(q, deq[0].to(q_dtype), deq[1].to(q_dtype), table, lens, cu, 128 ** -0.5, window, 0, 0.0,
+                            out_pt, None, compute_dtype=q_dtype)
+        pt_err = (out_pt.double() - out64).abs().max().item()
+        noise = 2 * (out64.to(q_dtype).double() - out64).abs().max().item()
+        err = (out.double() - out64).abs().max().item()
+        assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
+        assert torch.allclose(lse, lse64, atol=2e-3, rtol=1e-4)
+
+
+def test_int8_is_much_closer_than_fp8_and_within_bounds():
+    pool8, table, lens, keys, _ = filled_pool("int8", [64], 16, 2, 64, torch.float32)
+    pool_e5, *_ = filled_pool("fp8_e5m2", [64], 16, 2, 64, torch.float32)
+    k8 = pool8.gather(table, lens)[0][0]
+    k5 = pool_e5.gather(table, lens)[0][0]
+    rel = lambda a: ((a - keys[0][0]).norm() / keys[0][0].norm()).item()  # noqa: E731
+    assert rel(k8) < 0.01 < rel(k5) < 0.1
+
+
+# ---- opcheck ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["int8", "k=fp8_e4m3,v=int8"])
+def test_opcheck_quantized(fmt, device):
+    pool, table, lens, _, _ = filled_pool(fmt, [20, 9], 16, 2, 64, torch.float32, device)
+    kw = pool.op_kwargs()
+    key = torch.randn(1, 2, 3, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.append.default,
+                          (key, key.clone(), pool.k, pool.v, torch.tensor([[40, 41, 42]], device=device),
+                           kw["k_scale"], kw["v_scale"], kw["k_format"], kw["v_format"]))
+    out = torch.empty(2, 2, 20, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.paged_gather.default,
+                          (pool.k, pool.v, table, lens, out, out.clone(), kw["k_scale"], kw["v_scale"],
+                           kw["k_format"], kw["v_format"]))
+    q = torch.randn(2, 4, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.paged_attention.default,
+                          (q, pool.k, pool.v, table, lens, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+                           0.125, -1, 0, 0.0, torch.empty_like(q), None, kw["k_scale"], kw["v_scale"],
+                           kw["k_format"], kw["v_format"]))
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+def test_bad_quantized_arguments_write_nothing():
+    pool = kvcache.KVPool.allocate(4, 16, 2, 64, "int8")
+    key = torch.randn(1, 2, 3, 64)
+    slots = torch.tensor([[0, 1, 2]])
+    before = (pool.k.clone(), pool.k_scale.clone())
+    cases = [
+        (dict(k_scale=None), ValueError, r"k_cache is quantized and needs k_scale"),
+        (dict(k_scale=torch.zeros(4, 2, 8)), ValueError, r"k_scale has shape \[4, 2, 8\] but int8 keeps one scale per row"),
+        (dict(k_scale=torch.zeros(4, 2, 16, dtype=torch.float64)), TypeError, r"k_scale must have dtype Float"),
+        (dict(k_format=7), ValueError, r"k_format = 7 is not a storage format"),
+        (dict(k_format=0), TypeError, r"k_cache has dtype Char; a full-precision pool holds float32"),
+        (dict(k_format=2, k_scale=torch.ones(2)), TypeError, r"k_cache has dtype Char; an fp8 pool holds uint8"),
+    ]
+    for override, exc, match in cases:
+        kw = pool.op_kwargs() | override
+        with pytest.raises(exc, match=match):
+            kvcache.append(key, key, pool.k, pool.v, slots, **kw)
+        assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])
+    with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 64 is out of range"):
+        kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 64]]), **pool.op_kwargs())
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])
+    full = kvcache.PageLayout(4, 16, 2, 64, torch.float32).allocate(fill=0.0)
+    with pytest.raises(ValueError, match=r"both full precision or both quantized"):
+        kvcache.paged_attention(torch.randn(1, 4, 64), pool.k, full[1], torch.tensor([[0]], dtype=torch.int32),
+                                torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                k_scale=pool.k_scale, k_format=1)
+
+
+def test_unimplemented_formats_say_so():
+    with pytest.raises(NotImplementedError, match=r"KV format int4 is not implemented by the kernels yet"):
+        kvcache.KVPool.allocate(4, 16, 2, 64, "int4")
