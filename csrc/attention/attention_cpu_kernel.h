@@ -24,9 +24,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -166,13 +167,27 @@ struct ReadI8 {
   using Elem = int8_t;
   static constexpr bool kEvenOdd = false;
   // Codes only: the per-token scale multiplies the scores (K) or the probabilities (V), not each value.
+  // NOTE: intrinsics, as for fp16: GCC scalarizes a vector conversion of int8 (measured 2x slower).
+  static vf widen16(const Elem* p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+    vf v;
+    std::memcpy(&v, &lo, 32);
+    std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+    return v;
+#else
+    vf v;
+    for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+#endif
+  }
   static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
-    using v16i8 = int8_t __attribute__((vector_size(16)));
-    v16i8 x, y;
-    std::memcpy(&x, row + 32 * c, 16);
-    std::memcpy(&y, row + 32 * c + 16, 16);
-    a = __builtin_convertvector(__builtin_convertvector(x, vi), vf);
-    b = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
+    a = widen16(row + 32 * c);
+    b = widen16(row + 32 * c + 16);
   }
 };
 
@@ -185,13 +200,21 @@ struct ReadFp8 {
   static constexpr bool kEvenOdd = false;
   static constexpr float kFactor = kE4M3 ? 256.f : 1.f;
   static vf widen16(const Elem* p) {
-    using v16u8 = uint8_t __attribute__((vector_size(16)));
-    using v16u16 = uint16_t __attribute__((vector_size(32)));
-    v16u8 x;
-    std::memcpy(&x, p, 16);
-    const v16u16 w = __builtin_convertvector(x, v16u16);
-    const v16u16 h = kE4M3 ? (v16u16)(((w & 0x7f) << 7) | ((w & 0x80) << 8)) : (v16u16)(w << 8);
-    return ReadF16::widen16(reinterpret_cast<const uint16_t*>(&h));
+#if defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = kE4M3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8))
+                            : _mm256_slli_epi16(w, 8);
+    alignas(32) uint16_t bits[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bits), h);
+#else
+    uint16_t bits[16];
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t w = p[i];
+      bits[i] = kE4M3 ? static_cast<uint16_t>(((w & 0x7f) << 7) | ((w & 0x80) << 8)) : static_cast<uint16_t>(w << 8);
+    }
+#endif
+    return ReadF16::widen16(bits);
   }
   static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
     a = widen16(row + 32 * c);
@@ -316,14 +339,32 @@ struct ScoreFma {
 };
 
 #ifdef __AVX512BF16__
+/// 32 values of a row as bf16, in natural order: bf16 pools load as they are; int8 and fp8 codes widen
+/// to fp32 and pack to bf16, which is exact (int8 codes and fp8 values have at most 8 significant bits).
+template <class Read>
+struct Bf16Chunks {
+  using Elem = typename Read::Elem;
+  static __m512i load(const Elem* row, int64_t c) {
+    if constexpr (std::is_same_v<Read, ReadBF16>) {
+      return _mm512_loadu_si512(row + 32 * c);
+    } else {
+      static_assert(!Read::kEvenOdd, "packing assumes natural order");
+      vf a, b;
+      Read::chunk(row, c, a, b);
+      return (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);  // a -> dims 0..15, b -> 16..31
+    }
+  }
+};
+
 /// bfloat16 queries and keys: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so K
 /// needs no widening at all. The query stays unscaled (its bf16 values exact); scores are scaled after.
-struct ScoreDpBf16 {
+template <class KRead = ReadBF16>
+struct ScoreDp {
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits, natural order, in the fp32 buffer
     for (int64_t d = 0; d < a.layout.head_dim; ++d) qb[d] = static_cast<const uint16_t*>(a.query)[base + d * a.q_strides[2]];
   }
-  static void scores(const float* q, int64_t D, const uint16_t* const* krow, float scale, vf rows[4]) {
+  static void scores(const float* q, int64_t D, const typename KRead::Elem* const* krow, float scale, vf rows[4]) {
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
     vf quad[4];
     for (int g = 0; g < 4; ++g) {
@@ -331,7 +372,7 @@ struct ScoreDpBf16 {
       for (auto& v : acc) v = _mm512_setzero_ps();
       for (int64_t c = 0; c < D / 32; ++c) {
         for (int j = 0; j < 4; ++j) {
-          const __m512bh k = (__m512bh)_mm512_loadu_si512(krow[4 * g + j] + 32 * c);
+          const __m512bh k = (__m512bh)Bf16Chunks<KRead>::load(krow[4 * g + j], c);
           for (int r = 0; r < kRows; ++r) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
             acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], qv, k);
@@ -395,13 +436,14 @@ struct PvFma {
 /// probabilities rounded to bf16 as PyTorch's bf16 attention does. Outputs come out in the order of
 /// vpunpck{l,h}wd: in each 32-dim chunk, lane 4L + i of the first vector is dim 8L + i and of the
 /// second dim 8L + 4 + i.
-struct PvDpBf16 {
+template <class VRead = ReadBF16>
+struct PvDp {
   static int64_t storage(int64_t d) {
     const int64_t c = d / 32, j = d % 32, lane = j / 8, w = j % 8;
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
   }
-  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint16_t* const* vrow, int64_t n,
-                         Prefetcher& pf) {
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
+                         int64_t n, Prefetcher& pf) {
     alignas(64) uint32_t pairs[kRows][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
     for (int r = 0; r < kRows; ++r) {
       const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
@@ -416,8 +458,8 @@ struct PvDpBf16 {
       }
       for (int64_t jp = 0; jp < np; ++jp) {
         pf.step(2);
-        const __m512i v0 = _mm512_loadu_si512(vrow[2 * jp] + 32 * c);
-        const __m512i v1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 32 * c);
+        const __m512i v0 = Bf16Chunks<VRead>::load(vrow[2 * jp], c);
+        const __m512i v1 = Bf16Chunks<VRead>::load(vrow[2 * jp + 1], c);
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
         const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
         for (int r = 0; r < kRows; ++r) {
@@ -674,6 +716,10 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
   if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
     return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
       with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+#ifdef __AVX512BF16__
+        // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
+        if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
+#endif
         run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
       });
     });
@@ -685,7 +731,7 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
 #ifdef __AVX512BF16__
       // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
       if (a.q_dtype == DType::kBFloat16) {
-        return run_task_vec<ReadBF16, ReadBF16, ScoreDpBf16, PvDpBf16>(a, t, partial, scratch);
+        return run_task_vec<ReadBF16, ReadBF16, ScoreDp<>, PvDp<>>(a, t, partial, scratch);
       }
 #endif
       return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16>, PvFma<ReadBF16>>(a, t, partial, scratch);
