@@ -12,7 +12,7 @@ from kvcache.pool import format_id
 
 from conftest import DEVICES
 
-FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8"]
+FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4"]
 ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
 SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
 
@@ -68,7 +68,7 @@ def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
     assert torch.equal(pool.k.cpu()[used], expect.k[used]), "K codes differ from the reference"
     assert torch.equal(pool.v.cpu()[used], expect.v[used]), "V codes differ from the reference"
     for got, exp in ((pool.k_scale, expect.k_scale), (pool.v_scale, expect.v_scale)):
-        if exp.dim() == 3:
+        if exp.dim() >= 3:  # int8 row scales, int4 (scale, zero) pairs
             assert torch.equal(got.cpu()[used], exp[used])
 
 
@@ -84,7 +84,7 @@ def test_gather_dequantizes_exactly(fmt, device):
     assert torch.equal(k.cpu(), k_ref) and torch.equal(v.cpu(), v_ref)
     # and the values are close to what went in (quantization error only)
     for b, n in enumerate(lens.tolist()):
-        tol = 0.02 if "int8" in str(pool.format.k) else 0.2
+        tol = {"int8": 0.02, "int4": 0.15}.get(pool.format.k.kind, 0.2)
         assert (k[b, :, :n].cpu() - keys[b][0]).abs().max() <= tol * keys[b].abs().max()
     # ragged too
     kr, vr = kvcache.paged_gather_ragged(pool.k, pool.v, table, torch.tensor([0, 40, 57], dtype=torch.int32, device=device),
@@ -178,5 +178,19 @@ def test_bad_quantized_arguments_write_nothing():
 
 
 def test_unimplemented_formats_say_so():
-    with pytest.raises(NotImplementedError, match=r"KV format int4 is not implemented by the kernels yet"):
-        kvcache.KVPool.allocate(4, 16, 2, 64, "int4")
+    with pytest.raises(NotImplementedError, match=r"KV format kivi2 is not implemented by the kernels yet"):
+        kvcache.KVPool.allocate(4, 16, 2, 64, "kivi2")
+    with pytest.raises(NotImplementedError, match=r"KV format int4\(group=64\) is not implemented"):
+        kvcache.KVPool.allocate(4, 16, 2, 64, "int4(group=64)")
+
+
+def test_int4_pool_shapes_and_bad_scales():
+    pool = kvcache.KVPool.allocate(4, 16, 2, 64, "int4")
+    assert pool.k.shape == (4, 2, 16, 32) and pool.k.dtype == torch.uint8
+    assert pool.k_scale.shape == (4, 2, 16, 2, 2) and pool.k_scale.dtype == torch.float16
+    key = torch.randn(1, 2, 3, 64)
+    kw = pool.op_kwargs()
+    with pytest.raises(TypeError, match=r"k_scale must have dtype Half \(int4 \(scale, zero\) pairs\)"):
+        kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(kw | {"k_scale": pool.k_scale.float()}))
+    with pytest.raises(ValueError, match=r"but int4 keeps a \(scale, zero\) pair per 32 dims: \[4, 2, 16, 2, 2\]"):
+        kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(kw | {"k_scale": pool.k_scale[..., :1, :].contiguous()}))

@@ -120,7 +120,7 @@ inline vf reduce16(const vf acc[16]) {
 struct ReadF32 {
   using Elem = float;
   static constexpr bool kEvenOdd = false;
-  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+  static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
     a = loadv(row + 32 * c);
     b = loadv(row + 32 * c + 16);
   }
@@ -147,7 +147,7 @@ struct ReadF16 {
     return __builtin_convertvector(x, vf);
 #endif
   }
-  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+  static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
     a = widen16(row + 32 * c);
     b = widen16(row + 32 * c + 16);
   }
@@ -155,7 +155,7 @@ struct ReadF16 {
 struct ReadBF16 {
   using Elem = uint16_t;
   static constexpr bool kEvenOdd = true;  // a = even dims, b = odd dims of the 32
-  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+  static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
     vu x;
     std::memcpy(&x, row + 32 * c, sizeof x);
     a = (vf)(x << 16);
@@ -185,7 +185,7 @@ struct ReadI8 {
     return v;
 #endif
   }
-  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+  static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
     a = widen16(row + 32 * c);
     b = widen16(row + 32 * c + 16);
   }
@@ -216,11 +216,43 @@ struct ReadFp8 {
 #endif
     return ReadF16::widen16(bits);
   }
-  static void chunk(const Elem* row, int64_t c, vf& a, vf& b) {
+  static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
     a = widen16(row + 32 * c);
     b = widen16(row + 32 * c + 16);
   }
 };
+
+/// int4 (asymmetric, groups of 32 along head_dim): two codes per byte, the even dim in the low nibble;
+/// `meta` points at the row's (scale, zero) fp16 pairs, one pair per group = per 32-dim chunk.
+struct ReadI4 {
+  using Elem = uint8_t;
+  static constexpr bool kEvenOdd = true;  // a = even dims (low nibbles), b = odd dims (high nibbles)
+  static constexpr int kDimsPerElem = 2;
+  static void chunk(const Elem* row, const uint16_t* meta, int64_t c, vf& a, vf& b) {
+    alignas(64) int32_t lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t byte = row[16 * c + i];
+      lo[i] = byte & 15;
+      hi[i] = byte >> 4;
+    }
+    vi l, h;
+    std::memcpy(&l, lo, 64);
+    std::memcpy(&h, hi, 64);
+    const float scale = fp16_to_float(meta[2 * c]), zero = fp16_to_float(meta[2 * c + 1]);
+    a = __builtin_convertvector(l, vf) * scale + zero;
+    b = __builtin_convertvector(h, vf) * scale + zero;
+  }
+};
+
+/// Dims per stored element (2 for packed int4), and a row's first element from a dim offset.
+template <class Read>
+constexpr int64_t dims_per_elem() {
+  if constexpr (requires { Read::kDimsPerElem; }) {
+    return Read::kDimsPerElem;
+  } else {
+    return 1;
+  }
+}
 
 /// Position of dim d in storage order.
 template <class Read>
@@ -318,7 +350,8 @@ struct ScoreFma {
       q_row[storage_index<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
     }
   }
-  static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow, float /*scale*/, vf rows[4]) {
+  static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
+                     const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
     vf quad[4];
     for (int g = 0; g < 4; ++g) {
       vf acc[16];
@@ -326,7 +359,7 @@ struct ScoreFma {
       for (int64_t c = 0; c < D / 32; ++c) {
         for (int j = 0; j < 4; ++j) {
           vf ka, kb;
-          Read::chunk(krow[4 * g + j], c, ka, kb);
+          Read::chunk(krow[4 * g + j], kmeta[4 * g + j], c, ka, kb);
           for (int r = 0; r < kRows; ++r) {
             acc[r * 4 + j] += loadv(q + r * D + 32 * c) * ka + loadv(q + r * D + 32 * c + 16) * kb;
           }
@@ -350,7 +383,7 @@ struct Bf16Chunks {
     } else {
       static_assert(!Read::kEvenOdd, "packing assumes natural order");
       vf a, b;
-      Read::chunk(row, c, a, b);
+      Read::chunk(row, nullptr, c, a, b);
       return (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);  // a -> dims 0..15, b -> 16..31
     }
   }
@@ -364,7 +397,8 @@ struct ScoreDp {
     uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits, natural order, in the fp32 buffer
     for (int64_t d = 0; d < a.layout.head_dim; ++d) qb[d] = static_cast<const uint16_t*>(a.query)[base + d * a.q_strides[2]];
   }
-  static void scores(const float* q, int64_t D, const typename KRead::Elem* const* krow, float scale, vf rows[4]) {
+  static void scores(const float* q, int64_t D, const typename KRead::Elem* const* krow,
+                     const uint16_t* const* /*kmeta*/, float scale, vf rows[4]) {
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
     vf quad[4];
     for (int g = 0; g < 4; ++g) {
@@ -395,7 +429,7 @@ template <class Read>
 struct PvFma {
   static int64_t storage(int64_t d) { return storage_index<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
-                         int64_t n, Prefetcher& pf) {
+                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
     for (int64_t c = 0; c < D / 32; ++c) {
       vf oa[kRows], ob[kRows], oa2[kRows] = {}, ob2[kRows] = {};
       for (int r = 0; r < kRows; ++r) {
@@ -406,8 +440,8 @@ struct PvFma {
       for (; j + 1 < n; j += 2) {
         pf.step(2);
         vf va, vb, va2, vb2;
-        Read::chunk(vrow[j], c, va, vb);
-        Read::chunk(vrow[j + 1], c, va2, vb2);
+        Read::chunk(vrow[j], vmeta[j], c, va, vb);
+        Read::chunk(vrow[j + 1], vmeta[j + 1], c, va2, vb2);
         for (int r = 0; r < kRows; ++r) {
           oa[r] += p[r][j] * va;
           ob[r] += p[r][j] * vb;
@@ -417,7 +451,7 @@ struct PvFma {
       }
       if (j < n) {
         vf va, vb;
-        Read::chunk(vrow[j], c, va, vb);
+        Read::chunk(vrow[j], vmeta[j], c, va, vb);
         for (int r = 0; r < kRows; ++r) {
           oa[r] += p[r][j] * va;
           ob[r] += p[r][j] * vb;
@@ -443,7 +477,7 @@ struct PvDp {
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
   }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
-                         int64_t n, Prefetcher& pf) {
+                         const uint16_t* const* /*vmeta*/, int64_t n, Prefetcher& pf) {
     alignas(64) uint32_t pairs[kRows][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
     for (int r = 0; r < kRows; ++r) {
       const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
@@ -533,15 +567,23 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
 
   const KElem* kc = static_cast<const KElem*>(a.k_cache);
   const VElem* vc = static_cast<const VElem*>(a.v_cache);
-  const bool k_scaled = a.k_kind != KVKind::kFull, v_scaled = a.v_kind != KVKind::kFull;
+  // per-key multipliers (int8 rows, fp8 heads); int4 dequantizes per chunk instead
+  const bool k_scaled = has_token_scales(a.k_kind) || has_head_scales(a.k_kind);
+  const bool v_scaled = has_token_scales(a.v_kind) || has_head_scales(a.v_kind);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   // Keys any row of the task can see: the sinks, then the windows; nothing past the last query.
   const int64_t end = std::min<int64_t>(t.kv_end, max_pos + 1);
   const int64_t sink_end = std::min<int64_t>(end, a.sink_tokens);
   const int64_t ranges[2][2] = {{t.kv_begin, sink_end},
                                 {std::max<int64_t>(t.kv_begin, std::max<int64_t>(min_lo, sink_end)), end}};
-  const int64_t row_bytes = D * int64_t(sizeof(KElem));  // K and V rows have the same width
-  static_assert(sizeof(KElem) == sizeof(VElem), "K and V formats of one call store equally wide elements");
+  constexpr int64_t kdiv = dims_per_elem<ReadK>(), vdiv = dims_per_elem<ReadV>();
+  const int64_t k_row_bytes = D / kdiv * int64_t(sizeof(KElem)), v_row_bytes = D / vdiv * int64_t(sizeof(VElem));
+  const int64_t row_bytes = std::max(k_row_bytes, v_row_bytes);  // prefetch: the wider of the two
+  // int4 rows carry (scale, zero) fp16 pairs, one per 32 dims: [rows, D / 32, 2]
+  const uint16_t* k_meta = a.k_kind == KVKind::kInt4 ? reinterpret_cast<const uint16_t*>(a.k_scale) : nullptr;
+  const uint16_t* v_meta = a.v_kind == KVKind::kInt4 ? reinterpret_cast<const uint16_t*>(a.v_scale) : nullptr;
+  const uint16_t* kmeta[kTile] = {};
+  const uint16_t* vmeta[kTile] = {};
   alignas(64) float p[kRows][kTile];
   alignas(64) float kscale[kTile], vscale[kTile];
   int64_t tok_of[kTile];
@@ -567,8 +609,8 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
           for (int64_t tok = t0 + kTile; tok < std::min(range[1], t0 + 2 * kTile); ++tok) {
             const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
             for (int64_t b = 0; b < row_bytes; b += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + b, 0, 2);
-              __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + b, 0, 2);
+              __builtin_prefetch(reinterpret_cast<const char*>(kc + off / kdiv) + b, 0, 2);
+              __builtin_prefetch(reinterpret_cast<const char*>(vc + off / vdiv) + b, 0, 2);
             }
           }
         }
@@ -579,23 +621,28 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
         if (tile_in_page && t0 + kTile < range[1]) {
           const int64_t next = L.token_offset(table[(t0 + kTile) >> L.page_shift], h, t0 + kTile);
           // (K and V rows have the same width, so one line count serves both)
-          pf = {reinterpret_cast<const char*>(kc + next), reinterpret_cast<const char*>(vc + next), kTile * row_bytes / 64};
+          pf = {reinterpret_cast<const char*>(kc + next / kdiv), reinterpret_cast<const char*>(vc + next / vdiv),
+                kTile * row_bytes / 64};
         }
         if (tile_in_page) {
           const int64_t base = L.token_offset(table[t0 >> L.page_shift], h, t0);
           for (int64_t j = 0; j < kTile; ++j) {
             tok_of[j] = t0 + j >= k_lo && t0 + j < k_hi ? t0 + j : k_lo;
             const int64_t off = base + (tok_of[j] - t0) * D;
-            krow[j] = kc + off;
-            vrow[j] = vc + off;
+            krow[j] = kc + off / kdiv;
+            vrow[j] = vc + off / vdiv;
+            if (k_meta) kmeta[j] = k_meta + off / 32 * 2;  // off / D rows, D / 32 groups each
+            if (v_meta) vmeta[j] = v_meta + off / 32 * 2;
           }
         } else {
           for (int64_t j = 0; j < kTile; ++j) {
             const int64_t tok = t0 + j >= k_lo && t0 + j < k_hi ? t0 + j : k_lo;
             tok_of[j] = tok;
             const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
-            krow[j] = kc + off;
-            vrow[j] = vc + off;
+            krow[j] = kc + off / kdiv;
+            vrow[j] = vc + off / vdiv;
+            if (k_meta) kmeta[j] = k_meta + off / 32 * 2;
+            if (v_meta) vmeta[j] = v_meta + off / 32 * 2;
           }
         }
         if (k_scaled) tile_scales(a.k_kind, a.k_scale, read_factor<ReadK>(), L, table, h, t0, tok_of, kscale);
@@ -608,7 +655,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
           }
           if (!any) continue;
           vf sc_rows[kRows];
-          Score::scores(&s.q[rc * D], D, krow, a.scale, sc_rows);
+          Score::scores(&s.q[rc * D], D, krow, kmeta, a.scale, sc_rows);
           if (k_scaled) {
             const vf ks = loadv(kscale);
             for (int r = 0; r < kRows; ++r) sc_rows[r] *= ks;
@@ -641,7 +688,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
             st[r].l += hsum(pr);
             storev(p[r], v_scaled ? pr * loadv(vscale) : pr);  // V's per-token scale rides on p
           }
-          Pv::accumulate(&s.o[rc * D], D, p, vrow, kTile, pf);
+          Pv::accumulate(&s.o[rc * D], D, p, vrow, vmeta, kTile, pf);
         }
       }
     }
@@ -679,8 +726,8 @@ inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, cons
       const int64_t off = L.offset(block, h, pos);
       auto value = [&](KVKind kind, const void* pool, const float* scales, int64_t d) {
         if (kind == KVKind::kFull) return load_as_float(pool, off + d, a.kv_dtype);
-        const float sc = has_token_scales(kind) ? scales[L.row_index(block, h, pos)] : scales[h];
-        return dequantize(static_cast<const char*>(pool) + off, d, kind, sc);
+        const RowRef r = row_ref(const_cast<void*>(pool), const_cast<float*>(scales), kind, L, block, h, pos);
+        return kind == KVKind::kInt4 ? dequantize_int4(r.codes, r.scale, d) : dequantize(r.codes, d, kind, *r.scale);
       };
       float sc = 0.f;
       for (int64_t d = 0; d < D; ++d) sc += q[d] * value(a.k_kind, a.k_cache, a.k_scale, d);
@@ -705,7 +752,8 @@ void with_quantized_reader(KVKind kind, Fn&& fn) {
   switch (kind) {
     case KVKind::kInt8: fn(ReadI8{}); break;
     case KVKind::kFp8E4M3: fn(ReadFp8<true>{}); break;
-    default: fn(ReadFp8<false>{}); break;
+    case KVKind::kFp8E5M2: fn(ReadFp8<false>{}); break;
+    default: fn(ReadI4{}); break;
   }
 }
 
@@ -718,7 +766,9 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
       with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
 #ifdef __AVX512BF16__
         // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
-        if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
+        if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
+          if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
+        }
 #endif
         run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
       });

@@ -33,6 +33,7 @@ constexpr int kTile = 16;        // keys per shared-memory tile
 // (token_scale below), on the score for K and on the value for V.
 struct Fp8E4M3 { uint8_t bits; };
 struct Fp8E5M2 { uint8_t bits; };
+struct Int4 { uint8_t bits; };  // two codes per byte; dequantized (scale, zero per 32 dims) by kv_at
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -40,13 +41,27 @@ __device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(
 __device__ __forceinline__ float to_float(Fp8E4M3 x) { return quant::fp8_decode(x.bits, quant::kE4M3); }
 __device__ __forceinline__ float to_float(Fp8E5M2 x) { return quant::fp8_decode(x.bits, quant::kE5M2); }
 
-/// The scale of the key at (block, head, pos): 1 for full precision, per row for int8, per head for fp8.
+/// Value i (a dim index into the pool: row * head_dim + d) of a pool; int4 reads its nibble and its
+/// group's fp16 (scale, zero) from `meta`.
+template <typename T>
+__device__ __forceinline__ float kv_at(const T* pool, const uint16_t* /*meta*/, int64_t i) { return to_float(pool[i]); }
+template <>
+__device__ __forceinline__ float kv_at<Int4>(const Int4* pool, const uint16_t* meta, int64_t i) {
+  const uint8_t byte = pool[i / 2].bits;
+  const uint16_t* m = meta + (i / kInt4Group) * 2;
+  return quant::uint_decode(static_cast<uint8_t>((i & 1) ? byte >> 4 : byte & 15),
+                            __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
+}
+
+/// The scale of the key at (block, head, pos): per row for int8, per head for fp8, 1 otherwise (full
+/// precision, and int4 whose kv_at already dequantizes).
 __device__ __forceinline__ float token_scale(KVKind kind, const float* scales, const PagedLayout& L, int64_t block,
                                              int64_t h, int64_t pos) {
   switch (kind) {
-    case KVKind::kFull: return 1.f;
     case KVKind::kInt8: return scales[L.row_index(block, h, pos)];
-    default: return scales[h];
+    case KVKind::kFp8E4M3:
+    case KVKind::kFp8E5M2: return scales[h];
+    default: return 1.f;
   }
 }
 
@@ -171,6 +186,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const
   const int64_t D = L.head_dim;
   const KT* kc = static_cast<const KT*>(a.k_cache);
   const VT* vc = static_cast<const VT*>(a.v_cache);
+  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4
+  const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * a.group;
   const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
@@ -190,11 +207,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const
 #pragma unroll
       for (int k = 0; k < kMaxPerLane; ++k) {
         const int64_t d = lane + 32 * k;
-        if (d < D) s += row.q[k] * to_float(kc[off + d]);
+        if (d < D) s += row.q[k] * kv_at(kc, k_meta, off + d);
       }
       s = warp_sum(s) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
       const float vs = token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-      absorb(a, row, s, lane, [&](int64_t d) { return to_float(vc[off + d]) * vs; });
+      absorb(a, row, s, lane, [&](int64_t d) { return kv_at(vc, v_meta, off + d) * vs; });
     }
     finish_row(a, t, partial, row, r, lane);
   }
@@ -213,6 +230,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
   const int64_t h = t.head_begin;
   const KT* kc = static_cast<const KT*>(a.k_cache);
   const VT* vc = static_cast<const VT*>(a.v_cache);
+  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4
+  const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
 
   Row rows[kRowsPerWarp];
@@ -234,8 +253,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
       if (key < end) {  // staged dequantized: scales applied here, once per element
         const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
         const int64_t off = L.offset(block, h, pos);
-        kv = to_float(kc[off + d]) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-        vv = to_float(vc[off + d]) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+        kv = kv_at(kc, k_meta, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+        vv = kv_at(vc, v_meta, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
       }
       ks[jj][d] = kv;
       vs[jj][d] = vv;
@@ -314,7 +333,8 @@ void with_code_type(KVKind kind, Fn&& fn) {
   switch (kind) {
     case KVKind::kInt8: fn(int8_t{}); break;
     case KVKind::kFp8E4M3: fn(Fp8E4M3{}); break;
-    default: fn(Fp8E5M2{}); break;
+    case KVKind::kFp8E5M2: fn(Fp8E5M2{}); break;
+    default: fn(Int4{}); break;
   }
 }
 

@@ -112,8 +112,8 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   a.kv_dtype = formats.quantized() ? DType::kFloat32 : to_dtype(k_cache.scalar_type());
   a.k_kind = formats.k_kind;
   a.v_kind = formats.v_kind;
-  a.k_scale = formats.quantized() ? (*formats.k_scale)->data_ptr<float>() : nullptr;
-  a.v_scale = formats.quantized() ? (*formats.v_scale)->data_ptr<float>() : nullptr;
+  a.k_scale = formats.quantized() ? static_cast<const float*>((*formats.k_scale)->data_ptr()) : nullptr;
+  a.v_scale = formats.quantized() ? static_cast<const float*>((*formats.v_scale)->data_ptr()) : nullptr;
   a.layout = layout;
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.table_stride = block_tables.stride(0);

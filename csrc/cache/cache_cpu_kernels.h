@@ -66,8 +66,8 @@ inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t b
           std::memcpy(dst + d * elem_bytes, static_cast<const char*>(src) + (base + d * st[3]) * elem_bytes, elem_bytes);
         }
       } else {
-        float* scale = has_token_scales(kind) ? scales + L.row_index(block, h, pos) : scales + h;
-        quantize_row(src, base, st[3], a.in_dtype, D, kind, static_cast<char*>(pool) + L.offset(block, h, pos), scale);
+        const RowRef r = row_ref(pool, scales, kind, L, block, h, pos);
+        quantize_row(src, base, st[3], a.in_dtype, D, kind, r.codes, r.scale);
       }
     }
   }
@@ -93,9 +93,11 @@ inline void gather_head_dequantized(const GatherArgs& a, int64_t b, int64_t h, i
         for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, load_as_float(pool, off + d, a.out_dtype));
         continue;
       }
-      const float scale = has_token_scales(kind) ? scales[L.row_index(block, h, pos)] : scales[h];
-      const void* codes = static_cast<const char*>(pool) + off;
-      for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, dequantize(codes, d, kind, scale));
+      const RowRef r = row_ref(const_cast<void*>(pool), const_cast<float*>(scales), kind, L, block, h, pos);
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = kind == KVKind::kInt4 ? dequantize_int4(r.codes, r.scale, d) : dequantize(r.codes, d, kind, *r.scale);
+        store_from_float(out, dst + d, a.out_dtype, x);
+      }
     }
   }
 }

@@ -153,6 +153,26 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
           pool[(off + d) * elem_bytes + k] = static_cast<const char*>(src)[(base + d * st[3]) * elem_bytes + k];
         }
       }
+    } else if (kind == KVKind::kInt4) {
+      // One group of 32 dims per warp step: lane i holds dim 32 g + i; min/max over the warp.
+      const int64_t row_idx = L.row_index(block, h, pos);
+      uint8_t* codes = reinterpret_cast<uint8_t*>(pool) + row_idx * D / 2;
+      uint16_t* meta = reinterpret_cast<uint16_t*>(scales) + row_idx * (D / kInt4Group) * 2;
+      for (int64_t g = 0; g < D / kInt4Group; ++g) {
+        const float x = load_any(src, base + (g * kInt4Group + lane) * st[3], a.in_dtype);
+        float mn = x, mx = x;
+        for (int o = 16; o > 0; o >>= 1) {
+          mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        const uint8_t code = quant::uint_encode(x, mn, quant::uint_inv_scale(mn, mx, 4), 4);
+        const uint8_t odd = static_cast<uint8_t>(__shfl_down_sync(0xffffffffu, code, 1));
+        if ((lane & 1) == 0) codes[(g * kInt4Group + lane) / 2] = static_cast<uint8_t>(code | (odd << 4));
+        if (lane == 0) {
+          meta[2 * g] = __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, 4)));
+          meta[2 * g + 1] = __half_as_ushort(__float2half_rn(mn));
+        }
+      }
     } else if (kind == KVKind::kInt8) {
       float amax = 0.f;
       for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(load_any(src, base + d * st[3], a.in_dtype)));
@@ -173,7 +193,14 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
 }
 
 __device__ __forceinline__ float dequantize(const char* pool, int64_t off, int64_t d, KVKind kind, float scale,
-                                            DType full_dtype) {
+                                            DType full_dtype, const float* scales) {
+  if (kind == KVKind::kInt4) {  // off: dims; (scale, zero) fp16 pairs per 32 dims in `scales`
+    const int64_t i = off + d;
+    const uint8_t byte = reinterpret_cast<const uint8_t*>(pool)[i / 2];
+    const uint16_t* m = reinterpret_cast<const uint16_t*>(scales) + (i / kInt4Group) * 2;
+    return quant::uint_decode(static_cast<uint8_t>((i & 1) ? byte >> 4 : byte & 15),
+                              __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
+  }
   switch (kind) {
     case KVKind::kFull: return load_any(pool, off + d, full_dtype);
     case KVKind::kInt8: return quant::int8_decode(reinterpret_cast<const int8_t*>(pool)[off + d], scale);
@@ -202,10 +229,15 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
     }
     const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
     const int64_t r = L.row_index(block, h, pos);
-    const float ks = a.k_kind == KVKind::kInt8 ? a.k_scale[r] : (a.k_kind == KVKind::kFull ? 1.f : a.k_scale[h]);
-    const float vs = a.v_kind == KVKind::kInt8 ? a.v_scale[r] : (a.v_kind == KVKind::kFull ? 1.f : a.v_scale[h]);
-    store_any(a.k_out, dst, a.out_dtype, dequantize(static_cast<const char*>(a.k_cache), off, d, a.k_kind, ks, a.out_dtype));
-    store_any(a.v_out, dst, a.out_dtype, dequantize(static_cast<const char*>(a.v_cache), off, d, a.v_kind, vs, a.out_dtype));
+    auto scale_of = [&](KVKind kind, const float* s) {
+      return kind == KVKind::kInt8 ? s[r] : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? s[h] : 1.f);
+    };
+    store_any(a.k_out, dst, a.out_dtype,
+              dequantize(static_cast<const char*>(a.k_cache), off, d, a.k_kind, scale_of(a.k_kind, a.k_scale), a.out_dtype,
+                         a.k_scale));
+    store_any(a.v_out, dst, a.out_dtype,
+              dequantize(static_cast<const char*>(a.v_cache), off, d, a.v_kind, scale_of(a.v_kind, a.v_scale), a.out_dtype,
+                         a.v_scale));
   }
 }
 

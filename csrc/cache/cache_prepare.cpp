@@ -63,8 +63,8 @@ void set_gather_formats(GatherArgs& a, const at::Tensor& k_out, const PoolFormat
   a.out_dtype = dtype_of(k_out);
   a.k_kind = f.k_kind;
   a.v_kind = f.v_kind;
-  a.k_scale = f.k_kind != KVKind::kFull ? (*f.k_scale)->data_ptr<float>() : nullptr;
-  a.v_scale = f.v_kind != KVKind::kFull ? (*f.v_scale)->data_ptr<float>() : nullptr;
+  a.k_scale = f.k_kind != KVKind::kFull ? static_cast<float*>((*f.k_scale)->data_ptr()) : nullptr;
+  a.v_scale = f.v_kind != KVKind::kFull ? static_cast<float*>((*f.v_scale)->data_ptr()) : nullptr;
 }
 
 }  // namespace
@@ -95,7 +95,7 @@ PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional
                          const std::optional<at::Tensor>& v_scale) {
   for (const auto& [name, f] : {std::pair<const char*, int64_t>{"k_format", k_format}, {"v_format", v_format}}) {
     TORCH_CHECK_VALUE(f >= 0 && f < kNumKVKinds, name, " = ", f,
-                      " is not a storage format (0 full precision, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2)");
+                      " is not a storage format (0 full precision, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2, 4 int4)");
   }
   PoolFormats p;
   p.k_kind = static_cast<KVKind>(k_format);
@@ -117,6 +117,9 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
     case KVKind::kInt8:
       TORCH_CHECK_TYPE(dt == at::kChar, name, " has dtype ", dt, "; an int8 pool holds int8 codes");
       break;
+    case KVKind::kInt4:
+      TORCH_CHECK_TYPE(dt == at::kByte, name, " has dtype ", dt, "; an int4 pool holds uint8 (two codes per byte)");
+      break;
     default:
       TORCH_CHECK_TYPE(dt == at::kByte || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2, name, " has dtype ", dt,
                        "; an fp8 pool holds uint8 (or float8) codes");
@@ -128,9 +131,21 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
   }
   TORCH_CHECK_VALUE(has_scale, name, " is quantized and needs ", scale_name);
   const at::Tensor& s = **scale;
-  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, scale_name, " must have dtype Float but has ", s.scalar_type());
   KVC_CHECK_SAME_DEVICE(s, pool);
   TORCH_CHECK_VALUE(s.is_contiguous(), scale_name, " must be contiguous");
+  if (kind == KVKind::kInt4) {
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kHalf, scale_name, " must have dtype Half (int4 (scale, zero) pairs) but has ",
+                     s.scalar_type());
+    const int64_t D = pool.size(3) * 2;
+    TORCH_CHECK_VALUE(D % kInt4Group == 0, name, " holds head_dim = ", D, " (2 x ", pool.size(3),
+                      "), which int4 needs to be a multiple of ", kInt4Group);
+    TORCH_CHECK_VALUE(s.dim() == 5 && s.size(0) == pool.size(0) && s.size(1) == pool.size(1) && s.size(2) == pool.size(2) &&
+                          s.size(3) == D / kInt4Group && s.size(4) == 2,
+                      scale_name, " has shape ", s.sizes(), " but int4 keeps a (scale, zero) pair per 32 dims: [",
+                      pool.size(0), ", ", pool.size(1), ", ", pool.size(2), ", ", D / kInt4Group, ", 2]");
+    return;
+  }
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, scale_name, " must have dtype Float but has ", s.scalar_type());
   if (has_token_scales(kind)) {
     TORCH_CHECK_VALUE(s.dim() == 3 && s.size(0) == pool.size(0) && s.size(1) == pool.size(1) && s.size(2) == pool.size(2),
                       scale_name, " has shape ", s.sizes(), " but int8 keeps one scale per row: [num_blocks, num_kv_heads, page_size] = ",
@@ -152,8 +167,12 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
     return check_pools(k_cache, v_cache);
   }
   KVC_CHECK_DIM(k_cache, 4);
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache has shape ", k_cache.sizes(),
-                    " but v_cache has shape ", v_cache.sizes(), "; the K and V pools must match");
+  KVC_CHECK_DIM(v_cache, 4);
+  // Packed formats store head_dim / dims_per_code elements per row; compare logical shapes.
+  const int64_t k_dim = k_cache.size(3) * dims_per_code(f.k_kind), v_dim = v_cache.size(3) * dims_per_code(f.v_kind);
+  TORCH_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) && k_dim == v_dim, "k_cache has shape ",
+                    k_cache.sizes(), " (head_dim ", k_dim, ") but v_cache has shape ", v_cache.sizes(), " (head_dim ", v_dim,
+                    "); the K and V pools must match");
   KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
   KVC_CHECK_CONTIGUOUS(k_cache);
   KVC_CHECK_CONTIGUOUS(v_cache);
@@ -163,9 +182,9 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
   const int64_t page_size = k_cache.size(2);
   TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
                     " must be a power of two from 1 to ", kMaxPageSize);
-  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, "k_cache has shape ", k_cache.sizes(),
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_dim > 0, "k_cache has shape ", k_cache.sizes(),
                     "; num_kv_heads and head_dim must be positive");
-  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
+  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_dim);  // head_dim in dims, not bytes
 }
 
 AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -211,8 +230,8 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   a.in_dtype = dtype_of(key);
   a.k_kind = f.k_kind;
   a.v_kind = f.v_kind;
-  a.k_scale = f.k_kind != KVKind::kFull ? (*f.k_scale)->data_ptr<float>() : nullptr;
-  a.v_scale = f.v_kind != KVKind::kFull ? (*f.v_scale)->data_ptr<float>() : nullptr;
+  a.k_scale = f.k_kind != KVKind::kFull ? static_cast<float*>((*f.k_scale)->data_ptr()) : nullptr;
+  a.v_scale = f.v_kind != KVKind::kFull ? static_cast<float*>((*f.v_scale)->data_ptr()) : nullptr;
   return a;
 }
 

@@ -7,14 +7,53 @@
 
 #include "core/dtype.h"
 #include "core/kv_format.h"
+#include "core/paged_layout.h"
 #include "core/quant.h"
 
 namespace kvcache::cpu {
 
+/// Where one (block, head, pos) row of a quantized pool keeps its codes and its scales.
+struct RowRef {
+  void* codes;   // first code byte of the row
+  float* scale;  // int8: the row's scale; fp8: the head's scale; int4: (scale, zero) fp16 pairs
+};
+
+inline RowRef row_ref(void* pool, float* scales, KVKind kind, const PagedLayout& L, int64_t block, int64_t h,
+                      int64_t pos) {
+  const int64_t row = L.row_index(block, h, pos);
+  char* codes = static_cast<char*>(pool) + row * L.head_dim / dims_per_code(kind);
+  switch (kind) {
+    case KVKind::kInt8: return {codes, scales + row};
+    case KVKind::kInt4: return {codes, reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(scales) + row * (L.head_dim / kInt4Group) * 2)};
+    default: return {codes, scales + h};
+  }
+}
+
 /// Writes the D values src[d * stride] (of dtype in) as `kind` into codes; `scale` is the row's scale
-/// slot (int8, written) or the head's scale (fp8, read).
+/// slot (int8, written), the head's scale (fp8, read) or the row's fp16 (scale, zero) pairs (int4, written).
 inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in, int64_t D, KVKind kind,
                          void* codes, float* scale) {
+  if (kind == KVKind::kInt4) {
+    uint8_t* out = static_cast<uint8_t*>(codes);
+    uint16_t* meta = reinterpret_cast<uint16_t*>(scale);
+    for (int64_t g = 0; g < D / kInt4Group; ++g) {
+      float x[kInt4Group];
+      float mn = 0.f, mx = 0.f;
+      for (int64_t i = 0; i < kInt4Group; ++i) {
+        x[i] = load_as_float(src, base + (g * kInt4Group + i) * stride, in);
+        mn = i == 0 ? x[i] : std::fmin(mn, x[i]);
+        mx = i == 0 ? x[i] : std::fmax(mx, x[i]);
+      }
+      const float inv = quant::uint_inv_scale(mn, mx, 4);
+      for (int64_t i = 0; i < kInt4Group; i += 2) {
+        out[(g * kInt4Group + i) / 2] = static_cast<uint8_t>(quant::uint_encode(x[i], mn, inv, 4) |
+                                                             (quant::uint_encode(x[i + 1], mn, inv, 4) << 4));
+      }
+      meta[2 * g] = float_to_fp16(quant::uint_scale(mn, mx, 4));
+      meta[2 * g + 1] = float_to_fp16(mn);
+    }
+    return;
+  }
   if (kind == KVKind::kInt8) {
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(load_as_float(src, base + d * stride, in)));
@@ -30,7 +69,14 @@ inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in
   for (int64_t d = 0; d < D; ++d) out[d] = quant::fp8_encode(load_as_float(src, base + d * stride, in) * inv, spec);
 }
 
-/// Value d of a stored row, dequantized.
+/// Value d of a stored int4 row.
+inline float dequantize_int4(const void* codes, const void* meta, int64_t d) {
+  const uint8_t byte = static_cast<const uint8_t*>(codes)[d / 2];
+  const uint16_t* m = static_cast<const uint16_t*>(meta) + 2 * (d / kInt4Group);
+  return quant::uint_decode(static_cast<uint8_t>((d & 1) ? byte >> 4 : byte & 15), fp16_to_float(m[0]), fp16_to_float(m[1]));
+}
+
+/// Value d of a stored row, dequantized (int4: use dequantize_int4).
 inline float dequantize(const void* codes, int64_t d, KVKind kind, float scale) {
   switch (kind) {
     case KVKind::kInt8: return quant::int8_decode(static_cast<const int8_t*>(codes)[d], scale);

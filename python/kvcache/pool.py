@@ -23,7 +23,7 @@ from .layout import PageLayout
 from .quant import FP8_MAX
 
 # Storage kinds as the kernels number them (csrc/core/kv_format.h).
-_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4}
 _FULL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -31,8 +31,9 @@ def format_id(fmt: KVFormat) -> int:
     """The kernels' number of a format (0 = full precision)."""
     if not fmt.quantized:
         return 0
-    if fmt.kind not in _KIND_IDS:
-        raise NotImplementedError(f"KV format {fmt} is not implemented by the kernels yet (int8 and fp8 are)")
+    if fmt.kind not in _KIND_IDS or fmt.group != 32:
+        raise NotImplementedError(f"KV format {fmt} is not implemented by the kernels yet "
+                                  f"(int8, fp8_e4m3, fp8_e5m2 and int4 with groups of 32 are)")
     return _KIND_IDS[fmt.kind]
 
 
@@ -40,7 +41,8 @@ def format_id(fmt: KVFormat) -> int:
 class KVPool:
     """One layer's pools: codes ``k``/``v`` ``[num_blocks, num_kv_heads, page_size, head_dim]`` and, for
     quantized formats, ``k_scale``/``v_scale`` (int8: per row ``[num_blocks, num_kv_heads, page_size]``;
-    fp8: per kv head ``[num_kv_heads]``)."""
+    fp8: per kv head ``[num_kv_heads]``; int4: codes ``[..., head_dim / 2]`` two per byte and fp16
+    (scale, zero) pairs ``[num_blocks, num_kv_heads, page_size, head_dim / 32, 2]``)."""
 
     num_blocks: int
     page_size: int
@@ -68,6 +70,11 @@ class KVPool:
             elif f.kind == "int8":
                 codes = torch.zeros(layout.shape, dtype=torch.int8, device=device)
                 scale = torch.zeros(layout.shape[:3], dtype=torch.float32, device=device)
+            elif f.kind == "int4":  # two codes per byte; (scale, zero) fp16 per 32 dims
+                if head_dim % 32:
+                    raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for int4")
+                codes = torch.zeros((*layout.shape[:3], head_dim // 2), dtype=torch.uint8, device=device)
+                scale = torch.zeros((*layout.shape[:3], head_dim // 32, 2), dtype=torch.float16, device=device)
             else:  # fp8: one scale per kv head, given or computed from the first tokens
                 codes = torch.zeros(layout.shape, dtype=torch.uint8, device=device)
                 scale = torch.full((num_kv_heads,), f.scale or 1.0, dtype=torch.float32, device=device)

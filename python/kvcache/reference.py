@@ -134,7 +134,7 @@ def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_
     lse_out.copy_(lse)
 
 
-# ---- quantized pools (kvcache.KVPool): format ids 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2 ----------------
+# ---- quantized pools (kvcache.KVPool): format ids 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = int4 -------
 _FP8_KIND = {2: "e4m3", 3: "e5m2"}
 
 
@@ -142,13 +142,10 @@ def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                      k_format: int, v_format: int) -> None:
     """append into pools of any format: full precision copies, int8 / fp8 quantize with kvcache.quant."""
-    layout = PageLayout.of(k_cache) if k_format == 0 else None
-    n_slots = k_cache.shape[0] * k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     page = k_cache.shape[2]
     block, offset = torch.div(slots, page, rounding_mode="floor"), slots % page
-    assert layout is None or n_slots == layout.num_slots
     for x, pool, scale, fmt in ((key, k_cache, k_scale, k_format), (value, v_cache, v_scale, v_format)):
         rows = x.transpose(1, 2)[keep]                                   # [n, kv_heads, head_dim]
         if fmt == 0:
@@ -157,6 +154,10 @@ def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
             codes, row_scale = quant.int8_quantize(rows)
             pool[block, :, offset, :] = codes
             scale[block, :, offset] = row_scale
+        elif fmt == 4:  # int4: groups of 32, codes packed two per byte, fp16 (scale, zero)
+            codes, group_scale, zero = quant.group_quantize(rows, 4, 32)
+            pool[block, :, offset, :] = quant.pack(codes, 4)
+            scale[block, :, offset] = torch.stack([group_scale.half(), zero.half()], dim=-1)
         else:
             per_head = scale.view(1, -1, 1)
             pool[block, :, offset, :] = quant.fp8_quantize(rows, per_head, _FP8_KIND[fmt]).to(pool.dtype)
@@ -168,4 +169,6 @@ def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor | None, fmt: int) ->
         return pool.float()
     if fmt == 1:
         return quant.int8_dequantize(pool, scale)
+    if fmt == 4:
+        return quant.group_dequantize(quant.unpack(pool, 4), scale[..., 0].float(), scale[..., 1].float())
     return quant.fp8_dequantize(pool.view(torch.uint8), scale.view(1, -1, 1, 1), _FP8_KIND[fmt])
