@@ -229,15 +229,19 @@ struct ReadI4 {
   static constexpr bool kEvenOdd = true;  // a = even dims (low nibbles), b = odd dims (high nibbles)
   static constexpr int kDimsPerElem = 2;
   static void chunk(const Elem* row, const uint16_t* meta, int64_t c, vf& a, vf& b) {
-    alignas(64) int32_t lo[16], hi[16];
+    vi l, h;
+#if defined(__AVX512F__)
+    // intrinsics: GCC scalarizes vector conversions from 8-bit lanes
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+    l = (vi)_mm512_and_si512(w, _mm512_set1_epi32(15));
+    h = (vi)_mm512_srli_epi32(w, 4);
+#else
     for (int i = 0; i < 16; ++i) {
       const uint8_t byte = row[16 * c + i];
-      lo[i] = byte & 15;
-      hi[i] = byte >> 4;
+      l[i] = byte & 15;
+      h[i] = byte >> 4;
     }
-    vi l, h;
-    std::memcpy(&l, lo, 64);
-    std::memcpy(&h, hi, 64);
+#endif
     const float scale = fp16_to_float(meta[2 * c]), zero = fp16_to_float(meta[2 * c + 1]);
     a = __builtin_convertvector(l, vf) * scale + zero;
     b = __builtin_convertvector(h, vf) * scale + zero;
