@@ -103,6 +103,38 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
     return row
 
 
+def format_row(fmt: str, batch: int, ctx: int, rounds: int, probe: BandwidthProbe, g: torch.Generator) -> dict:
+    """Decode step of a quantized pool (bf16 queries) next to a bf16 pool, interleaved in one run."""
+    blocks = batch * ctx // PAGE
+    table = torch.randperm(blocks, generator=g).to(torch.int32).view(batch, ctx // PAGE)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    slots = torch.stack([kvcache.PageLayout(blocks, PAGE, KV_HEADS, HEAD_DIM).token_slots(table[b], torch.arange(ctx))
+                         for b in range(batch)])
+
+    def layers_of(f: str) -> list[kvcache.KVPool]:
+        probe_pool = kvcache.KVPool.allocate(blocks, PAGE, KV_HEADS, HEAD_DIM, f)
+        count = max(1, math.ceil(GiB / probe_pool.nbytes))
+        pools = [probe_pool] + [kvcache.KVPool.allocate(blocks, PAGE, KV_HEADS, HEAD_DIM, f) for _ in range(count - 1)]
+        for pool in pools:
+            x = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, generator=g).to(torch.bfloat16)
+            pool.append(x, x, slots)
+        return pools
+
+    runs = {"bf16": layers_of("bf16"), fmt: layers_of(fmt)}
+    times = {name: [] for name in runs}
+    for pools in runs.values():
+        pools[0].attention(q, table, lens, cu)
+    for _ in range(rounds):
+        for name, pools in runs.items():
+            times[name].append(time_call(lambda: [p.attention(q, table, lens, cu) for p in pools]) / len(pools))
+    t_q, t_b = best(times[fmt]), best(times["bf16"])
+    nbytes = runs[fmt][0].nbytes
+    return {"format": fmt, "batch": batch, "context": ctx, "ms": t_q * 1e3, "bf16_ms": t_b * 1e3,
+            "step_vs_bf16": t_q / t_b, "pool_bytes": nbytes, "GBps": nbytes / t_q / 1e9}
+
+
 def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: torch.Generator) -> dict:
     """Chunked prefill: q_len new tokens attend to a cached prefix and causally to each other."""
     ctx = prefix + q_len
@@ -125,7 +157,7 @@ def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: tor
             "sdpa_GFLOPs": flops / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t_ours, "max_abs_diff_vs_sdpa": max_err}
 
 
-def markdown(info: dict, decode: list[dict], prefill: list[dict]) -> str:
+def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[dict]) -> str:
     lines = [
         f"Measured {info['date']} on {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
         f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q / 8 kv heads, d 128, "
@@ -143,6 +175,12 @@ def markdown(info: dict, decode: list[dict], prefill: list[dict]) -> str:
     for r in prefill:
         lines.append(f"| {r['q_len']} queries over {r['prefix']} | {r['dtype']} | {r['ours_ms']:.1f} | "
                      f"{r['sdpa_ms']:.1f} | {r['ours_GFLOPs']:.0f} | {r['speedup_vs_sdpa']:.2f}x |")
+    if formats:
+        lines += ["", "| quantized decode (bf16 queries) | batch | context | ms | bf16 ms | step / bf16 step | pool GB/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in formats:
+            lines.append(f"| {r['format']} | {r['batch']} | {r['context']} | {r['ms']:.2f} | {r['bf16_ms']:.2f} | "
+                         f"{r['step_vs_bf16']:.2f} | {r['GBps']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,6 +190,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--formats", default="int8,fp8_e4m3,int4", help="quantized formats compared with bf16")
+    parser.add_argument("--skip-peers", action="store_true", help="only the quantized-format table")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -163,15 +203,19 @@ def main() -> None:
     configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
     probe = BandwidthProbe()
     info = machine()
-    decode = []
-    for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
-        decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g))
-    prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
-               for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
-    table = markdown(info, decode, prefill)
+    decode, prefill = [], []
+    if not args.skip_peers:
+        for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
+            decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g))
+        prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
+                   for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
+    fmt_configs = [(f, 1, c) for f in args.formats.split(",") if f for c in ([1024] if args.quick else [1024, 32768])]
+    formats = [format_row(f, b, c, args.rounds, probe, g) for f, b, c in tqdm(fmt_configs, desc="formats", unit="config")]
+    table = markdown(info, decode, prefill, formats)
     print(table)
     write_results("attention_quick" if args.quick else "attention", {"machine": info, "decode": decode,
-                                                                      "prefill": prefill}, table, args.out)
+                                                                      "prefill": prefill, "formats": formats},
+                  table, args.out)
 
 
 if __name__ == "__main__":
