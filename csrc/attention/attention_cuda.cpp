@@ -53,8 +53,12 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
   const AttentionPlan plan = make_attention_plan(a, host, opt);
   std::vector<AttentionTask> decode, prefill;
   for (const AttentionTask& t : plan.tasks) {
+    // The prefill kernel keeps at most prefill_rows_per_task() rows in registers; decode tasks, and
+    // tasks with more rows (a GQA group wider than that, e.g. MQA with 32 query heads), go to the
+    // decode kernel, whose warps loop over any number of rows.
     const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
-    (rows <= opt.decode_rows && t.tok_begin == 0 && t.tok_end == host.q_lens[t.seq] ? decode : prefill).push_back(t);
+    const bool is_decode = rows <= opt.decode_rows && t.tok_begin == 0 && t.tok_end == host.q_lens[t.seq];
+    (is_decode || rows > cuda::prefill_rows_per_task() ? decode : prefill).push_back(t);
   }
   at::Tensor part_o, part_lse;
   PartialStates partial;
