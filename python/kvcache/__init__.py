@@ -19,6 +19,7 @@ from . import formats, memory, ops, quant, reference  # noqa: E402
 from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
+from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
 from .ops import (  # noqa: E402
     append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
 )
@@ -27,10 +28,15 @@ __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
 
 __all__ = [
+    "BlockAllocator",
     "CacheFormat",
     "KVFormat",
     "KVPool",
+    "Namespace",
+    "OutOfBlocksError",
     "PageLayout",
+    "PrefixCache",
+    "Sequence",
     "append",
     "build_info",
     "formats",
@@ -41,6 +47,7 @@ __all__ = [
     "paged_attention",
     "paged_gather",
     "paged_gather_ragged",
+    "prefix",
     "quant",
     "reference",
     "swap_blocks",

@@ -1,0 +1,519 @@
+#include "prefix/radix_tree.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+namespace kvcache {
+namespace prefix {
+namespace {
+
+template <class... Parts>
+std::string cat(const Parts&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  return s.str();
+}
+
+uint64_t edge_key(int32_t parent, int32_t token) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+}
+
+/// Length of the common prefix of a[0, n) and b[0, n).
+int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
+  // NOTE: most edges match whole (a shared system prompt is one edge of thousands of tokens), and
+  // libc's memcmp streams through them at tens of GB/s; only a mismatching edge is scanned in chunks.
+  if (std::memcmp(a, b, static_cast<size_t>(n) * sizeof(int32_t)) == 0) return n;
+  constexpr int64_t kChunk = 64;
+  int64_t i = 0;
+  while (i + kChunk <= n && std::memcmp(a + i, b + i, kChunk * sizeof(int32_t)) == 0) i += kChunk;
+  while (a[i] == b[i]) ++i;  // stops before n: a[0, n) and b[0, n) differ somewhere
+  return i;
+}
+
+}  // namespace
+
+std::shared_ptr<RadixTree> RadixTree::create(std::shared_ptr<BlockAllocator> device, EvictionPolicy policy) {
+  auto tree = std::make_shared<RadixTree>(device, policy);
+  device->set_reclaimer(tree);
+  return tree;
+}
+
+RadixTree::RadixTree(std::shared_ptr<BlockAllocator> device, EvictionPolicy policy)
+    : device_(std::move(device)), policy_(policy), page_(device_->page_size()) {}
+
+RadixTree::~RadixTree() {
+  for (const Node& nd : nodes_) {
+    if (nd.alive && !nd.blocks.empty()) pool(nd.on_host).free(nd.blocks.data(), static_cast<int64_t>(nd.blocks.size()));
+  }
+}
+
+void RadixTree::set_host_tier(std::shared_ptr<BlockAllocator> host, CopyFn copy) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (host_) throw std::invalid_argument("this prefix cache already has a host tier");
+  if (!host || !copy) throw std::invalid_argument("a host tier needs a host allocator and a copy function");
+  if (host->page_size() != page_) {
+    throw std::invalid_argument(cat("the host pool has page_size ", host->page_size(), " but the device pool has ", page_));
+  }
+  host_ = std::move(host);
+  copy_ = std::move(copy);
+}
+
+// ---- nodes, handles, eviction order --------------------------------------------------------------
+
+int32_t RadixTree::new_node() {
+  int32_t id;
+  if (!free_nodes_.empty()) {
+    id = free_nodes_.back();
+    free_nodes_.pop_back();
+  } else {
+    if (nodes_.size() >= static_cast<size_t>(INT32_MAX)) throw std::length_error("the prefix tree is full (2^31 nodes)");
+    id = static_cast<int32_t>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  Node& nd = nodes_[id];
+  const uint32_t generation = nd.generation + 1;
+  nd = Node();
+  nd.generation = generation;
+  nd.alive = true;
+  return id;
+}
+
+int32_t RadixTree::root_of(const std::string& ns) {
+  auto it = roots_.find(ns);
+  if (it != roots_.end()) return it->second;
+  const int32_t id = new_node();
+  nodes_[id].is_root = true;
+  roots_.emplace(ns, id);
+  return id;
+}
+
+int32_t RadixTree::resolve(int64_t handle) const {
+  const int64_t id = handle & 0xffffffff;
+  const int64_t generation = handle >> 32;
+  if (handle < 0 || id >= static_cast<int64_t>(nodes_.size()) || !nodes_[id].alive ||
+      nodes_[id].generation != generation) {
+    throw std::out_of_range(cat("node handle ", handle, " is unknown or stale (its node was evicted)"));
+  }
+  return static_cast<int32_t>(id);
+}
+
+RadixTree::Candidate RadixTree::candidate(int32_t id) const {
+  const Node& nd = nodes_[id];
+  if (policy_ == EvictionPolicy::kLfu) return {nd.hits, nd.last_access, id, nd.generation};
+  return {nd.last_access, 0, id, nd.generation};
+}
+
+bool RadixTree::evictable(int32_t id) const {
+  const Node& nd = nodes_[id];
+  // A device node is evictable when no child is on the device; a host node when it has no child.
+  return nd.alive && !nd.is_root && nd.lock == 0 && (nd.on_host ? nd.children.empty() : nd.device_children == 0);
+}
+
+void RadixTree::queue(int32_t id) {
+  Node& nd = nodes_[id];
+  if (!evictable(id) || nd.queued[nd.on_host]) return;
+  nd.queued[nd.on_host] = true;
+  heaps_[nd.on_host].push_back(candidate(id));
+  std::push_heap(heaps_[nd.on_host].begin(), heaps_[nd.on_host].end(), std::greater<Candidate>());
+}
+
+int32_t RadixTree::next_victim(bool host) {
+  std::vector<Candidate>& heap = heaps_[host];
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), std::greater<Candidate>());
+    const Candidate c = heap.back();
+    heap.pop_back();
+    Node& nd = nodes_[c.id];
+    if (!nd.alive || nd.generation != c.generation) continue;  // the slot holds another node now
+    nd.queued[host] = false;
+    if (nd.on_host != host || !evictable(c.id)) continue;      // moved, or no longer an evictable leaf
+    const Candidate now = candidate(c.id);
+    if (now.primary != c.primary || now.secondary != c.secondary) {  // touched since it was queued
+      queue(c.id);
+      continue;
+    }
+    return c.id;
+  }
+  return -1;
+}
+
+void RadixTree::touch(int32_t id, uint64_t tick) {
+  nodes_[id].last_access = tick;  // its queued candidate, if any, is now stale: see next_victim
+  ++nodes_[id].hits;
+}
+
+void RadixTree::lock_path(int32_t id, int delta) {
+  for (int32_t x = id; x != -1; x = nodes_[x].parent) {
+    nodes_[x].lock += delta;
+    queue(x);
+  }
+}
+
+// ---- structure ---------------------------------------------------------------------------------
+
+int32_t RadixTree::split(int32_t id, int64_t k) {
+  const int32_t up = new_node();  // may reallocate nodes_: take references after it
+  Node& lo = nodes_[id];
+  Node& u = nodes_[up];
+  const int64_t s = lo.start + k;  // the split position
+  const int64_t first = lo.start / page_;
+  const int64_t upper_pages = pages_for(s) - first;
+  const int64_t lower_skip = s / page_ - first;  // pages entirely above s
+  u.tokens.assign(lo.tokens.begin(), lo.tokens.begin() + k);
+  lo.tokens.erase(lo.tokens.begin(), lo.tokens.begin() + k);
+  u.blocks.assign(lo.blocks.begin(), lo.blocks.begin() + upper_pages);
+  lo.blocks.erase(lo.blocks.begin(), lo.blocks.begin() + lower_skip);
+  // A split inside a page leaves that page in both halves: one reference each.
+  if (s % page_ != 0) pool(lo.on_host).share(&u.blocks.back(), 1);
+  u.start = lo.start;
+  lo.start = s;
+  u.parent = lo.parent;
+  lo.parent = up;
+  u.lock = lo.lock;
+  u.on_host = lo.on_host;
+  u.last_access = lo.last_access;
+  u.hits = lo.hits;
+  u.children.push_back(id);
+  u.device_children = lo.on_host ? 0 : 1;
+  edges_[edge_key(u.parent, u.tokens[0])] = up;
+  edges_[edge_key(up, lo.tokens[0])] = id;
+  std::vector<int32_t>& siblings = nodes_[u.parent].children;
+  *std::find(siblings.begin(), siblings.end(), id) = up;
+  return up;
+}
+
+void RadixTree::adopt(int32_t id, const int32_t* blocks) {
+  Node& nd = nodes_[id];
+  const int64_t first = nd.start / page_;
+  std::vector<int32_t> device_blocks(blocks + first, blocks + first + nd.blocks.size());
+  device_->share(device_blocks.data(), static_cast<int64_t>(device_blocks.size()));
+  host_->free(nd.blocks.data(), static_cast<int64_t>(nd.blocks.size()));
+  nd.blocks = std::move(device_blocks);
+  nd.on_host = false;
+  ++nodes_[nd.parent].device_children;
+  queue(id);
+}
+
+bool RadixTree::load(int32_t id) {
+  const int64_t n = static_cast<int64_t>(nodes_[id].blocks.size());
+  std::vector<int32_t> device_blocks;
+  if (!allocate_device(n, &device_blocks)) return false;
+  Node& nd = nodes_[id];
+  std::vector<BlockCopy> copies(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) copies[static_cast<size_t>(i)] = {nd.blocks[i], device_blocks[i]};
+  try {
+    copy_(CopyDirection::kHostToDevice, copies);
+  } catch (...) {
+    device_->free(device_blocks.data(), n);
+    throw;
+  }
+  host_->free(nd.blocks.data(), n);
+  nd.blocks = std::move(device_blocks);
+  nd.on_host = false;
+  ++nodes_[nd.parent].device_children;
+  queue(id);
+  ++counters_.loaded_nodes;
+  counters_.loaded_blocks += n;
+  return true;
+}
+
+// ---- match / insert ------------------------------------------------------------------------------
+
+MatchResult RadixTree::match(const std::string& ns, const int32_t* tokens, int64_t n, bool lock) {
+  MatchResult r;
+  r.length = match_into(ns, tokens, n, lock, &r.blocks, &r.node);
+  return r;
+}
+
+int64_t RadixTree::match_into(const std::string& ns, const int32_t* tokens, int64_t n, bool lock,
+                              std::vector<int32_t>* blocks, int64_t* node) {
+  if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
+  std::lock_guard<std::mutex> g(mu_);
+  return match_locked(ns, tokens, n, lock, blocks, node);
+}
+
+int64_t RadixTree::match_locked(const std::string& ns, const int32_t* tokens, int64_t n, bool lock,
+                                std::vector<int32_t>* blocks, int64_t* node) {
+  const int32_t root = root_of(ns);
+  const uint64_t tick = ++clock_;
+  ++counters_.lookups;
+  counters_.lookup_tokens += n;
+
+  // 1. The longest common prefix, through device and host nodes alike.
+  path_.clear();
+  int64_t pos = 0;
+  for (int32_t id = root; pos < n;) {
+    auto it = edges_.find(edge_key(id, tokens[pos]));
+    if (it == edges_.end()) break;
+    const Node& nd = nodes_[it->second];
+    const int64_t len = static_cast<int64_t>(nd.tokens.size());
+    const int64_t k = common_prefix(nd.tokens.data(), tokens + pos, std::min(len, n - pos));
+    path_.push_back(it->second);
+    pos += k;
+    if (k < len) break;
+    id = it->second;
+  }
+
+  // 2. Load host-resident nodes back (they follow the device ones); stop where the device is full.
+  size_t first_host = 0;
+  while (first_host < path_.size() && !nodes_[path_[first_host]].on_host) ++first_host;
+  if (first_host < path_.size()) {
+    const int32_t deepest = path_.back();
+    lock_path(deepest, +1);  // neither the path nor the nodes being loaded may be evicted meanwhile
+    size_t loaded = first_host;
+    try {
+      while (loaded < path_.size() && load(path_[loaded])) ++loaded;
+    } catch (...) {
+      lock_path(deepest, -1);
+      throw;
+    }
+    lock_path(deepest, -1);
+    if (loaded < path_.size()) {
+      pos = nodes_[path_[loaded]].start;
+      path_.resize(loaded);
+    }
+  }
+
+  // 3. Blocks: for each page, the deepest node on the path that touches it.
+  const size_t base = blocks->size();
+  for (int32_t id : path_) {
+    touch(id, tick);
+    const Node& nd = nodes_[id];
+    blocks->resize(base + static_cast<size_t>(nd.start / page_));
+    blocks->insert(blocks->end(), nd.blocks.begin(), nd.blocks.end());
+  }
+  blocks->resize(base + static_cast<size_t>(pages_for(pos)));
+  const int32_t last = path_.empty() ? root : path_.back();
+  if (lock) lock_path(last, +1);
+  *node = handle(last);
+  counters_.hit_tokens += pos;
+  return pos;
+}
+
+InsertResult RadixTree::insert(const std::string& ns, const int32_t* tokens, int64_t n, const int32_t* blocks,
+                               int64_t num_blocks, bool lock) {
+  if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
+  if (num_blocks != pages_for(n)) {
+    throw std::invalid_argument(cat("blocks has ", num_blocks, " entries but ", n, " tokens occupy ceil(", n, " / ",
+                                    page_, ") = ", pages_for(n), " pages"));
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  device_->check_held("blocks", blocks, num_blocks);
+  const int32_t root = root_of(ns);
+  const uint64_t tick = ++clock_;
+  ++counters_.inserts;
+
+  int32_t id = root;
+  int64_t pos = 0;
+  while (pos < n) {
+    auto it = edges_.find(edge_key(id, tokens[pos]));
+    if (it == edges_.end()) break;
+    int32_t child = it->second;
+    const int64_t len = static_cast<int64_t>(nodes_[child].tokens.size());
+    const int64_t k = common_prefix(nodes_[child].tokens.data(), tokens + pos, std::min(len, n - pos));
+    // Split where the sequence leaves the edge (a new branch goes there), or where it ends inside a
+    // host node (whose covered part is adopted below). Ending inside a device node needs no split.
+    if (k < len && (pos + k < n || nodes_[child].on_host)) child = split(child, k);
+    if (nodes_[child].on_host) adopt(child, blocks);  // the caller's blocks hold the same KV
+    touch(child, tick);
+    pos += k;
+    id = child;
+    if (k < len) break;
+  }
+  InsertResult r;
+  r.prefix_length = pos;
+  if (pos < n) {
+    const int32_t leaf = new_node();
+    Node& nd = nodes_[leaf];
+    nd.tokens.assign(tokens + pos, tokens + n);
+    nd.start = pos;
+    nd.parent = id;
+    nd.blocks.assign(blocks + pos / page_, blocks + num_blocks);
+    nd.last_access = tick;
+    nd.hits = 1;
+    device_->share(nd.blocks.data(), static_cast<int64_t>(nd.blocks.size()));
+    edges_[edge_key(id, tokens[pos])] = leaf;
+    nodes_[id].children.push_back(leaf);
+    ++nodes_[id].device_children;
+    queue(leaf);
+    counters_.inserted_tokens += n - pos;
+    id = leaf;
+  }
+  if (lock) lock_path(id, +1);
+  r.node = handle(id);
+  return r;
+}
+
+void RadixTree::lock(int64_t node) {
+  std::lock_guard<std::mutex> g(mu_);
+  const int32_t id = resolve(node);
+  if (nodes_[id].on_host) {
+    throw std::invalid_argument(cat("node handle ", node, " is on the host tier; match it again to load it back"));
+  }
+  lock_path(id, +1);
+}
+
+void RadixTree::unlock(int64_t node) {
+  std::lock_guard<std::mutex> g(mu_);
+  const int32_t id = resolve(node);
+  if (nodes_[id].lock == 0) throw std::invalid_argument(cat("node handle ", node, " is not locked; unlock without lock"));
+  lock_path(id, -1);
+}
+
+// ---- eviction -----------------------------------------------------------------------------------
+
+int64_t RadixTree::evict(int64_t num_blocks) {
+  if (num_blocks < 0) throw std::invalid_argument(cat("num_blocks = ", num_blocks, "; must be >= 0"));
+  std::lock_guard<std::mutex> g(mu_);
+  return evict_locked(num_blocks);
+}
+
+int64_t RadixTree::evict_locked(int64_t num_blocks) {
+  int64_t freed = 0;
+  for (int32_t victim; freed < num_blocks && (victim = next_victim(false)) >= 0;) freed += evict_leaf(victim);
+  return freed;
+}
+
+bool RadixTree::allocate_device(int64_t n, std::vector<int32_t>* out) {
+  // try_allocate, never allocate: the reclaimer path of allocate() would re-enter this tree.
+  while (!device_->try_allocate(n, out)) {
+    if (evict_locked(n - device_->num_free()) == 0) return false;
+  }
+  return true;
+}
+
+bool RadixTree::make_host_room(int64_t n) {
+  if (n > host_->num_blocks()) return false;
+  for (int32_t victim; host_->num_free() < n && (victim = next_victim(true)) >= 0;) delete_subtree(victim);
+  return host_->num_free() >= n;
+}
+
+int64_t RadixTree::evict_leaf(int32_t id) {
+  if (host_ && make_host_room(static_cast<int64_t>(nodes_[id].blocks.size()))) {
+    Node& nd = nodes_[id];
+    const int64_t n = static_cast<int64_t>(nd.blocks.size());
+    std::vector<int32_t> host_blocks;
+    host_->try_allocate(n, &host_blocks);  // cannot fail: make_host_room under our mutex
+    std::vector<BlockCopy> copies(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) copies[static_cast<size_t>(i)] = {nd.blocks[i], host_blocks[i]};
+    try {
+      copy_(CopyDirection::kDeviceToHost, copies);  // before the device blocks can be reused
+    } catch (...) {
+      host_->free(host_blocks.data(), n);
+      throw;
+    }
+    const int64_t freed = device_->free(nd.blocks.data(), n);
+    nd.blocks = std::move(host_blocks);
+    nd.on_host = true;
+    --nodes_[nd.parent].device_children;
+    queue(id);
+    queue(nd.parent);
+    ++counters_.demoted_nodes;
+    counters_.demoted_blocks += n;
+    counters_.evicted_blocks += freed;
+    return freed;
+  }
+  return nodes_[id].children.empty() ? delete_leaf(id) : delete_subtree(id);
+}
+
+int64_t RadixTree::delete_subtree(int32_t id) {
+  // Children before parents (only host nodes can hang below an evicted device leaf).
+  std::vector<int32_t> order{id};
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (int32_t c : nodes_[order[i]].children) order.push_back(c);
+  }
+  int64_t freed = 0;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) freed += delete_leaf(*it);
+  return freed;
+}
+
+int64_t RadixTree::delete_leaf(int32_t id) {
+  Node& nd = nodes_[id];
+  const int64_t released = pool(nd.on_host).free(nd.blocks.data(), static_cast<int64_t>(nd.blocks.size()));
+  const int64_t freed = nd.on_host ? 0 : released;
+  Node& parent = nodes_[nd.parent];
+  std::vector<int32_t>& siblings = parent.children;
+  *std::find(siblings.begin(), siblings.end(), id) = siblings.back();
+  siblings.pop_back();
+  parent.device_children -= nd.on_host ? 0 : 1;
+  edges_.erase(edge_key(nd.parent, nd.tokens[0]));
+  queue(nd.parent);
+  const uint32_t generation = nd.generation;
+  nd = Node();
+  nd.generation = generation;
+  free_nodes_.push_back(id);
+  ++counters_.evicted_nodes;
+  counters_.evicted_blocks += freed;
+  return freed;
+}
+
+// ---- introspection ------------------------------------------------------------------------------
+
+TreeStats RadixTree::stats() const {
+  std::lock_guard<std::mutex> g(mu_);
+  TreeStats s = counters_;
+  s.namespaces = static_cast<int64_t>(roots_.size());
+  for (const Node& nd : nodes_) {
+    if (!nd.alive || nd.is_root) continue;
+    ++s.nodes;
+    s.locked_nodes += nd.lock > 0;
+    s.evictable_leaves += !nd.on_host && evictable(static_cast<int32_t>(&nd - nodes_.data()));
+    const int64_t tokens = static_cast<int64_t>(nd.tokens.size());
+    const int64_t blocks = static_cast<int64_t>(nd.blocks.size());
+    if (nd.on_host) {
+      ++s.host_nodes;
+      s.host_tokens += tokens;
+      s.host_blocks += blocks;
+    } else {
+      s.device_tokens += tokens;
+      s.device_blocks += blocks;
+    }
+  }
+  return s;
+}
+
+std::vector<int32_t> RadixTree::block_references(bool host) const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<int32_t> out;
+  for (const Node& nd : nodes_) {
+    if (nd.alive && nd.on_host == host) out.insert(out.end(), nd.blocks.begin(), nd.blocks.end());
+  }
+  return out;
+}
+
+std::string RadixTree::check_invariants() const {
+  std::lock_guard<std::mutex> g(mu_);
+  for (int32_t id = 0; id < static_cast<int32_t>(nodes_.size()); ++id) {
+    const Node& nd = nodes_[id];
+    if (!nd.alive) continue;
+    std::vector<int32_t> children_locks;
+    int32_t device_children = 0;
+    for (int32_t c : nd.children) {
+      const Node& ch = nodes_[c];
+      if (!ch.alive || ch.parent != id) return cat("node ", id, ": child ", c, " is dead or has another parent");
+      if (ch.start != nd.end()) return cat("node ", c, " starts at ", ch.start, " but its parent ends at ", nd.end());
+      auto e = edges_.find(edge_key(id, ch.tokens[0]));
+      if (e == edges_.end() || e->second != c) return cat("node ", c, " is missing from the edge map");
+      if (nd.on_host && !ch.on_host) return cat("node ", c, " is on the device below host node ", id);
+      if (ch.lock > nd.lock) return cat("node ", c, " has more locks than its parent ", id);
+      device_children += !ch.on_host;
+    }
+    if (device_children != nd.device_children) return cat("node ", id, " miscounts its device children");
+    if (evictable(id) && !nd.queued[nd.on_host]) return cat("node ", id, " is an evictable leaf but not queued as one");
+    if (nd.is_root) continue;
+    if (nd.tokens.empty()) return cat("node ", id, " has no tokens");
+    const int64_t pages = pages_for(nd.end()) - nd.start / page_;
+    if (static_cast<int64_t>(nd.blocks.size()) != pages) {
+      return cat("node ", id, " covers [", nd.start, ", ", nd.end(), ") = ", pages, " pages but holds ", nd.blocks.size(),
+                 " blocks");
+    }
+  }
+  for (bool host : {false, true}) {
+    if (heaps_[host].size() > nodes_.size()) return "an eviction heap holds more entries than there are nodes";
+  }
+  return "";
+}
+
+}  // namespace prefix
+}  // namespace kvcache

@@ -1,0 +1,186 @@
+// RadixTree: a page-aware prefix cache of KV blocks, keyed by token ids within a namespace.
+//
+// Structure. One root per namespace (a string that captures everything that changes K/V: model and
+// revision, adapter, KV format, positional encoding, salt); namespaces never share nodes. Each edge
+// holds a run of tokens; a node covers the sequence positions [start, end) and owns one block
+// reference for every page it touches:
+//
+//     blocks = pages floor(start / P) .. ceil(end / P) - 1            (P = page_size)
+//
+// Nodes split at any token, so a page can straddle a parent and its child; both then hold a
+// reference on that block (its first tokens are the parent's, the rest the child's). Siblings that
+// diverge inside a page each have their own block for it. The blocks of a path are read as: for each
+// page, the block of the deepest node on the path that touches it. Tree blocks are never written:
+// the allocator's copy-on-write (refcount > 1) guarantees a request copies a cached page before it
+// writes into it, which is how a match that ends inside a page is reused.
+//
+// Operations. match() walks the longest common prefix and returns the matched token count, the
+// blocks covering it (the last one possibly partial) and a handle of the last node; insert() adds
+// the part of a sequence the tree lacks, taking a reference on the caller's blocks for it; lock()
+// pins a node and its ancestors; evict() removes unlocked leaves, least recently used first (or
+// least frequently used), until enough blocks went back to the allocator. The tree is also the
+// allocator's Reclaimer: an allocation that runs short evicts through it.
+//
+// Host tier (optional). Evicted nodes move to a host pool (another BlockAllocator; the KV is copied
+// by the CopyFn callback, e.g. kvcache.swap_blocks) and stay in the tree; a later match loads them
+// back. The device-resident part of every path is a prefix of it. Host leaves are dropped (LRU) when
+// the host pool is full.
+//
+// Handles are (generation << 32 | node index), so a handle of an evicted node is rejected rather than
+// aliasing a reused slot. Every call validates its input before changing anything. Thread-safe (one
+// internal mutex; lock order: tree, then allocators). Torch-free C++17.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "prefix/block_allocator.h"
+
+namespace kvcache {
+namespace prefix {
+
+enum class EvictionPolicy { kLru, kLfu };
+enum class CopyDirection { kDeviceToHost, kHostToDevice };
+/// Copies blocks between the device and host pools: (src id, dst id) pairs in the given direction.
+using CopyFn = std::function<void(CopyDirection, const std::vector<BlockCopy>&)>;
+
+struct MatchResult {
+  int64_t length = 0;           // matched tokens
+  std::vector<int32_t> blocks;  // ceil(length / page_size) device blocks; the last may be partial
+  int64_t node = 0;             // handle of the node holding the last matched token (or the root)
+};
+
+struct InsertResult {
+  int64_t prefix_length = 0;  // tokens that were already cached (the caller's blocks for them are unused)
+  int64_t node = 0;           // handle of the node holding the last inserted token
+};
+
+struct TreeStats {
+  // Counters since construction.
+  int64_t lookups = 0, lookup_tokens = 0, hit_tokens = 0;
+  int64_t inserts = 0, inserted_tokens = 0;
+  int64_t evicted_nodes = 0;    // nodes dropped from the tree
+  int64_t evicted_blocks = 0;   // device blocks returned to the allocator by eviction
+  int64_t demoted_nodes = 0, demoted_blocks = 0;  // moved to the host tier
+  int64_t loaded_nodes = 0, loaded_blocks = 0;    // brought back from it
+  // Current state.
+  int64_t namespaces = 0, nodes = 0, host_nodes = 0, locked_nodes = 0, evictable_leaves = 0;
+  int64_t device_tokens = 0, host_tokens = 0;     // tokens on the edges of device / host nodes
+  int64_t device_blocks = 0, host_blocks = 0;     // block references the tree holds
+};
+
+class RadixTree : public Reclaimer {
+ public:
+  /// A tree over `device` that also becomes its reclaimer (use this, not the constructor).
+  static std::shared_ptr<RadixTree> create(std::shared_ptr<BlockAllocator> device,
+                                           EvictionPolicy policy = EvictionPolicy::kLru);
+  RadixTree(std::shared_ptr<BlockAllocator> device, EvictionPolicy policy);
+  ~RadixTree() override;  // drops every block reference the tree holds
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  /// Adds a host tier: evicted nodes are copied to `host` blocks by `copy` instead of dropped.
+  void set_host_tier(std::shared_ptr<BlockAllocator> host, CopyFn copy);
+
+  /// Longest cached prefix of tokens[0, n); host-tier hits are loaded back first. With `lock`, the
+  /// returned node is locked in the same critical section.
+  MatchResult match(const std::string& ns, const int32_t* tokens, int64_t n, bool lock = false);
+  /// The same, appending the blocks to `*blocks` (no allocation per match in batched callers);
+  /// returns the matched length and sets `*node`.
+  int64_t match_into(const std::string& ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
+                     int64_t* node);
+  /// Caches tokens[0, n), whose KV is in `blocks` (ceil(n / page_size) ids the caller holds).
+  InsertResult insert(const std::string& ns, const int32_t* tokens, int64_t n, const int32_t* blocks,
+                      int64_t num_blocks, bool lock = false);
+  /// Pins a node and its ancestors against eviction (counted: every lock needs one unlock).
+  void lock(int64_t node);
+  void unlock(int64_t node);
+  /// Evicts unlocked leaves until `num_blocks` device blocks went back to the allocator (or nothing
+  /// is left to evict); returns how many did.
+  int64_t evict(int64_t num_blocks);
+  int64_t reclaim(int64_t num_blocks) override { return evict(num_blocks); }
+
+  int64_t page_size() const { return page_; }
+  TreeStats stats() const;
+  /// Every device (or host) block reference the tree holds, one entry per reference.
+  std::vector<int32_t> block_references(bool host) const;
+  /// "" if every structural invariant holds, else what is wrong (for tests).
+  std::string check_invariants() const;
+
+ private:
+  struct Node {
+    std::vector<int32_t> tokens;    // the edge from the parent
+    std::vector<int32_t> blocks;    // one per page touched by [start, end)
+    std::vector<int32_t> children;
+    int64_t start = 0;              // sequence position of tokens[0]
+    int32_t parent = -1;
+    int32_t device_children = 0;    // children resident on the device
+    int32_t lock = 0;               // locks of this node and its descendants
+    uint32_t generation = 0;
+    uint64_t last_access = 0, hits = 0;
+    bool alive = false, is_root = false, on_host = false;
+    bool queued[2] = {false, false};  // has an entry in the device [0] / host [1] eviction heap
+    int64_t end() const { return start + static_cast<int64_t>(tokens.size()); }
+  };
+  // An eviction candidate. Keys only grow (a touch raises last_access / hits), so entries are not
+  // updated when a node is touched: a popped entry whose key is stale is pushed again with the
+  // current key, and one whose node is no longer an evictable leaf is dropped (a lazy heap).
+  struct Candidate {
+    uint64_t primary, secondary;  // LRU: (last_access, 0); LFU: (hits, last_access)
+    int32_t id;
+    uint32_t generation;
+    bool operator>(const Candidate& o) const {
+      return std::tie(primary, secondary, id) > std::tie(o.primary, o.secondary, o.id);
+    }
+  };
+
+  // Everything below expects mu_ held.
+  int64_t match_locked(const std::string& ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
+                       int64_t* node);
+  int32_t root_of(const std::string& ns);
+  int32_t new_node();
+  int32_t resolve(int64_t handle) const;
+  int64_t handle(int32_t id) const { return (static_cast<int64_t>(nodes_[id].generation) << 32) | id; }
+  int64_t pages_for(int64_t tokens) const { return (tokens + page_ - 1) / page_; }
+  BlockAllocator& pool(bool host) const { return host ? *host_ : *device_; }
+
+  Candidate candidate(int32_t id) const;
+  bool evictable(int32_t id) const;
+  void queue(int32_t id);            // after any change that may have made a node an evictable leaf
+  int32_t next_victim(bool host);    // the evictable leaf to go first, or -1
+  void touch(int32_t id, uint64_t tick);
+  void lock_path(int32_t id, int delta);
+
+  int32_t split(int32_t id, int64_t k);  // the new upper node, holding the first k tokens
+  void adopt(int32_t id, const int32_t* blocks);  // host node -> device, using the caller's blocks
+  bool load(int32_t id);                          // host node -> device, by copy
+  bool allocate_device(int64_t n, std::vector<int32_t>* out);
+  int64_t evict_locked(int64_t num_blocks);
+  int64_t evict_leaf(int32_t id);  // demote to the host tier or delete; returns device blocks freed
+  bool make_host_room(int64_t n);
+  int64_t delete_subtree(int32_t id);
+  int64_t delete_leaf(int32_t id);  // a node without children; returns device blocks freed
+
+  mutable std::mutex mu_;
+  std::shared_ptr<BlockAllocator> device_, host_;
+  CopyFn copy_;
+  EvictionPolicy policy_;
+  int64_t page_;
+  uint64_t clock_ = 0;  // logical time of the last match / insert (LRU)
+  std::vector<Node> nodes_;
+  std::vector<int32_t> free_nodes_;
+  std::unordered_map<uint64_t, int32_t> edges_;  // (parent << 32 | first token) -> child
+  std::unordered_map<std::string, int32_t> roots_;
+  std::vector<Candidate> heaps_[2];                // device / host eviction candidates (min-heaps)
+  std::vector<int32_t> path_;                      // scratch of match
+  TreeStats counters_;
+};
+
+}  // namespace prefix
+}  // namespace kvcache

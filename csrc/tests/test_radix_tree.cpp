@@ -1,0 +1,365 @@
+// RadixTree: page-aware matching (including inside a page), namespaces, splits that share the
+// straddling page, locks, LRU/LFU eviction into the allocator, the host tier, and bad input that is
+// rejected with the state unchanged.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "prefix/radix_tree.h"
+
+using kvcache::prefix::BlockAllocator;
+using kvcache::prefix::BlockCopy;
+using kvcache::prefix::CopyDirection;
+using kvcache::prefix::EvictionPolicy;
+using kvcache::prefix::MatchResult;
+using kvcache::prefix::OutOfBlocks;
+using kvcache::prefix::RadixTree;
+
+namespace {
+
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+std::vector<int32_t> seq(int32_t first, int32_t n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+/// A tree over a fresh allocator, with helpers that play a request: blocks for tokens, insert, release.
+struct Fixture {
+  std::shared_ptr<BlockAllocator> alloc;
+  std::shared_ptr<RadixTree> tree;
+  Fixture(int64_t blocks, int64_t page, EvictionPolicy policy = EvictionPolicy::kLru)
+      : alloc(std::make_shared<BlockAllocator>(blocks, page)), tree(RadixTree::create(alloc, policy)) {}
+
+  /// Caches `tokens` the way a finished request would: own blocks, insert, drop its references.
+  int64_t put(const std::vector<int32_t>& tokens, const std::string& ns = "m") {
+    std::vector<int32_t> table;
+    alloc->append(&table, 0, static_cast<int64_t>(tokens.size()));
+    const auto r = tree->insert(ns, tokens.data(), static_cast<int64_t>(tokens.size()), table.data(),
+                                static_cast<int64_t>(table.size()));
+    alloc->free(table.data(), static_cast<int64_t>(table.size()));
+    return r.node;
+  }
+  MatchResult get(const std::vector<int32_t>& tokens, const std::string& ns = "m", bool lock = false) {
+    return tree->match(ns, tokens.data(), static_cast<int64_t>(tokens.size()), lock);
+  }
+  void expect_ok() const { EXPECT_EQ(tree->check_invariants(), ""); }
+};
+
+}  // namespace
+
+TEST(RadixTree, EmptyTreeMatchesNothing) {
+  Fixture f(8, 4);
+  const MatchResult r = f.get(seq(0, 5));
+  EXPECT_EQ(r.length, 0);
+  EXPECT_TRUE(r.blocks.empty());
+  f.expect_ok();
+}
+
+TEST(RadixTree, MatchesWholePagesAndEndsInsideAPage) {
+  Fixture f(16, 4);
+  std::vector<int32_t> a = seq(100, 10);  // 3 pages, the last holding 2 tokens
+  f.put(a);
+  MatchResult full = f.get(a);
+  EXPECT_EQ(full.length, 10);
+  EXPECT_EQ(full.blocks, (std::vector<int32_t>{0, 1, 2}));
+  std::vector<int32_t> b = a;
+  b[6] = 7;  // diverges inside page 1
+  MatchResult part = f.get(b);
+  EXPECT_EQ(part.length, 6);
+  EXPECT_EQ(part.blocks, (std::vector<int32_t>{0, 1}));  // page 1 partial: the caller copies it on write
+  f.expect_ok();
+}
+
+TEST(RadixTree, NamespacesNeverMatchEachOther) {
+  Fixture f(16, 4);
+  f.put(seq(0, 8), "llama-3|bf16");
+  EXPECT_EQ(f.get(seq(0, 8), "llama-3|fp8").length, 0);
+  EXPECT_EQ(f.get(seq(0, 8), "llama-3|bf16").length, 8);
+  EXPECT_EQ(f.tree->stats().namespaces, 2);
+}
+
+TEST(RadixTree, SplitInsideAPageSharesThatPage) {
+  Fixture f(16, 4);
+  std::vector<int32_t> a = seq(0, 8);
+  f.put(a);  // blocks 0, 1
+  std::vector<int32_t> b = a;
+  b[6] = 99;  // diverges at position 6, inside page 1
+  std::vector<int32_t> table;
+  f.alloc->append(&table, 0, 8);  // the request's own blocks 2, 3
+  const auto ins = f.tree->insert("m", b.data(), 8, table.data(), 2);
+  EXPECT_EQ(ins.prefix_length, 6);
+  f.alloc->free(table.data(), 2);
+  // Page 1 (block 1) straddles the split of a: the upper and lower halves both hold it.
+  EXPECT_EQ(f.alloc->refcount(1), 2);
+  EXPECT_EQ(f.alloc->refcount(0), 1);
+  EXPECT_EQ(f.alloc->refcount(2), 0);  // b's page 0 duplicated the tree's: released
+  EXPECT_EQ(f.alloc->refcount(3), 1);  // b's own page 1 (tokens 4, 5 shared, 99, 7 its own)
+  EXPECT_EQ(f.get(a).blocks, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(f.get(b).blocks, (std::vector<int32_t>{0, 3}));
+  f.expect_ok();
+}
+
+TEST(RadixTree, InsertReturnsWhatWasAlreadyCached) {
+  Fixture f(16, 4);
+  f.put(seq(0, 10));
+  std::vector<int32_t> longer = seq(0, 14), table;
+  f.alloc->append(&table, 0, 14);
+  const auto r = f.tree->insert("m", longer.data(), 14, table.data(), 4);
+  EXPECT_EQ(r.prefix_length, 10);
+  // The new leaf starts at 10, inside page 2: it holds the request's pages 2 and 3.
+  EXPECT_EQ(f.alloc->refcount(table[2]), 2);
+  EXPECT_EQ(f.alloc->refcount(table[0]), 1);
+  f.alloc->free(table.data(), 4);
+  EXPECT_EQ(f.get(longer).blocks, (std::vector<int32_t>{0, 1, table[2], table[3]}));
+  const auto again = f.tree->insert("m", longer.data(), 14, f.get(longer).blocks.data(), 4);
+  EXPECT_EQ(again.prefix_length, 14);
+  f.expect_ok();
+}
+
+TEST(RadixTree, EvictsLeastRecentlyUsedLeavesIntoTheAllocator) {
+  Fixture f(16, 4);
+  f.put(seq(0, 8));
+  f.put(seq(100, 8));
+  f.put(seq(200, 8));
+  f.get(seq(0, 8));  // touch the oldest
+  EXPECT_EQ(f.alloc->num_free(), 10);
+  EXPECT_EQ(f.tree->evict(2), 2);
+  EXPECT_EQ(f.get(seq(100, 8)).length, 0);  // the least recently used went first
+  EXPECT_EQ(f.get(seq(0, 8)).length, 8);
+  EXPECT_EQ(f.tree->stats().evicted_nodes, 1);
+  EXPECT_EQ(f.tree->evict(100), 4);
+  EXPECT_EQ(f.alloc->num_free(), 16);
+  f.expect_ok();
+}
+
+TEST(RadixTree, LfuEvictsTheLeastHit) {
+  Fixture f(16, 4, EvictionPolicy::kLfu);
+  f.put(seq(0, 4));
+  f.put(seq(100, 4));
+  for (int i = 0; i < 3; ++i) f.get(seq(0, 4));
+  f.get(seq(100, 4));  // most recent, but hit less often
+  f.tree->evict(1);
+  EXPECT_EQ(f.get(seq(100, 4)).length, 0);
+  EXPECT_EQ(f.get(seq(0, 4)).length, 4);
+}
+
+TEST(RadixTree, LockedPathsAreNeverEvicted) {
+  Fixture f(16, 4);
+  const int64_t node = f.put(seq(0, 8));
+  f.put(seq(100, 8));
+  f.tree->lock(node);
+  EXPECT_EQ(f.tree->evict(100), 2);  // only the unlocked leaf
+  EXPECT_EQ(f.get(seq(0, 8)).length, 8);
+  f.tree->unlock(node);
+  EXPECT_EQ(f.tree->evict(100), 2);
+  EXPECT_EQ(f.alloc->num_free(), 16);
+}
+
+TEST(RadixTree, LockingAChildPinsItsAncestors) {
+  Fixture f(16, 4);
+  f.put(seq(0, 8));
+  std::vector<int32_t> longer = seq(0, 12);
+  const MatchResult m = f.get(longer);  // 8 tokens
+  std::vector<int32_t> table = m.blocks;
+  f.alloc->share(table.data(), 2);
+  f.alloc->append(&table, 8, 4);
+  const auto leaf = f.tree->insert("m", longer.data(), 12, table.data(), 3, /*lock=*/true);
+  f.alloc->free(table.data(), 3);
+  EXPECT_EQ(f.tree->evict(100), 0);
+  EXPECT_EQ(f.tree->stats().locked_nodes, 2);
+  f.tree->unlock(leaf.node);
+  EXPECT_EQ(f.tree->evict(100), 3);
+}
+
+TEST(RadixTree, BadHandlesAndUnlockWithoutLock) {
+  Fixture f(16, 4);
+  const int64_t node = f.put(seq(0, 4));
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { f.tree->unlock(node); }),
+            "node handle " + std::to_string(node) + " is not locked; unlock without lock");
+  f.tree->evict(1);
+  EXPECT_NE(error_of<std::out_of_range>([&] { f.tree->lock(node); }).find("unknown or stale"), std::string::npos);
+  f.put(seq(50, 4));  // reuses the slot under a new generation
+  EXPECT_THROW(f.tree->lock(node), std::out_of_range);
+  EXPECT_THROW(f.tree->unlock(12345), std::out_of_range);
+  f.expect_ok();
+}
+
+TEST(RadixTree, BadInsertChangesNothing) {
+  Fixture f(16, 4);
+  f.put(seq(0, 8));
+  std::vector<int32_t> tokens = seq(0, 12);
+  std::vector<int32_t> table = f.alloc->allocate(2);
+  const auto before = f.tree->stats();
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { f.tree->insert("m", tokens.data(), 12, table.data(), 2); }),
+            "blocks has 2 entries but 12 tokens occupy ceil(12 / 4) = 3 pages");
+  std::vector<int32_t> freed{table[0], table[1], 9};
+  EXPECT_NE(error_of<std::invalid_argument>([&] { f.tree->insert("m", tokens.data(), 12, freed.data(), 3); })
+                .find("blocks[2] = block 9 is free"),
+            std::string::npos);
+  std::vector<int32_t> unknown{table[0], table[1], 77};
+  EXPECT_THROW(f.tree->insert("m", tokens.data(), 12, unknown.data(), 3), std::out_of_range);
+  const auto after = f.tree->stats();
+  EXPECT_EQ(after.nodes, before.nodes);
+  EXPECT_EQ(after.device_blocks, before.device_blocks);
+  EXPECT_EQ(f.alloc->refcount(table[0]), 1);
+  f.expect_ok();
+}
+
+TEST(RadixTree, ShortAllocationsEvictThroughTheTree) {
+  Fixture f(8, 4);
+  f.put(seq(0, 16));  // 4 blocks cached
+  f.put(seq(100, 8));  // 2 more
+  std::vector<int32_t> got = f.alloc->allocate(5);  // 2 free: the tree gives back the oldest leaf
+  EXPECT_EQ(got.size(), 5u);
+  EXPECT_EQ(f.get(seq(0, 16)).length, 0);
+  EXPECT_EQ(f.get(seq(100, 8)).length, 8);
+  EXPECT_THROW(f.alloc->allocate(4), OutOfBlocks);  // 1 free + 2 cached is not enough
+  f.alloc->free(got.data(), 5);
+  f.expect_ok();
+}
+
+TEST(RadixTree, DestroyingTheTreeReleasesItsBlocks) {
+  auto alloc = std::make_shared<BlockAllocator>(8, 4);
+  {
+    auto tree = RadixTree::create(alloc);
+    std::vector<int32_t> t = seq(0, 10), table;
+    alloc->append(&table, 0, 10);
+    tree->insert("m", t.data(), 10, table.data(), 3);
+    alloc->free(table.data(), 3);
+    EXPECT_EQ(alloc->num_free(), 5);
+  }
+  EXPECT_EQ(alloc->num_free(), 8);
+  EXPECT_EQ(alloc->allocate(8).size(), 8u);  // and the reclaimer went with it
+}
+
+namespace {
+/// A host tier whose "pools" are vectors of page ids: copies move the id of the data they carry.
+struct HostFixture : Fixture {
+  std::shared_ptr<BlockAllocator> host;
+  std::vector<int32_t> device_pages, host_pages;  // what each block holds
+  std::vector<std::pair<CopyDirection, BlockCopy>> log;
+  HostFixture(int64_t device_blocks, int64_t host_blocks, int64_t page) : Fixture(device_blocks, page) {
+    host = std::make_shared<BlockAllocator>(host_blocks, page);
+    device_pages.assign(static_cast<size_t>(device_blocks), -1);
+    host_pages.assign(static_cast<size_t>(host_blocks), -1);
+    tree->set_host_tier(host, [this](CopyDirection d, const std::vector<BlockCopy>& copies) {
+      for (const BlockCopy& c : copies) {
+        log.push_back({d, c});
+        if (d == CopyDirection::kDeviceToHost) host_pages[c.dst] = device_pages[c.src];
+        else device_pages[c.dst] = host_pages[c.src];
+      }
+    });
+  }
+  /// Like put, writing "page content" = 1000 * tag + page index into the blocks.
+  void put_tagged(const std::vector<int32_t>& tokens, int32_t tag) {
+    std::vector<int32_t> table;
+    alloc->append(&table, 0, static_cast<int64_t>(tokens.size()));
+    for (size_t p = 0; p < table.size(); ++p) device_pages[table[p]] = 1000 * tag + static_cast<int32_t>(p);
+    tree->insert("m", tokens.data(), static_cast<int64_t>(tokens.size()), table.data(), static_cast<int64_t>(table.size()));
+    alloc->free(table.data(), static_cast<int64_t>(table.size()));
+  }
+};
+}  // namespace
+
+TEST(RadixTree, HostTierKeepsEvictedPrefixesAndLoadsThemBack) {
+  HostFixture f(8, 8, 4);
+  f.put_tagged(seq(0, 8), 1);
+  f.put_tagged(seq(100, 8), 2);
+  EXPECT_EQ(f.tree->evict(2), 2);  // seq 0 goes to the host
+  auto s = f.tree->stats();
+  EXPECT_EQ(s.host_nodes, 1);
+  EXPECT_EQ(s.demoted_blocks, 2);
+  EXPECT_EQ(f.host->num_free(), 6);
+  const MatchResult m = f.get(seq(0, 8));
+  EXPECT_EQ(m.length, 8);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  EXPECT_EQ(f.device_pages[m.blocks[0]], 1000);  // the data came back
+  EXPECT_EQ(f.device_pages[m.blocks[1]], 1001);
+  EXPECT_EQ(f.host->num_free(), 8);
+  EXPECT_EQ(f.tree->stats().loaded_nodes, 1);
+  f.expect_ok();
+}
+
+TEST(RadixTree, HostTierDropsItsOldestLeavesWhenFull) {
+  HostFixture f(4, 2, 4);
+  f.put_tagged(seq(0, 8), 1);
+  f.tree->evict(2);  // -> host (2 of 2 host blocks)
+  f.put_tagged(seq(100, 8), 2);
+  f.tree->evict(2);  // -> host, dropping seq 0 from it
+  EXPECT_EQ(f.get(seq(0, 8)).length, 0);
+  EXPECT_EQ(f.get(seq(100, 8)).length, 8);
+  f.expect_ok();
+}
+
+TEST(RadixTree, HostTierMatchLoadsAChainAndEvictsOthersForRoom) {
+  HostFixture f(5, 8, 4);
+  std::vector<int32_t> a = seq(0, 8), ab = seq(0, 16);
+  f.put_tagged(a, 1);
+  f.put_tagged(ab, 2);  // a -> (a, b): 4 device blocks
+  f.tree->evict(4);     // the whole chain to the host
+  EXPECT_EQ(f.tree->stats().host_nodes, 2);
+  f.put_tagged(seq(100, 8), 3);  // 2 device blocks
+  const MatchResult m = f.get(ab);  // loading 4 needs 4: the seq-100 leaf is demoted for room
+  EXPECT_EQ(m.length, 16);
+  EXPECT_EQ(f.device_pages[m.blocks[3]], 2003);
+  EXPECT_EQ(f.get(seq(100, 8)).length, 8);  // and then comes back itself, evicting the chain's tail
+  f.expect_ok();
+}
+
+TEST(RadixTree, InsertThroughAHostNodeAdoptsTheCallersBlocks) {
+  HostFixture f(8, 8, 4);
+  f.put_tagged(seq(0, 8), 1);
+  f.tree->evict(2);
+  const size_t copies_before = f.log.size();
+  f.put_tagged(seq(0, 12), 2);  // recomputed by a request: its blocks replace the host copy
+  EXPECT_EQ(f.log.size(), copies_before);  // no copy needed
+  EXPECT_EQ(f.tree->stats().host_nodes, 0);
+  EXPECT_EQ(f.host->num_free(), 8);
+  const MatchResult m = f.get(seq(0, 12));
+  EXPECT_EQ(m.length, 12);
+  EXPECT_EQ(f.device_pages[m.blocks[0]], 2000);
+  f.expect_ok();
+}
+
+TEST(RadixTree, ConcurrentRequestsKeepTheTreeConsistent) {
+  Fixture f(512, 16);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&f, t] {
+      for (int i = 0; i < 300; ++i) {
+        std::vector<int32_t> tokens = seq(0, 64);  // a shared system prompt
+        for (int32_t j = 0; j < 40; ++j) tokens.push_back((i * 31 + j * 7 + t) % 50);
+        const MatchResult m = f.tree->match("m", tokens.data(), static_cast<int64_t>(tokens.size()), true);
+        std::vector<int32_t> table = m.blocks;
+        f.alloc->share(table.data(), static_cast<int64_t>(table.size()));
+        f.alloc->append(&table, m.length, static_cast<int64_t>(tokens.size()) - m.length);
+        const auto ins = f.tree->insert("m", tokens.data(), static_cast<int64_t>(tokens.size()), table.data(),
+                                        static_cast<int64_t>(table.size()), true);
+        f.tree->unlock(m.node);
+        f.alloc->free(table.data(), static_cast<int64_t>(table.size()));
+        f.tree->unlock(ins.node);
+        if (i % 50 == 0) f.tree->evict(8);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  f.expect_ok();
+  f.tree->evict(1 << 20);
+  EXPECT_EQ(f.alloc->num_free(), 512);
+}

@@ -1,0 +1,406 @@
+"""Block allocator and radix-tree prefix cache: the C++ core (``csrc/prefix``) with a Pythonic face.
+
+A :class:`BlockAllocator` hands out the block ids of one KV pool (shared by all layers) with reference
+counts; a :class:`Sequence` is one request's block table. :class:`PrefixCache` is a radix tree of
+cached token sequences over the same blocks: ``match`` finds the longest cached prefix (it may end
+inside a page), ``insert`` caches a finished prefix, ``lock`` pins a path, ``evict`` frees unlocked
+leaves (LRU or LFU). Pages are copy-on-write: a request that continues a prefix ending inside a page,
+or a forked sequence, gets its own copy of that page the first time it writes into it.
+
+>>> import torch, kvcache
+>>> alloc = kvcache.BlockAllocator(num_blocks=64, page_size=4)
+>>> cache = kvcache.PrefixCache(alloc)
+>>> ns = kvcache.Namespace(model="llama-3-8b", kv_format="bf16")
+>>> prompt = torch.tensor([1, 2, 3, 4, 5, 6])
+>>> seq = alloc.sequence()
+>>> alloc.append(seq, len(prompt)).shape    # prefill: room for 6 tokens; no page to copy
+torch.Size([0, 2])
+>>> seq
+Sequence(num_tokens=6, blocks=[0, 1])
+>>> cache.insert(prompt, seq, ns).prefix_length
+0
+>>> m = cache.match(torch.tensor([1, 2, 3, 4, 5, 9]), ns)   # shares tokens 0..4, diverges inside page 1
+>>> m.length, m.blocks.tolist()
+(5, [0, 1])
+>>> other = alloc.sequence(m)                # takes references on the matched blocks
+>>> alloc.append(other, 1).tolist()          # page 1 is shared: copied to a new block before the write
+[[1, 2]]
+>>> other.blocks.tolist(), alloc.refcount(0)
+([0, 2], 3)
+
+Namespaces keep caches that differ in anything affecting K/V apart: model and revision, adapter,
+KV format, positional encoding, and a user salt. The C++ objects are ``torch.classes.kvcache.
+BlockAllocator`` and ``torch.classes.kvcache.PrefixCache`` (``.native`` on the wrappers); their
+methods run without the GIL and lock internally, so both are safe to share between Python threads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+import torch
+
+from . import ops
+
+__all__ = [
+    "BlockAllocator", "Insert", "Match", "Namespace", "OutOfBlocksError", "PrefixCache", "RaggedMatch", "Sequence",
+]
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool has too few free blocks, even after evicting every unlocked cached prefix."""
+
+
+def _raise_out_of_blocks(err: RuntimeError) -> None:
+    if str(err).startswith("out of blocks"):
+        raise OutOfBlocksError(str(err).splitlines()[0]) from None
+
+
+def _ids(values, name: str) -> torch.Tensor:
+    """A 1-D CPU int tensor of ids (tensors pass through: the C++ side checks dtype, device and shape)."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, Sequence):
+        return values.blocks
+    try:
+        return torch.tensor(list(values), dtype=torch.int64).view(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name} must be a 1-D tensor or a sequence of ints, got {type(values).__name__}") from err
+
+
+def _pool_list(pools) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(pools, tuple) and len(pools) == 2 and isinstance(pools[0], torch.Tensor):
+        return [pools]
+    return [tuple(p) for p in pools]
+
+
+# ---- results ------------------------------------------------------------------------------------
+class Match(NamedTuple):
+    """A cached prefix: ``length`` tokens whose KV is in ``blocks`` (int32, ``ceil(length / page_size)``
+    ids; the last page is partial when ``length`` is not a multiple of the page size). ``node`` is the
+    handle of the tree node holding the last matched token, for :meth:`PrefixCache.lock`."""
+
+    length: int
+    blocks: torch.Tensor
+    node: int
+
+
+class Insert(NamedTuple):
+    """``prefix_length`` tokens were cached already (the caller's blocks for them stay the caller's);
+    ``node`` holds the last inserted token."""
+
+    prefix_length: int
+    node: int
+
+
+class RaggedMatch(NamedTuple):
+    """Matches of a batch, varlen style: sequence ``i`` matched ``lengths[i]`` tokens, its blocks are
+    ``blocks[cu_blocks[i]:cu_blocks[i + 1]]`` and its node is ``nodes[i]``."""
+
+    lengths: torch.Tensor
+    blocks: torch.Tensor
+    cu_blocks: torch.Tensor
+    nodes: torch.Tensor
+
+    def match(self, i: int) -> Match:
+        """The :class:`Match` of sequence ``i``."""
+        if not 0 <= i < len(self.lengths):
+            raise IndexError(f"sequence {i} is out of range for a batch of {len(self.lengths)}")
+        lo, hi = int(self.cu_blocks[i]), int(self.cu_blocks[i + 1])
+        return Match(int(self.lengths[i]), self.blocks[lo:hi], int(self.nodes[i]))
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that changes K/V. Prefixes match only within one namespace.
+
+    >>> Namespace(model="m", kv_format="int8") == Namespace(model="m", kv_format="int8")
+    True
+    >>> Namespace(model="m").key != Namespace(model="m", salt="user-42").key
+    True
+    """
+
+    model: str = ""
+    revision: str = ""
+    adapter: str = ""
+    kv_format: str = ""   # e.g. "bf16" or str(kvcache.CacheFormat.parse("k=int8,v=int4"))
+    rope: str = ""        # positional-encoding settings, e.g. "theta=500000,scaling=llama3x8"
+    salt: str = ""        # user-chosen: isolates tenants, or anything else not listed here
+    key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        values = (self.model, self.revision, self.adapter, str(self.kv_format), self.rope, self.salt)
+        object.__setattr__(self, "key", json.dumps(values))
+
+
+DEFAULT_NAMESPACE = Namespace()
+
+
+def _ns(namespace: Namespace | str) -> str:
+    if isinstance(namespace, Namespace):
+        return namespace.key
+    if isinstance(namespace, str):
+        return namespace
+    raise TypeError(f"namespace must be a kvcache.Namespace or a str, got {type(namespace).__name__}")
+
+
+# ---- allocator ----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Sequence:
+    """One request's block table: ``blocks`` (int32, one reference each held by this sequence) holding
+    ``num_tokens`` tokens. Made by :meth:`BlockAllocator.sequence`; grown by :meth:`BlockAllocator.append`."""
+
+    blocks: torch.Tensor
+    num_tokens: int = 0
+    page_size: int = field(default=16, repr=False)
+
+    def slots(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Slots (``block * page_size + offset``, int64) of token positions ``[start, end)``."""
+        end = self.num_tokens if end is None else end
+        if not 0 <= start <= end <= self.num_tokens:
+            raise IndexError(f"positions [{start}, {end}) are outside the sequence's {self.num_tokens} tokens")
+        pos = torch.arange(start, end)
+        return self.blocks.to(torch.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def __repr__(self) -> str:
+        return f"Sequence(num_tokens={self.num_tokens}, blocks={self.blocks.tolist()})"
+
+
+class BlockAllocator:
+    """Reference-counted block ids of one KV pool (all layers), with copy-on-write sequences.
+
+    Args:
+        num_blocks: blocks in the pool (``PageLayout.num_blocks``).
+        page_size: tokens per block, a power of two from 1 to 256.
+        bytes_per_block: bytes of one block over all layers, K and V (``layout.bytes_per_block *
+            num_layers``); only for the byte figures of :meth:`stats`.
+
+    When a request needs blocks and too few are free, the allocator asks its :class:`PrefixCache` (if
+    one was made over it) to evict unlocked prefixes, then raises :class:`OutOfBlocksError`; it never
+    hands out a block that is in use.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, *, bytes_per_block: int = 0):
+        try:
+            self.native = torch.classes.kvcache.BlockAllocator(int(num_blocks), int(page_size))
+        except RuntimeError as err:
+            raise ValueError(str(err).splitlines()[0]) from None
+        self.page_size = int(page_size)
+        self.bytes_per_block = int(bytes_per_block)
+        # Bound once: every attribute lookup on a torch ScriptObject builds a new method object (~1 us).
+        self._append, self._share, self._free = self.native.append, self.native.share, self.native.free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.native.num_blocks()
+
+    @property
+    def num_free(self) -> int:
+        return self.native.num_free()
+
+    # ---- blocks ---------------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> torch.Tensor:
+        """``num_blocks`` blocks (int32 ids) with one reference each."""
+        try:
+            return self.native.allocate(int(num_blocks))
+        except RuntimeError as err:
+            _raise_out_of_blocks(err)
+            raise
+
+    def share(self, blocks) -> None:
+        """One more reference on each block (which must be in use)."""
+        self._share(_ids(blocks, "blocks"))
+
+    def free(self, blocks) -> int:
+        """Drops one reference per entry; returns how many blocks became free."""
+        return self._free(_ids(blocks, "blocks"))
+
+    def refcount(self, block: int) -> int:
+        return self.native.refcount(int(block))
+
+    # ---- sequences ------------------------------------------------------------------------------
+    def sequence(self, prefix: Match | None = None) -> Sequence:
+        """A new sequence, empty or starting with a matched prefix (whose blocks it then shares)."""
+        if prefix is None:
+            return Sequence(torch.empty(0, dtype=torch.int32), 0, self.page_size)
+        blocks = prefix.blocks.to(torch.int32)
+        self.native.share(blocks)
+        return Sequence(blocks, int(prefix.length), self.page_size)
+
+    def append(self, seq: Sequence, num_tokens: int, pools=None) -> torch.Tensor:
+        """Makes room for ``num_tokens`` more tokens in ``seq`` (all or nothing).
+
+        If the sequence's partial last page is shared (a fork, or a prefix match that ended inside a
+        page), it is first moved to a new block. Returns those copies as ``[n, 2]`` int64 (src, dst)
+        pairs, which must be applied before writing: pass ``pools`` (a ``(k_cache, v_cache)`` pair or a
+        list of them, one per layer) to have them applied with :func:`kvcache.copy_blocks`.
+        Write the new tokens at ``seq.slots(seq.num_tokens - num_tokens)``.
+        """
+        try:
+            table, copies = self._append(seq.blocks, seq.num_tokens, int(num_tokens))
+        except RuntimeError as err:
+            _raise_out_of_blocks(err)
+            raise
+        seq.blocks, seq.num_tokens = table, seq.num_tokens + int(num_tokens)
+        if pools is not None and len(copies):
+            for k_cache, v_cache in _pool_list(pools):
+                ops.copy_blocks(k_cache, v_cache, copies)
+        return copies
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of ``seq`` sharing all its blocks (beam search, parallel sampling)."""
+        self.native.share(seq.blocks)
+        return Sequence(seq.blocks.clone(), seq.num_tokens, self.page_size)
+
+    def release(self, seq: Sequence) -> None:
+        """Drops the sequence's references; it is empty afterwards."""
+        self.native.free(seq.blocks)
+        seq.blocks, seq.num_tokens = torch.empty(0, dtype=torch.int32), 0
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Blocks ``free`` / ``used`` / ``shared``, ``references``, tokens ``filled`` and ``waste_tokens``
+        (internal fragmentation of sequences: reserved but unwritten slots), ``waste_fraction`` of the
+        used slots, and the byte figures when ``bytes_per_block`` was given."""
+        s = dict(self.native.stats())
+        used_slots = s["used"] * self.page_size
+        s["waste_fraction"] = s["waste_tokens"] / used_slots if used_slots else 0.0
+        if self.bytes_per_block:
+            s["used_bytes"] = s["used"] * self.bytes_per_block
+            s["waste_bytes"] = s["waste_tokens"] * self.bytes_per_block // self.page_size
+        return s
+
+    def __repr__(self) -> str:
+        s = self.native.stats()
+        return (f"BlockAllocator(num_blocks={s['num_blocks']}, page_size={self.page_size}, free={s['free']}, "
+                f"used={s['used']}, shared={s['shared']})")
+
+
+# ---- prefix cache -------------------------------------------------------------------------------
+class PrefixCache:
+    """Radix tree of cached prefixes over a :class:`BlockAllocator`'s blocks.
+
+    Args:
+        allocator: the device pool's allocator. The cache holds a reference on each block it caches and
+            evicts for the allocator when it runs short.
+        policy: ``"lru"`` (least recently used leaf first) or ``"lfu"`` (least hit first, then LRU).
+        host_pools: optional host tier, a ``(k, v)`` pair or a list of them (one per layer, CPU tensors
+            of the device pools' block shape; pinned memory helps). Evicted prefixes are copied there
+            with :func:`kvcache.swap_blocks` and copied back on a later match. Needs ``device_pools``.
+        device_pools: the device pools, same form, in the same layer order.
+
+    A match returns blocks without taking references: either take them (``allocator.sequence(m)``),
+    which keeps the data alive, and/or lock the node (``lock=True`` or :meth:`lock`), which keeps the
+    prefix in the cache until :meth:`unlock`.
+    """
+
+    def __init__(self, allocator: BlockAllocator, *, policy: str = "lru", host_pools=None, device_pools=None):
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError(f"allocator must be a kvcache.BlockAllocator, got {type(allocator).__name__}")
+        self.allocator = allocator
+        self.policy = policy
+        try:
+            self.native = torch.classes.kvcache.PrefixCache(allocator.native, policy)
+        except RuntimeError as err:
+            raise ValueError(str(err).splitlines()[0]) from None
+        self.host_allocator: BlockAllocator | None = None
+        if (host_pools is None) != (device_pools is None):
+            raise ValueError("a host tier needs both host_pools and device_pools")
+        if host_pools is not None:
+            host, device = _pool_list(host_pools), _pool_list(device_pools)
+            if not host or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for p in host for t in p):
+                raise ValueError("host_pools must be (k, v) tensor pairs [num_blocks, num_kv_heads, page_size, head_dim]")
+            self.host_allocator = BlockAllocator(host[0][0].shape[0], allocator.page_size)
+            self.native.set_host_tier(self.host_allocator.native, [k for k, _ in device], [v for _, v in device],
+                                      [k for k, _ in host], [v for _, v in host])
+        # Bound once: every attribute lookup on a torch ScriptObject builds a new method object (~1 us).
+        self._match, self._insert, self._evict = self.native.match, self.native.insert, self.native.evict
+        self._lock, self._unlock = self.native.lock, self.native.unlock
+        self._match_ragged, self._insert_ragged = self.native.match_ragged, self.native.insert_ragged
+
+    def match(self, tokens, namespace: Namespace | str = DEFAULT_NAMESPACE, *, lock: bool = False) -> Match:
+        """The longest cached prefix of ``tokens`` (1-D int32/int64 CPU tensor, or a list of ints).
+
+        With a host tier, a prefix found there is copied back first. ``lock=True`` locks the returned
+        node in the same step (no other thread can evict it in between)."""
+        length, blocks, node = self._match(_ids(tokens, "tokens"), _ns(namespace), lock)
+        return Match(length, blocks, node)
+
+    def insert(self, tokens, blocks, namespace: Namespace | str = DEFAULT_NAMESPACE, *,
+               lock: bool = False) -> Insert:
+        """Caches ``tokens``, whose KV is in ``blocks`` (``ceil(len(tokens) / page_size)`` block ids the
+        caller holds, or a :class:`Sequence` holding at least those tokens). The cache takes its own
+        reference on the blocks of the part it did not have; the caller keeps its references."""
+        tokens = _ids(tokens, "tokens")
+        if isinstance(blocks, Sequence):
+            if len(tokens) > blocks.num_tokens:
+                raise ValueError(f"tokens has {len(tokens)} entries but the sequence holds {blocks.num_tokens}")
+            blocks = blocks.blocks[:-(-len(tokens) // self.allocator.page_size)]
+        prefix_length, node = self._insert(tokens, _ids(blocks, "blocks"), _ns(namespace), lock)
+        return Insert(prefix_length, node)
+
+    def match_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, namespace: Namespace | str = DEFAULT_NAMESPACE,
+                     *, lock: bool = False) -> RaggedMatch:
+        """:meth:`match` of a batch in one call: sequence ``i`` is ``tokens[cu_lens[i]:cu_lens[i + 1]]``."""
+        return RaggedMatch(*self._match_ragged(tokens, cu_lens, _ns(namespace), lock))
+
+    def insert_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, blocks: torch.Tensor, cu_blocks: torch.Tensor,
+                      namespace: Namespace | str = DEFAULT_NAMESPACE, *, lock: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`insert` of a batch in one call (in order); returns (prefix lengths, nodes). Every sequence
+        is checked before the first is inserted."""
+        return self._insert_ragged(tokens, cu_lens, blocks, cu_blocks, _ns(namespace), lock)
+
+    def match_many(self, sequences: Iterable, namespace: Namespace | str = DEFAULT_NAMESPACE, *,
+                   lock: bool = False) -> list[Match]:
+        """:meth:`match` of each token sequence, in one native call."""
+        seqs = [_ids(s, "tokens").to(torch.int32) for s in sequences]
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        if seqs:
+            torch.cumsum(torch.tensor([len(s) for s in seqs]), 0, out=cu[1:])
+        flat = torch.cat(seqs) if seqs else torch.empty(0, dtype=torch.int32)
+        r = self.match_ragged(flat, cu, namespace, lock=lock)
+        return [r.match(i) for i in range(len(seqs))]
+
+    def lock(self, node: int) -> None:
+        """Pins ``node`` and its ancestors (counted; each lock needs one :meth:`unlock`)."""
+        self._lock(int(node))
+
+    def unlock(self, node: int) -> None:
+        self._unlock(int(node))
+
+    def evict(self, num_blocks: int) -> int:
+        """Evicts unlocked leaves (to the host tier if any) until ``num_blocks`` device blocks are free
+        again or nothing is left; returns how many were freed."""
+        return self._evict(int(num_blocks))
+
+    def clear(self) -> int:
+        """Evicts every unlocked prefix; returns the device blocks freed."""
+        return self.evict(self.allocator.num_blocks)
+
+    def stats(self) -> dict:
+        """Counters (``lookups``, ``lookup_tokens``, ``hit_tokens``, ``inserts``, ``inserted_tokens``,
+        ``evicted_nodes``, ``evicted_blocks``, host ``demoted_*`` / ``loaded_*``), the current tree
+        (``nodes``, ``locked_nodes``, ``device_tokens``, ``device_blocks``, ``host_*``, ...) and
+        ``hit_rate`` = hit tokens / looked-up tokens."""
+        s = dict(self.native.stats())
+        s["hit_rate"] = s["hit_tokens"] / s["lookup_tokens"] if s["lookup_tokens"] else 0.0
+        return s
+
+    def block_references(self, host: bool = False) -> list[int]:
+        """Every block reference the cache holds (one entry per reference), on the device or the host."""
+        return self.native.block_references(host).tolist()
+
+    def check(self) -> None:
+        """Raises AssertionError if an internal invariant of the tree is broken (for tests)."""
+        problem = self.native.check_invariants()
+        if problem:
+            raise AssertionError(problem)
+
+    def __repr__(self) -> str:
+        s = self.native.stats()
+        host = f", host_nodes={s['host_nodes']}" if self.host_allocator is not None else ""
+        return (f"PrefixCache(policy={self.policy!r}, nodes={s['nodes']}, device_tokens={s['device_tokens']}, "
+                f"locked_nodes={s['locked_nodes']}{host}, lookups={s['lookups']}, hit_tokens={s['hit_tokens']})")

@@ -1,0 +1,716 @@
+"""kvcache.PrefixCache: matching (including inside a page) with copy-on-write reuse, namespaces, locks,
+eviction, the host tier, bad input, threads, and a property-based test against a pure-Python model.
+
+Every pool in these tests stores, at each token position, a hash of the namespace and of the tokens up
+to and including that position: the K/V a model would have computed there depends on exactly that.
+So a match is right only if every block it returns holds that value at every matched position, and a
+sequence is intact only if its own blocks still do; a block reused too early, a page written while
+shared, or a copy that went wrong all show up as a wrong value.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvcache
+
+NAMESPACES = ("a", "b")
+
+
+def kv_values(ns: str, tokens: list[int]) -> list[float]:
+    """The value at each position: a rolling hash of (namespace, tokens[:position + 1]), exact in fp32."""
+    h, out = NAMESPACES.index(ns) + 1 if ns in NAMESPACES else 7, []
+    for t in tokens:
+        h = (h * 31 + int(t) + 1) % 1048573
+        out.append(float(h))
+    return out
+
+
+class Pools:
+    """One layer's K/V pool ([num_blocks, 1, page_size, 1], V = -K) and helpers to write and read it."""
+
+    def __init__(self, num_blocks: int, page_size: int):
+        self.page = page_size
+        self.k, self.v = kvcache.PageLayout(num_blocks, page_size, 1, 1, torch.float32).allocate(fill=-1.0)
+
+    def write(self, seq: kvcache.Sequence, ns: str, tokens: list[int], start: int) -> None:
+        vals = torch.tensor(kv_values(ns, tokens)[start:]).view(1, 1, -1, 1)
+        if vals.numel():
+            kvcache.append(vals, -vals, self.k, self.v, seq.slots(start).view(1, -1))
+
+    def read(self, blocks, n: int) -> list[float]:
+        blocks = [int(b) for b in blocks]
+        return [float(self.k[blocks[p // self.page], 0, p % self.page, 0]) for p in range(n)]
+
+    def holds(self, blocks, ns: str, tokens: list[int]) -> bool:
+        n = len(tokens)
+        return self.read(blocks, n) == kv_values(ns, tokens) and self.read(blocks, n) == [
+            -float(self.v[int(blocks[p // self.page]), 0, p % self.page, 0]) for p in range(n)]
+
+
+def request(alloc, cache, pools, ns, tokens, *, lock=False):
+    """What a serving loop does: match, share the hit, append and compute the rest."""
+    m = cache.match(torch.tensor(tokens, dtype=torch.int64), ns, lock=lock)
+    seq = alloc.sequence(m)
+    alloc.append(seq, len(tokens) - m.length, pools=(pools.k, pools.v))
+    pools.write(seq, ns, tokens, m.length)
+    return m, seq
+
+
+# ---- examples -----------------------------------------------------------------------------------
+def test_match_inside_a_page_reuses_it_through_copy_on_write():
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    first = [5, 6, 7, 8, 9, 10, 11]
+    _, seq = request(alloc, cache, pools, "a", first)
+    cache.insert(first, seq, "a")
+    alloc.release(seq)
+    second = [5, 6, 7, 8, 9, 42, 43, 44]        # diverges at 5, inside page 1
+    m, seq2 = request(alloc, cache, pools, "a", second)
+    assert m.length == 5 and m.blocks.tolist() == [0, 1]
+    assert seq2.blocks[0] == 0 and seq2.blocks[1] != 1   # page 0 shared, page 1 copied then written
+    assert pools.holds(seq2.blocks, "a", second)
+    assert pools.holds(cache.match(first, "a").blocks, "a", first)  # the cached page is untouched
+    assert cache.stats()["hit_tokens"] == 0 + 5 + 7
+
+
+def test_namespaces_keep_caches_apart():
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    bf16 = kvcache.Namespace(model="llama-3-8b", revision="r1", kv_format="bf16")
+    int8 = kvcache.Namespace(model="llama-3-8b", revision="r1", kv_format="int8")
+    tokens = list(range(9))
+    _, seq = request(alloc, cache, pools, bf16.key, tokens)
+    cache.insert(tokens, seq, bf16)
+    assert cache.match(tokens, bf16).length == 9
+    for other in (int8, kvcache.Namespace(model="llama-3-8b", revision="r2", kv_format="bf16"),
+                  kvcache.Namespace(model="llama-3-8b", revision="r1", kv_format="bf16", salt="tenant-2"),
+                  kvcache.Namespace(model="llama-3-8b", revision="r1", kv_format="bf16", adapter="lora-7"),
+                  kvcache.Namespace(model="llama-3-8b", revision="r1", kv_format="bf16", rope="theta=1e6")):
+        assert cache.match(tokens, other).length == 0
+    assert cache.match(tokens, bf16.key).length == 9   # the key string is the namespace
+    with pytest.raises(TypeError, match="namespace must be a kvcache.Namespace or a str"):
+        cache.match(tokens, 3)
+
+
+def test_insert_reports_the_cached_prefix_and_takes_references():
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    _, seq = request(alloc, cache, pools, "a", list(range(10)))
+    assert cache.insert(list(range(6)), seq, "a").prefix_length == 0      # a prefix of the sequence
+    assert cache.insert(list(range(10)), seq, "a").prefix_length == 6
+    assert sorted(cache.block_references()) == [0, 1, 1, 2]  # page 1 straddles the two nodes
+    assert [alloc.refcount(b) for b in range(3)] == [2, 3, 2]
+    alloc.release(seq)
+    assert cache.evict(100) == 3 and alloc.num_free == 16
+
+
+def test_locks_pin_paths_and_count():
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    for base in (0, 100):
+        _, seq = request(alloc, cache, pools, "a", list(range(base, base + 8)))
+        cache.insert(list(range(base, base + 8)), seq, "a")
+        alloc.release(seq)
+    m = cache.match(list(range(8)), "a", lock=True)
+    cache.lock(m.node)
+    assert cache.stats()["locked_nodes"] == 1
+    assert cache.clear() == 2                  # only the unlocked prefix
+    cache.unlock(m.node)
+    assert cache.clear() == 0                  # still locked once
+    cache.unlock(m.node)
+    assert cache.clear() == 2 and alloc.num_free == 16
+    with pytest.raises(IndexError, match=rf"node handle {m.node} is unknown or stale"):
+        cache.unlock(m.node)
+
+
+def test_full_pool_evicts_cached_prefixes():
+    alloc, pools = kvcache.BlockAllocator(8, 4), Pools(8, 4)
+    cache = kvcache.PrefixCache(alloc)
+    for base in (0, 100):
+        _, seq = request(alloc, cache, pools, "a", list(range(base, base + 16)))
+        cache.insert(list(range(base, base + 16)), seq, "a")
+        alloc.release(seq)
+    assert alloc.num_free == 0
+    _, seq = request(alloc, cache, pools, "a", list(range(200, 220)))   # 5 blocks: evicts both
+    assert cache.stats()["evicted_nodes"] == 2
+    assert cache.match(list(range(100, 116)), "a").length == 0
+    with pytest.raises(kvcache.OutOfBlocksError, match="out of blocks"):
+        alloc.append(seq, 20)
+    assert seq.num_tokens == 20 and pools.holds(seq.blocks, "a", list(range(200, 220)))
+
+
+def test_lfu_keeps_the_frequently_hit_prefix():
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc, policy="lfu")
+    for base in (0, 100):
+        _, seq = request(alloc, cache, pools, "a", list(range(base, base + 4)))
+        cache.insert(list(range(base, base + 4)), seq, "a")
+        alloc.release(seq)
+    for _ in range(3):
+        cache.match(list(range(4)), "a")
+    cache.match(list(range(100, 104)), "a")
+    cache.evict(1)
+    assert cache.match(list(range(4)), "a").length == 4
+    assert cache.match(list(range(100, 104)), "a").length == 0
+    with pytest.raises(ValueError, match="policy = 'mru' is not an eviction policy"):
+        kvcache.PrefixCache(kvcache.BlockAllocator(4, 4), policy="mru")
+
+
+def test_ragged_calls_equal_single_calls():
+    alloc, pools = kvcache.BlockAllocator(64, 4), Pools(64, 4)
+    cache = kvcache.PrefixCache(alloc)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6, 8, 8, 8], [7, 7]]
+    seqs = [request(alloc, cache, pools, "a", p)[1] for p in prompts]
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int32)
+    cu = torch.tensor([0, 7, 11, 20, 22])
+    pages = [s.blocks for s in seqs]
+    blocks = torch.cat(pages)
+    cu_blocks = torch.tensor([0, 2, 3, 6, 7])
+    prefix, nodes = cache.insert_ragged(tokens, cu, blocks, cu_blocks, "a")
+    assert prefix.tolist() == [0, 3, 6, 0]
+    queries = [[1, 2, 3, 4, 5, 0], [1, 2, 3, 9, 9], [7, 7, 7], [2]]
+    batch = cache.match_many(queries, "a")
+    single = [cache.match(q, "a") for q in queries]
+    assert [(m.length, m.blocks.tolist(), m.node) for m in batch] == [
+        (m.length, m.blocks.tolist(), m.node) for m in single]
+    assert [m.length for m in batch] == [5, 4, 2, 0]
+    for q, m in zip(queries, batch):
+        assert pools.holds(m.blocks, "a", q[:m.length])
+    with pytest.raises(ValueError, match=r"sequence 1 has 4 tokens = 1 pages but 2 blocks"):
+        cache.insert_ragged(tokens, cu, blocks, torch.tensor([0, 2, 4, 6, 7]), "a")
+    with pytest.raises(IndexError, match=r"cu_lens\[-1\] = 21 must equal len\(tokens\) = 22"):
+        cache.match_ragged(tokens, torch.tensor([0, 21]), "a")
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("token_dtype", TypeError, r"tokens must have dtype int32 or int64 \(token ids\) but has Float"),
+    ("token_dim", ValueError, r"tokens must be a 1-D tensor but has shape \[2, 3\]"),
+    ("token_range", IndexError, r"tokens\[1\] = 4294967296 does not fit in int32"),
+    ("lengths", ValueError, r"blocks has 1 entries but 6 tokens occupy ceil\(6 / 4\) = 2 pages"),
+    ("freed_block", ValueError, r"blocks\[1\] = block 9 is free"),
+    ("unknown_block", IndexError, r"blocks\[1\] = 99 is not a block id"),
+    ("unlock_unlocked", ValueError, r"is not locked; unlock without lock"),
+    ("stale_handle", IndexError, r"node handle 123456789 is unknown or stale"),
+    ("negative_evict", ValueError, r"num_blocks = -1; must be >= 0"),
+    ("sequence_too_short", ValueError, r"tokens has 12 entries but the sequence holds 10"),
+])
+def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
+    alloc, pools = kvcache.BlockAllocator(16, 4), Pools(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    _, seq = request(alloc, cache, pools, "a", list(range(10)))
+    node = cache.insert(list(range(10)), seq, "a").node
+    calls = {
+        "token_dtype": lambda: cache.match(torch.ones(3), "a"),
+        "token_dim": lambda: cache.insert(torch.ones(2, 3, dtype=torch.int64), seq.blocks, "a"),
+        "token_range": lambda: cache.match(torch.tensor([1, 2**32]), "a"),
+        "lengths": lambda: cache.insert(list(range(6)), seq.blocks[:1], "a"),
+        "freed_block": lambda: cache.insert(list(range(20, 26)), [0, 9], "a"),
+        "unknown_block": lambda: cache.insert(list(range(20, 26)), [0, 99], "a"),
+        "unlock_unlocked": lambda: cache.unlock(node),
+        "stale_handle": lambda: cache.unlock(123456789),
+        "negative_evict": lambda: cache.evict(-1),
+        "sequence_too_short": lambda: cache.insert(list(range(12)), seq, "a"),
+    }
+    before = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
+    with pytest.raises(exc, match=match):
+        calls[case]()
+    after = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
+    for s in (before[0], after[0]):   # a rejected lookup may still count as a lookup; nothing else moves
+        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate"), s.pop("namespaces")
+    assert before == after
+    cache.check()
+
+
+def test_host_tier_moves_evicted_prefixes_out_and_back():
+    layers, device_blocks, host_blocks, page = 2, 6, 8, 4
+    device = [kvcache.PageLayout(device_blocks, page, 2, 8, torch.float16).allocate(fill=0.0) for _ in range(layers)]
+    host = [kvcache.PageLayout(host_blocks, page, 2, 8, torch.float16).allocate(fill=0.0) for _ in range(layers)]
+    alloc = kvcache.BlockAllocator(device_blocks, page)
+    cache = kvcache.PrefixCache(alloc, host_pools=host, device_pools=device)
+    assert "host_nodes=0" in repr(cache)
+
+    def run(tokens, fill):
+        m = cache.match(tokens)
+        seq = alloc.sequence(m)
+        alloc.append(seq, len(tokens) - m.length, pools=device)
+        for layer, (k, v) in enumerate(device):        # "compute" the new tokens: a value per layer
+            for s in seq.slots(m.length).tolist():
+                k[s // page, :, s % page] = fill + layer
+                v[s // page, :, s % page] = -(fill + layer)
+        cache.insert(tokens, seq)
+        alloc.release(seq)
+        return m
+
+    run(list(range(8)), 1.0)
+    run(list(range(100, 112)), 2.0)          # 3 more blocks; 5 of 6 used
+    assert cache.evict(2) == 2               # the older prefix goes to the host
+    s = cache.stats()
+    assert (s["host_nodes"], s["demoted_blocks"]) == (1, 2)
+    assert cache.host_allocator.num_free == host_blocks - 2
+    m = cache.match(list(range(8)))          # found on the host: copied back
+    assert m.length == 8 and cache.stats()["loaded_blocks"] == 2
+    for layer, (k, v) in enumerate(device):
+        for b in m.blocks.tolist():
+            assert torch.all(k[b] == 1.0 + layer) and torch.all(v[b] == -(1.0 + layer))
+    assert cache.host_allocator.num_free == host_blocks
+    cache.check()
+    with pytest.raises(ValueError, match="needs both host_pools and device_pools"):
+        kvcache.PrefixCache(kvcache.BlockAllocator(6, page), host_pools=host)
+    with pytest.raises(ValueError, match="the device pools have 6 blocks but the allocator has 5"):
+        kvcache.PrefixCache(kvcache.BlockAllocator(5, page), host_pools=host, device_pools=device)
+
+
+def test_threads_share_one_cache():
+    alloc, pools = kvcache.BlockAllocator(1024, 16), Pools(1024, 16)
+    cache = kvcache.PrefixCache(alloc)
+    system = list(range(50))
+    errors = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(60):
+                tokens = system + [(i * 7 + j + t) % 11 for j in range(20)]
+                m, seq = request(alloc, cache, pools, "a", tokens, lock=True)
+                ins = cache.insert(tokens, seq, "a", lock=True)
+                assert pools.holds(seq.blocks, "a", tokens)
+                cache.unlock(m.node)
+                cache.unlock(ins.node)
+                alloc.release(seq)
+                if i % 20 == 0:
+                    cache.evict(4)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    cache.check()
+    assert cache.stats()["locked_nodes"] == 0
+    cache.clear()
+    assert alloc.num_free == 1024
+
+
+def test_native_calls_release_the_gil():
+    """torch runs custom-class methods with the GIL released: another Python thread keeps running in
+    the middle of a long native call (20000 matches of 2176 tokens in one call, tens of milliseconds).
+    Were the GIL held, that thread could run only before or after the call, never in its middle half."""
+    alloc = kvcache.BlockAllocator(256, 16)
+    cache = kvcache.PrefixCache(alloc)
+    tokens = torch.randint(0, 32000, (2176,), dtype=torch.int32)
+    cache.insert(tokens, alloc.allocate(136), "a")
+    flat, cu = tokens.repeat(20000), torch.arange(20001) * 2176
+    stop, stamps = threading.Event(), []
+
+    def spin() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    while not stamps:
+        pass
+    t0 = time.perf_counter()
+    lengths = cache.match_ragged(flat, cu, "a").lengths
+    t1 = time.perf_counter()
+    stop.set()
+    thread.join()
+    assert bool((lengths == 2176).all())
+    lo, hi = t0 + (t1 - t0) / 4, t1 - (t1 - t0) / 4
+    assert any(lo <= t <= hi for t in stamps), f"no Python progress during the {1e3 * (t1 - t0):.0f} ms native call"
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_native_classes_work_in_torchscript():
+    alloc = torch.classes.kvcache.BlockAllocator(8, 4)
+    cache = torch.classes.kvcache.PrefixCache(alloc, "lru")
+
+    @torch.jit.script
+    def cache_prompt(a: torch.classes.kvcache.BlockAllocator,  # type: ignore[name-defined]
+                     c: torch.classes.kvcache.PrefixCache, tokens: torch.Tensor) -> int:  # type: ignore[name-defined]
+        table, _ = a.append(torch.empty(0, dtype=torch.int32), 0, tokens.size(0))
+        c.insert(tokens, table, "ns", False)
+        a.free(table)
+        length, _, _ = c.match(tokens, "ns", False)
+        return length
+
+    assert cache_prompt(alloc, cache, torch.arange(6)) == 6
+
+
+# ---- property-based: random operations against a pure-Python model -------------------------------
+class _Node:
+    def __init__(self, tokens=(), start=0, parent=None, pages=None, last=0, hits=0):
+        self.tokens, self.start, self.parent = tuple(tokens), start, parent
+        self.pages = dict(pages or {})   # page index -> block: every page [start, end) touches
+        self.children: list[_Node] = []
+        self.lock, self.last, self.hits = 0, last, hits
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class RadixModel:
+    """The prefix cache's semantics, written plainly: a token trie with run-length edges, one reference
+    per (node, page touched), LRU/LFU leaf eviction, counted locks; plus every block's reference count
+    (sequences' and the tree's). Block ids are taken from the real allocator's answers and checked."""
+
+    def __init__(self, num_blocks: int, page: int, policy: str):
+        self.page, self.policy, self.num_blocks = page, policy, num_blocks
+        self.refs = [0] * num_blocks
+        self.roots: dict[str, _Node] = {}
+        self.clock = 0
+
+    def pages(self, n: int) -> int:
+        return -(-n // self.page)
+
+    @property
+    def free(self) -> int:
+        return self.refs.count(0)
+
+    def nodes(self):
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.parent is not None:
+                yield node
+
+    def tree_refs(self) -> Counter:
+        return Counter(b for node in self.nodes() for b in node.pages.values())
+
+    def match(self, ns, tokens):
+        self.clock += 1
+        root = self.roots.setdefault(ns, _Node())
+        path, node, pos = [], root, 0
+        while pos < len(tokens):
+            child = next((c for c in node.children if c.tokens[0] == tokens[pos]), None)
+            if child is None:
+                break
+            k = 0
+            while k < len(child.tokens) and pos + k < len(tokens) and child.tokens[k] == tokens[pos + k]:
+                k += 1
+            path.append(child)
+            pos += k
+            if k < len(child.tokens):
+                break
+            node = child
+        for n in path:
+            n.last, n.hits = self.clock, n.hits + 1
+        blocks = [next(n.pages[p] for n in reversed(path) if p in n.pages) for p in range(self.pages(pos))]
+        return pos, blocks, path[-1] if path else root
+
+    def split(self, child: _Node, k: int) -> _Node:
+        s = child.start + k
+        up = _Node(child.tokens[:k], child.start, child.parent, last=child.last, hits=child.hits)
+        up.pages = {p: b for p, b in child.pages.items() if p * self.page < s}
+        child.pages = {p: b for p, b in child.pages.items() if (p + 1) * self.page > s}
+        for p in set(up.pages) & set(child.pages):
+            self.refs[up.pages[p]] += 1
+        up.lock, up.children = child.lock, [child]
+        siblings = child.parent.children
+        siblings[siblings.index(child)] = up
+        child.tokens, child.start, child.parent = child.tokens[k:], s, up
+        return up
+
+    def insert(self, ns, tokens, blocks):
+        self.clock += 1
+        node, pos = self.roots.setdefault(ns, _Node()), 0
+        while pos < len(tokens):
+            child = next((c for c in node.children if c.tokens[0] == tokens[pos]), None)
+            if child is None:
+                break
+            k = 0
+            while k < len(child.tokens) and pos + k < len(tokens) and child.tokens[k] == tokens[pos + k]:
+                k += 1
+            length = len(child.tokens)
+            if k < length and pos + k < len(tokens):
+                child = self.split(child, k)
+            child.last, child.hits = self.clock, child.hits + 1
+            node, pos = child, pos + k
+            if k < length:
+                break
+        prefix = pos
+        if pos < len(tokens):
+            leaf = _Node(tokens[pos:], pos, node, {p: blocks[p] for p in range(pos // self.page, self.pages(len(tokens)))},
+                         last=self.clock, hits=1)
+            for b in leaf.pages.values():
+                self.refs[b] += 1
+            node.children.append(leaf)
+            node = leaf
+        return prefix, node
+
+    def lock(self, node: _Node, delta: int) -> None:
+        while node is not None:
+            node.lock += delta
+            node = node.parent
+
+    def evict(self, want: int) -> int:
+        freed = 0
+        while freed < want:
+            leaves = [n for n in self.nodes() if not n.children and n.lock == 0]
+            if not leaves:
+                break
+            key = (lambda n: (n.hits, n.last)) if self.policy == "lfu" else (lambda n: n.last)
+            leaves.sort(key=key)
+            assert len(leaves) == 1 or key(leaves[0]) != key(leaves[1]), "the model's eviction order has a tie"
+            victim = leaves[0]
+            victim.parent.children.remove(victim)
+            for b in victim.pages.values():
+                self.refs[b] -= 1
+                freed += self.refs[b] == 0
+        return freed
+
+    def append_need(self, blocks: list[int], num_tokens: int, n: int) -> tuple[bool, int]:
+        offset = num_tokens % self.page
+        cow = bool(offset and n and self.refs[blocks[-1]] > 1)
+        return cow, self.pages(num_tokens + n) - self.pages(num_tokens) + cow
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """allocate / fork / write / free / insert / match / lock / unlock / evict, checked after every step."""
+
+    @initialize(page=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 20), policy=st.sampled_from(["lru", "lfu"]))
+    def setup(self, page, num_blocks, policy):
+        self.alloc = kvcache.BlockAllocator(num_blocks, page)
+        self.cache = kvcache.PrefixCache(self.alloc, policy=policy)
+        self.pools = Pools(num_blocks, page)
+        self.model = RadixModel(num_blocks, page, policy)
+        self.seqs: list[tuple[kvcache.Sequence, str, list[int]]] = []
+        self.locks: list[tuple[int, _Node]] = []
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _append(self, seq: kvcache.Sequence, ns: str, tokens: list[int], n: int) -> bool:
+        """Grows seq by the last n of `tokens` in both worlds; False if the pool is (predictably) full."""
+        model, old = self.model, [int(b) for b in seq.blocks]
+        cow, need = model.append_need(old, seq.num_tokens, n)
+        if model.free < need and need <= model.num_blocks:
+            model.evict(need - model.free)
+            cow, need = model.append_need(old, seq.num_tokens, n)
+        if model.free < need:
+            with pytest.raises(kvcache.OutOfBlocksError):
+                self.alloc.append(seq, n, pools=(self.pools.k, self.pools.v))
+            return False
+        start = seq.num_tokens
+        copies = self.alloc.append(seq, n, pools=(self.pools.k, self.pools.v))
+        new = [int(b) for b in seq.blocks]
+        fresh = ([new[len(old) - 1]] if cow else []) + new[len(old):]
+        assert all(model.refs[b] == 0 for b in fresh), "append handed out a block in use"
+        assert copies.tolist() == ([[old[-1], new[len(old) - 1]]] if cow else [])
+        if cow:
+            model.refs[old[-1]] -= 1
+        for b in fresh:
+            model.refs[b] += 1
+        self.pools.write(seq, ns, tokens, start)
+        return True
+
+    def _pick(self, data, items):
+        return data.draw(st.integers(0, len(items) - 1))
+
+    # ---- rules -----------------------------------------------------------------------------------
+    @rule(tokens=st.lists(st.integers(0, 2), max_size=12), ns=st.sampled_from(NAMESPACES), lock=st.booleans())
+    def request(self, tokens, ns, lock):
+        m = self.cache.match(tokens, ns, lock=lock)
+        length, blocks, node = self.model.match(ns, tokens)
+        assert (m.length, m.blocks.tolist()) == (length, blocks)
+        assert self.pools.holds(m.blocks, ns, tokens[:length]), "a match returned a block that lost its KV"
+        if lock:
+            self.model.lock(node, +1)
+            self.locks.append((m.node, node))
+        seq = self.alloc.sequence(m)
+        for b in blocks:
+            self.model.refs[b] += 1
+        if self._append(seq, ns, tokens, len(tokens) - length):
+            self.seqs.append((seq, ns, list(tokens)))
+        else:
+            for b in seq.blocks.tolist():
+                self.model.refs[b] -= 1
+            self.alloc.release(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    def write(self, data, more):
+        seq, ns, tokens = self.seqs[self._pick(data, self.seqs)]
+        if self._append(seq, ns, tokens + more, len(more)):
+            tokens.extend(more)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        seq, ns, tokens = self.seqs[self._pick(data, self.seqs)]
+        child = self.alloc.fork(seq)
+        for b in seq.blocks.tolist():
+            self.model.refs[b] += 1
+        self.seqs.append((child, ns, list(tokens)))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq, _, _ = self.seqs.pop(self._pick(data, self.seqs))
+        for b in seq.blocks.tolist():
+            self.model.refs[b] -= 1
+        self.alloc.release(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), lock=st.booleans())
+    def insert(self, data, lock):
+        seq, ns, tokens = self.seqs[self._pick(data, self.seqs)]
+        cut = data.draw(st.integers(0, len(tokens)))
+        r = self.cache.insert(tokens[:cut], seq, ns, lock=lock)
+        prefix, node = self.model.insert(ns, tokens[:cut], [int(b) for b in seq.blocks])
+        assert r.prefix_length == prefix
+        if lock:
+            self.model.lock(node, +1)
+            self.locks.append((r.node, node))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def lock_again(self, data):
+        handle, node = self.locks[self._pick(data, self.locks)]
+        self.cache.lock(handle)
+        self.model.lock(node, +1)
+        self.locks.append((handle, node))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        handle, node = self.locks.pop(self._pick(data, self.locks))
+        self.cache.unlock(handle)
+        self.model.lock(node, -1)
+
+    @rule(n=st.integers(0, 24))
+    def evict(self, n):
+        assert self.cache.evict(n) == self.model.evict(n)
+
+    # ---- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def structure(self):
+        if hasattr(self, "cache"):
+            self.cache.check()
+
+    @invariant()
+    def every_block_is_free_xor_referenced_and_counts_match(self):
+        if not hasattr(self, "cache"):
+            return
+        real = [self.alloc.refcount(b) for b in range(self.model.num_blocks)]
+        assert real == self.model.refs
+        assert Counter(self.cache.block_references()) == self.model.tree_refs()
+        held = Counter(b for seq, _, _ in self.seqs for b in seq.blocks.tolist())
+        assert all(real[b] == held[b] + self.model.tree_refs()[b] for b in range(len(real)))
+        s = self.alloc.stats()
+        assert s["free"] == real.count(0) and s["used"] == len(real) - real.count(0)
+
+    @invariant()
+    def sequences_keep_their_kv(self):
+        for seq, ns, tokens in getattr(self, "seqs", []):
+            assert seq.num_tokens == len(tokens) and self.pools.holds(seq.blocks, ns, tokens)
+
+    @invariant()
+    def locked_paths_are_never_evicted(self):
+        for handle, node in getattr(self, "locks", []):
+            self.cache.lock(handle)    # raises IndexError for an evicted (stale) node
+            self.cache.unlock(handle)
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for seq, _, _ in self.seqs:
+            self.alloc.release(seq)
+        for handle, _ in self.locks:
+            self.cache.unlock(handle)
+        self.cache.clear()
+        assert self.alloc.num_free == self.model.num_blocks, "blocks leaked after everything was released"
+        assert self.cache.stats()["nodes"] == 0
+
+
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_prefix_cache_against_model = PrefixCacheMachine.TestCase
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """The same operations with a host tier: content and reference counts stay right on both pools."""
+
+    @initialize(page=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 14), host_blocks=st.integers(1, 10))
+    def setup(self, page, num_blocks, host_blocks):
+        self.alloc = kvcache.BlockAllocator(num_blocks, page)
+        self.pools = Pools(num_blocks, page)
+        self.host = Pools(host_blocks, page)
+        self.cache = kvcache.PrefixCache(self.alloc, host_pools=(self.host.k, self.host.v),
+                                         device_pools=(self.pools.k, self.pools.v))
+        self.seqs: list[tuple[kvcache.Sequence, str, list[int]]] = []
+
+    @rule(tokens=st.lists(st.integers(0, 2), max_size=12), ns=st.sampled_from(NAMESPACES), keep=st.booleans())
+    def request(self, tokens, ns, keep):
+        m = self.cache.match(tokens, ns)
+        assert self.pools.holds(m.blocks, ns, tokens[:m.length]), "a match returned a block that lost its KV"
+        seq = self.alloc.sequence(m)
+        try:
+            self.alloc.append(seq, len(tokens) - m.length, pools=(self.pools.k, self.pools.v))
+        except kvcache.OutOfBlocksError:
+            self.alloc.release(seq)
+            return
+        self.pools.write(seq, ns, tokens, m.length)
+        self.cache.insert(tokens, seq, ns)
+        if keep:
+            self.seqs.append((seq, ns, list(tokens)))
+        else:
+            self.alloc.release(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq, _, _ = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        self.alloc.release(seq)
+
+    @rule(n=st.integers(0, 16))
+    def evict(self, n):
+        self.cache.evict(n)
+
+    @invariant()
+    def counts_and_content(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check()
+        held = Counter(b for seq, _, _ in self.seqs for b in seq.blocks.tolist())
+        tree = Counter(self.cache.block_references())
+        assert [self.alloc.refcount(b) for b in range(self.alloc.num_blocks)] == [
+            held[b] + tree[b] for b in range(self.alloc.num_blocks)]
+        host = Counter(self.cache.block_references(host=True))
+        host_alloc = self.cache.host_allocator
+        assert [host_alloc.refcount(b) for b in range(host_alloc.num_blocks)] == [
+            host[b] for b in range(host_alloc.num_blocks)]
+        for seq, ns, tokens in self.seqs:
+            assert self.pools.holds(seq.blocks, ns, tokens)
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for seq, _, _ in self.seqs:
+            self.alloc.release(seq)
+        self.cache.clear()
+        assert self.alloc.num_free == self.alloc.num_blocks
+
+
+HostTierMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_host_tier_against_invariants = HostTierMachine.TestCase
+
+
+def test_docstring_examples():
+    import doctest
+
+    import kvcache.prefix
+    result = doctest.testmod(kvcache.prefix, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
