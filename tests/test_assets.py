@@ -1,0 +1,67 @@
+"""benchmarks/assets.py: real text always (it ships with CPython); the SmolLM2 GGUF file and the
+captured activations only when the model is already cached (nothing is downloaded here)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import kvcache
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import assets  # noqa: E402
+
+
+def test_pydoc_text_is_real_and_deterministic():
+    text = assets.real_text(1000, "pydoc")
+    assert text.startswith('The "assert" statement')
+    assert len(text) >= 3000 and text == assets.real_text(1000, "pydoc")
+    assert len(assets.real_text(20000, "pydoc")) >= 60000
+
+
+def test_unknown_text_source_is_refused():
+    with pytest.raises(ValueError, match="unknown text source"):
+        assets.real_text(10, "wikitext")
+
+
+def test_devil_text_when_available():
+    try:
+        text = assets.real_text(1000, "devil", download=False)
+    except assets.AssetUnavailable:
+        pytest.skip("dict-devil is neither installed nor cached")
+    assert text.startswith("PREFACE") and "ABASEMENT" in assets.real_text(5000, "devil", download=False)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return assets.smollm2_gguf_path(download=False)
+    except assets.AssetUnavailable:
+        pytest.skip("SmolLM2 is not cached (python benchmarks/assets.py downloads it once)")
+
+
+def test_smollm2_gguf_is_the_pinned_file(gguf_path):
+    assert gguf_path.stat().st_size == 98362432
+    assert gguf_path.read_bytes()[:4] == b"GGUF"
+    assert assets.sha256_of(gguf_path) == assets.SMOLLM2_GGUF_SHA256
+
+
+def test_smollm2_capture_matches_its_own_attention(gguf_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    model, tokenizer = assets.load_smollm2()
+    ids, sample = assets.real_token_ids(tokenizer, 48, "pydoc")
+    assert ids.shape == (1, 48) and sample.num_tokens == 48 and ids[0, 0] == tokenizer.bos_token_id
+    layers, logits = assets.capture_attention_inputs(model, ids)
+    assert model.config._attn_implementation == "sdpa"          # restored
+    assert [layer.layer for layer in layers] == list(range(30)) and logits.shape == (1, 48, 49152)
+    for layer in (layers[0], layers[-1]):
+        assert layer.q.shape == (48, 9, 64) and layer.k.shape == layer.v.shape == (48, 3, 64)
+        out, _ = kvcache.reference.attention(layer.q, layer.k, layer.v, layer.scaling, compute_dtype=torch.float64)
+        torch.testing.assert_close(out, layer.out, rtol=1e-4, atol=1e-5)
+    # a real model on real text predicts it far better than chance (perplexity << vocab size)
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    assert nll.exp() < 200
