@@ -537,7 +537,6 @@ constexpr float read_factor() {
 
 template <class ReadK, class ReadV, class Score, class Pv>
 void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
-  using Read = ReadK;
   using KElem = typename ReadK::Elem;
   using VElem = typename ReadV::Elem;
   const PagedLayout& L = a.layout;
