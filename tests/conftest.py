@@ -16,6 +16,19 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device
 DEVICES = ("cpu", pytest.param("cuda", marks=[_cuda, pytest.mark.cuda]))
 
 
+ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
+SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def isa(request):
+    """Runs a test once per CPU attention-kernel build this machine supports."""
+    before = kvcache._C.cpu_isa()
+    kvcache._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache._C.set_cpu_isa(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,18 +16,6 @@ from kvcache import reference as ref
 
 from conftest import DEVICES, DTYPES, make_paged_batch
 
-ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
-SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def isa(request):
-    before = kvcache._C.cpu_isa()
-    kvcache._C.set_cpu_isa(request.param)
-    yield request.param
-    kvcache._C.set_cpu_isa(before)
-
-
 def cu_from(q_lens: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
 

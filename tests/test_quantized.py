@@ -13,18 +13,6 @@ from kvcache.pool import format_id
 from conftest import DEVICES
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4"]
-ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
-SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def isa(request):
-    before = kvcache._C.cpu_isa()
-    kvcache._C.set_cpu_isa(request.param)
-    yield request.param
-    kvcache._C.set_cpu_isa(before)
-
-
 def filled_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int, in_dtype: torch.dtype, device="cpu",
                 seed: int = 0):
     """A pool holding `lens` tokens per sequence through shuffled block tables, appended in two steps

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "attention/attention_cuda_launch.h"
+#include "core/dtype_cuda.cuh"
 #include "core/quant.h"
 #include "core/softmax_state.h"
 
@@ -62,22 +63,6 @@ __device__ __forceinline__ float token_scale(KVKind kind, const float* scales, c
     case KVKind::kFp8E4M3:
     case KVKind::kFp8E5M2: return scales[h];
     default: return 1.f;
-  }
-}
-
-__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
-  switch (t) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) {
-  switch (t) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cache/cache_cuda_launch.h"
+#include "core/dtype_cuda.cuh"
 #include "core/quant.h"
 
 namespace kvcache::cuda {
@@ -104,22 +105,6 @@ __global__ void copy_blocks_kernel(BlockCopyArgs a) {
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
     kd[j] = ks[j];
     vd[j] = vs[j];
-  }
-}
-
-__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
-  switch (t) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) {
-  switch (t) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
   }
 }
 

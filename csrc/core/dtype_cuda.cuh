@@ -1,0 +1,30 @@
+// Loads and stores of query / output / full-precision elements by runtime dtype, in device code.
+// Shared by the CUDA kernels of every op family (nvcc only).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace kvcache::cuda {
+
+__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+  }
+}
+
+}  // namespace kvcache::cuda
