@@ -73,12 +73,7 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, con
   opt.parallelism = at::get_num_threads();
   const AttentionPlan plan = make_attention_plan(a, host, opt);
   at::Tensor part_o, part_lse;
-  PartialStates partial;
-  if (plan.num_slots > 0) {
-    part_o = at::empty({plan.num_slots, plan.rows_per_slot, a.layout.head_dim}, query.options().dtype(at::kFloat));
-    part_lse = at::empty({plan.num_slots, plan.rows_per_slot}, query.options().dtype(at::kFloat));
-    partial = {part_o.data_ptr<float>(), part_lse.data_ptr<float>(), plan.rows_per_slot};
-  }
+  const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
   run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial); });
 

@@ -61,12 +61,7 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
     (is_decode || rows > cuda::prefill_rows_per_task() ? decode : prefill).push_back(t);
   }
   at::Tensor part_o, part_lse;
-  PartialStates partial;
-  if (plan.num_slots > 0) {
-    part_o = at::empty({plan.num_slots, plan.rows_per_slot, a.layout.head_dim}, query.options().dtype(at::kFloat));
-    part_lse = at::empty({plan.num_slots, plan.rows_per_slot}, query.options().dtype(at::kFloat));
-    partial = {part_o.data_ptr<float>(), part_lse.data_ptr<float>(), plan.rows_per_slot};
-  }
+  const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
   const at::Tensor d_decode = to_device(decode, k_cache.device());
   const at::Tensor d_prefill = to_device(prefill, k_cache.device());
   const at::Tensor d_splits = to_device(plan.splits, k_cache.device());

@@ -131,6 +131,14 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   return a;
 }
 
+PartialStates allocate_partials(const AttentionPlan& plan, int64_t head_dim, const at::TensorOptions& options,
+                                at::Tensor* o, at::Tensor* lse) {
+  if (plan.num_slots == 0) return {};
+  *o = at::empty({plan.num_slots, plan.rows_per_slot, head_dim}, options.dtype(at::kFloat));
+  *lse = at::empty({plan.num_slots, plan.rows_per_slot}, options.dtype(at::kFloat));
+  return {o->data_ptr<float>(), lse->data_ptr<float>(), plan.rows_per_slot};
+}
+
 void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,
                         const at::Tensor& lse_b, const at::Tensor& v_out, const at::Tensor& lse_out) {
   KVC_CHECK_DIM(v_a, 3);

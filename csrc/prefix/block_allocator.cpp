@@ -1,3 +1,4 @@
+#include "core/strcat.h"
 #include "prefix/block_allocator.h"
 
 #include <algorithm>
@@ -9,12 +10,6 @@ namespace kvcache {
 namespace prefix {
 namespace {
 
-template <class... Parts>
-std::string cat(const Parts&... parts) {
-  std::ostringstream s;
-  (s << ... << parts);
-  return s.str();
-}
 
 }  // namespace
 

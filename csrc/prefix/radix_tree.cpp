@@ -1,3 +1,4 @@
+#include "core/strcat.h"
 #include "prefix/radix_tree.h"
 
 #include <algorithm>
@@ -8,12 +9,6 @@ namespace kvcache {
 namespace prefix {
 namespace {
 
-template <class... Parts>
-std::string cat(const Parts&... parts) {
-  std::ostringstream s;
-  (s << ... << parts);
-  return s.str();
-}
 
 uint64_t edge_key(int32_t parent, int32_t token) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
