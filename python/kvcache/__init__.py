@@ -20,9 +20,12 @@ from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
 from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
+from .hf import PagedCache, PagedStore, install_registration as _install_registration  # noqa: E402
 from .ops import (  # noqa: E402
     append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
 )
+
+_install_registration()  # attn_implementation="kvcache", as soon as transformers is imported
 
 __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
@@ -35,6 +38,8 @@ __all__ = [
     "Namespace",
     "OutOfBlocksError",
     "PageLayout",
+    "PagedCache",
+    "PagedStore",
     "PrefixCache",
     "Sequence",
     "append",

@@ -1,0 +1,309 @@
+"""kvcache.PagedCache as a transformers Cache: exactness against DynamicCache for every generation mode,
+on small random models of five architectures, in dense (eager/sdpa) and fused ("kvcache") attention."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
+
+import kvcache  # noqa: E402
+from kvcache import hf  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+
+def _common():
+    return dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256)
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **_common()))
+    elif name == "llama-d32":  # head_dim 32, for int4's groups of 32
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_key_value_heads=1, **{**_common(), "num_attention_heads": 2}))
+    elif name == "mistral":  # a window shorter than the prompts, so it matters
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(num_key_value_heads=2, sliding_window=8,
+                                                                           **_common()))
+    elif name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=1, **_common()))
+    elif name == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_key_value_heads=1, head_dim=16, **_common()))
+    elif name == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                                                     n_positions=256))
+    else:
+        raise ValueError(name)
+    return model.eval()
+
+
+MODELS = ["llama", "mistral", "qwen2", "gemma", "gpt2"]
+IMPLS = ["eager", "sdpa", "kvcache"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return _model(request.param)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded by 5
+    ids[1, :5] = 0
+    return ids, mask
+
+
+MODES = {
+    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
+    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
+    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
+    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
+    "prompt_lookup": lambda ids, mask: dict(input_ids=torch.cat([ids[:1], ids[:1, :6]], 1), prompt_lookup_num_tokens=3,
+                                            do_sample=False),
+}
+
+
+def _generate(model, cache, impl, **kwargs):
+    model.set_attn_implementation(impl)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0, **kwargs)
+
+
+def _max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_generate_matches_dynamic_cache(model, impl, mode):
+    kwargs = MODES[mode](*_inputs())
+    # the reference is always DynamicCache with PyTorch's SDPA (or eager), never our kernels
+    ref = _generate(model, DynamicCache(config=model.config), "eager" if impl == "eager" else "sdpa", **kwargs)
+    cache = kvcache.PagedCache(config=model.config)
+    got = _generate(model, cache, impl, **kwargs)
+    assert torch.equal(ref.sequences, got.sequences)
+    sliding = getattr(model.config, "sliding_window", None)
+    if impl == "kvcache" or sliding:  # other kernel / DynamicCache keeps only the window: same math, other sums
+        assert _max_diff(ref, got) <= 1e-5
+    else:
+        assert _max_diff(ref, got) == 0.0  # bit-identical
+    assert got.past_key_values is cache and cache.get_seq_length() == got.sequences.shape[1] - 1
+
+
+def test_fused_path_reads_the_pages_without_gathering(monkeypatch):
+    """With "kvcache" attention and left padding, no layer ever falls back to a gathered copy."""
+    model = _model("llama")
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("fused attention gathered K/V")
+
+    monkeypatch.setattr(kvcache.PagedCache, "_dense", no_gather)
+    ids, mask = _inputs()
+    cache = kvcache.PagedCache(config=model.config)
+    _generate(model, cache, "kvcache", input_ids=ids, attention_mask=mask, do_sample=False)
+    assert cache.pads == [0, 5]  # the pads were never stored
+    assert cache.stats()["tokens"] == 2 * cache.get_seq_length() - 5
+
+
+def test_assisted_decoding_with_an_assistant_model():
+    model, assistant = _model("llama"), _model("llama")
+    ids = _inputs()[0][:1]
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, assistant_model=assistant,
+                    do_sample=False)
+    for impl in ("sdpa", "kvcache"):
+        got = _generate(model, kvcache.PagedCache(config=model.config), impl, input_ids=ids,
+                        assistant_model=assistant, do_sample=False)
+        assert torch.equal(ref.sequences, got.sequences)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4", "k=int8,v=int4", "bf16"])
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_quantized_formats_generate_in_every_mode(fmt, impl):
+    """Every format works in every mode; the dense and fused paths see the same stored codes."""
+    model = _model("llama-d32")
+    ids, mask = _inputs()
+    for mode, make in MODES.items():
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt)
+        out = _generate(model, cache, impl, **make(ids, mask))
+        assert cache.stats()["format"] == fmt and out.sequences.shape[1] > ids.shape[1]
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, attention_mask=mask,
+                    do_sample=False)
+    dense = _generate(model, kvcache.PagedCache(config=model.config, kv_format=fmt), "sdpa", input_ids=ids,
+                      attention_mask=mask, do_sample=False)
+    fused = _generate(model, kvcache.PagedCache(config=model.config, kv_format=fmt), "kvcache", input_ids=ids,
+                      attention_mask=mask, do_sample=False)
+    # the kernel and SDPA over the dequantized pages agree far more closely than either does with fp32
+    assert _max_diff(dense, fused) <= 1e-4
+    # and the first step's logits stay near full precision's, by the format's resolution
+    rel = ((ref.logits[0] - dense.logits[0]).norm() / ref.logits[0].norm()).item()
+    assert rel < {"bf16": 0.01, "int8": 0.02, "fp8_e4m3": 0.1, "int4": 0.2, "k=int8,v=int4": 0.2}[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "fp8_e4m3", "int4"])
+def test_crop_semantics_and_exact_rollback(fmt):
+    """crop(-n) then writing the same K/V again leaves exactly the codes a single write leaves."""
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 2, 12, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g)
+    cache = kvcache.PagedCache(kv_format=fmt, page_size=4, num_layers=2)
+    for layer in range(2):
+        cache.update(k, v, layer)
+    stored = [cache._dense(i, torch.float32) for i in range(2)]
+    cache.crop(0)                    # transformers >= 5.14: a no-op
+    assert cache.get_seq_length() == 12
+    cache.crop(-5)                   # drop the newest 5 tokens (the cut is inside a page)
+    assert cache.get_seq_length() == 7 and [len(r.blocks) for r in cache.rows] == [2, 2]
+    for layer in range(2):
+        cache.update(k[:, :, 7:], v[:, :, 7:], layer)
+    for i in range(2):
+        again = cache._dense(i, torch.float32)
+        assert torch.equal(again[0], stored[i][0]) and torch.equal(again[1], stored[i][1])
+    cache.crop(9)                    # transformers < 5.14: keep the first 9
+    assert cache.get_seq_length() == 9 and [len(r.blocks) for r in cache.rows] == [3, 3]
+    cache.crop(-100)                 # more than stored: empty
+    assert cache.get_seq_length() == 0 and cache.stats()["blocks"] == 0
+    assert cache.store.allocator.num_free == cache.store.allocator.num_blocks
+
+
+def test_reorder_cache_shares_pages_copy_on_write():
+    model = _model("llama")
+    ids = _inputs()[0][:1].repeat(3, 1)
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache)
+    used = cache.store.allocator.num_blocks - cache.store.allocator.num_free
+    cache.reorder_cache(torch.tensor([0, 0, 2], dtype=torch.int32))
+    assert cache.store.allocator.num_blocks - cache.store.allocator.num_free == used - 3  # row 1's pages freed
+    assert torch.equal(cache.rows[0].blocks, cache.rows[1].blocks)   # rewired, not copied
+    with torch.no_grad():
+        model(ids[:, 10:11], past_key_values=cache)
+    assert not torch.equal(cache.rows[0].blocks[-1:], cache.rows[1].blocks[-1:])  # partial page copied on write
+    assert torch.equal(cache.rows[0].blocks[:2], cache.rows[1].blocks[:2])        # full pages still shared
+    k0, v0 = cache._dense(0, torch.float32)
+    assert torch.equal(k0[0], k0[1]) and torch.equal(v0[0], v0[1])
+    with pytest.raises(IndexError, match="row index 3 is out of range for a cache of 3 rows"):
+        cache.reorder_cache(torch.tensor([0, 1, 3]))
+    assert len(cache.rows) == 3  # unchanged
+
+
+def test_deepcopy_reuse_and_multi_turn():
+    """The documented prefix-reuse pattern: deepcopy a prompt cache per request; and one cache across turns."""
+    model = _model("qwen2")
+    ids = _inputs()[0][:1]
+    for impl in ("sdpa", "kvcache"):
+        model.set_attn_implementation(impl)
+        prompt_cache = kvcache.PagedCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :8], past_key_values=prompt_cache)
+        blocks_before = prompt_cache.rows[0].blocks.clone()
+        ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, do_sample=False)
+        for _ in range(2):
+            got = _generate(model, copy.deepcopy(prompt_cache), impl, input_ids=ids, do_sample=False)
+            assert torch.equal(ref.sequences, got.sequences)
+        assert torch.equal(prompt_cache.rows[0].blocks, blocks_before) and prompt_cache.get_seq_length() == 8
+        # multi-turn: the same cache, the whole conversation as input each time
+        cache, ref_cache = kvcache.PagedCache(config=model.config), DynamicCache(config=model.config)
+        conversation = ref_conversation = ids
+        for turn in range(3):
+            conversation = _generate(model, cache, impl, input_ids=conversation, do_sample=False).sequences
+            ref_conversation = _generate(model, ref_cache, "sdpa", input_ids=ref_conversation,
+                                         do_sample=False).sequences
+            assert torch.equal(conversation, ref_conversation)
+            conversation = torch.cat([conversation, ids[:, :3]], 1)
+            ref_conversation = torch.cat([ref_conversation, ids[:, :3]], 1)
+
+
+def test_reset_free_stats_and_repr():
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, page_size=8)
+    with torch.no_grad():
+        model(_inputs()[0], past_key_values=cache)
+    s = cache.stats()
+    assert s["tokens"] == 24 and s["blocks"] == 4 and s["waste_tokens"] == 8
+    assert s["dynamic_cache_bytes"] == 2 * 2 * 2 * 12 * 2 * 16 * 4  # layers, K+V, rows, tokens, heads, dim, fp32
+    assert s["bytes"] == 4 * 2 * 2 * 8 * 2 * 16 * 4
+    assert "PagedCache(layers=2, rows=2, seq_length=12, format=fp32" in repr(cache)
+    assert "<table>" in cache._repr_html_()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.stats()["blocks"] == 0 and cache.store.pools
+    with kvcache.PagedCache(config=model.config) as c2, torch.no_grad():
+        model(_inputs()[0], past_key_values=c2)
+        assert c2.store.nbytes > 0
+    assert c2.store.nbytes == 0 and c2.get_seq_length() == 0
+
+
+def test_max_tokens_bounds_the_pool_with_a_clear_error():
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, max_tokens=16, page_size=8)
+    with torch.no_grad():
+        model(_inputs()[0][:1, :10], past_key_values=cache)
+        with pytest.raises(kvcache.OutOfBlocksError, match="out of blocks"):
+            model(_inputs()[0][:, :10], past_key_values=kvcache.PagedCache(config=model.config,
+                                                                           store=cache.store))
+    assert cache.get_seq_length() == 10 and cache.store.pools[0].num_blocks == 2
+
+
+def test_batch_mismatch_is_a_clear_error():
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config)
+    with torch.no_grad():
+        model(_inputs()[0][:1], past_key_values=cache)
+        with pytest.raises(ValueError, match="batch 2 but the cache holds 1 rows"):
+            model(_inputs()[0][:, :1], past_key_values=cache)
+    assert cache.get_seq_length() == 12
+
+
+def test_sink_tokens_with_a_sliding_window_keep_the_first_tokens_visible():
+    """StreamingLLM: with sinks, the kernel attends to the first tokens plus the window, which equals
+    eager attention under the same mask."""
+    model = _model("mistral")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = kvcache.PagedCache(config=model.config, sink_tokens=2)
+    model.set_attn_implementation("kvcache")
+    with torch.no_grad():
+        got = model(ids, past_key_values=cache).logits
+    layer = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 20, 16)
+    k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    i, j = torch.arange(20).unsqueeze(1), torch.arange(20).unsqueeze(0)
+    allowed = (j <= i) & ((j > i - 8) | (j < 2))
+    expect = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                              attn_mask=allowed).transpose(1, 2)
+    sinks = kvcache.PagedCache(config=model.config, sink_tokens=2)
+    with torch.no_grad():
+        tagged, _ = sinks.update(k, v, 0)
+        out, _ = hf.kvcache_attention(layer, q, tagged, v, None, scaling=16 ** -0.5, sliding_window=8)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    assert got.isfinite().all()
+
+
+def test_attention_is_registered_on_import():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["kvcache"] is hf.kvcache_attention
+    assert AttentionMaskInterface._global_mapping["kvcache"] is hf.kvcache_mask
+
+
+def test_kvcache_attention_without_a_paged_cache_falls_back_exactly():
+    model = _model("llama")
+    ids, mask = _inputs()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation("kvcache")
+        got = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1, 5:], ref[1, 5:], atol=1e-5, rtol=0)
