@@ -21,6 +21,7 @@ from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
 from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
 from .hf import PagedCache, PagedStore, install_registration as _install_registration  # noqa: E402
+from .engine import Engine, Result  # noqa: E402
 from .ops import (  # noqa: E402
     append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
 )
@@ -33,6 +34,7 @@ build_info: dict = dict(_C.build_info)
 __all__ = [
     "BlockAllocator",
     "CacheFormat",
+    "Engine",
     "KVFormat",
     "KVPool",
     "Namespace",
@@ -41,6 +43,7 @@ __all__ = [
     "PagedCache",
     "PagedStore",
     "PrefixCache",
+    "Result",
     "Sequence",
     "append",
     "build_info",

@@ -1,0 +1,289 @@
+"""A small batched generation loop over the paged cache, with prefix reuse. Not a server: a readable
+loop to modify.
+
+Each step is one forward of a *packed* batch: the new tokens of every running request side by side
+(``input_ids`` ``[1, total]`` with explicit ``position_ids``), written into each request's pages and
+attended with :func:`kvcache.paged_attention` over a ragged batch (``cu_q_lens``). New requests first
+look their prompt up in the :class:`kvcache.PrefixCache`; they prefill only the part that was not
+cached, and cache their prompt for the next ones.
+
+>>> import torch, kvcache, transformers
+>>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+...                                   num_attention_heads=4, num_key_value_heads=2)
+>>> engine = kvcache.Engine(transformers.LlamaForCausalLM(config).eval(), page_size=4)
+>>> system = list(range(1, 20))
+>>> out = engine.generate([system + [30, 31], system + [40]], max_new_tokens=3)
+>>> [len(r.tokens) for r in out], engine.stats()["prefix_hit_tokens"]
+([3, 3], 19)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .hf import PagedCache, PagedStore, _StepPlan, ATTENTION_NAME
+from .prefix import Namespace, Sequence
+
+__all__ = ["Engine", "Result"]
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class Result:
+    """One request's outcome: generated ``tokens`` (and ``text`` with a tokenizer), how many prompt tokens
+    came from the prefix cache, and its timings (seconds from the start of :meth:`Engine.generate`)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    cached_tokens: int = 0
+    first_token_s: float = 0.0
+    done_s: float = 0.0
+
+    @property
+    def time_per_output_token(self) -> float:
+        return (self.done_s - self.first_token_s) / max(1, len(self.tokens) - 1)
+
+
+class _Running:
+    def __init__(self, index: int, result: Result, seq: Sequence, node: int | None):
+        self.index, self.result, self.seq, self.node = index, result, seq, node
+        self.pending = result.prompt[seq.num_tokens:]  # tokens to feed in the next forward
+
+
+class _PackedCache(PagedCache):
+    """The cache as the model sees it during one packed forward: the engine sets the plan, ``update``
+    writes ``[1, kv_heads, total, head_dim]`` through it and tags the K/V for the kernel."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        plan = self._plan
+        pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
+        if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:
+            key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
+        pool.append(key_states, value_states, plan.slot_mapping)
+        k = key_states.view(key_states.shape)
+        k._kvcache = (self, layer_idx, plan)
+        return k, value_states
+
+    @property
+    def fused(self) -> bool:
+        return True
+
+
+class Engine:
+    """Batched prefill and decode of many prompts over one paged store.
+
+    Args:
+        model: a transformers causal LM; the engine runs it with the ``"kvcache"`` attention implementation.
+        tokenizer: optional; lets prompts be strings and results carry text.
+        kv_format: storage format of the pages (default: the model's dtype).
+        prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls).
+        page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows).
+        max_batch: requests decoded together.
+    """
+
+    def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache: bool = True, page_size: int = 16,
+                 max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None):
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
+        config = model.config.get_text_config(decoder=True)
+        fmt = "" if kv_format is None else str(kv_format)
+        self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
+                                                kv_format=fmt)
+        self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
+                                prefix_cache=prefix_cache, namespace=self.namespace)
+        self.cache = _PackedCache(config, store=self.store)
+        self._dtype_bytes = next(model.parameters()).element_size()
+        self._kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
+                          or config.num_attention_heads,
+                          getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self._stats: dict = {}
+
+    # ---- the loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, eos_token_id: int | None = None, seed: int = 0) -> list[Result]:
+        """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order."""
+        prompts = [self._encode(p) for p in prompts]
+        if eos_token_id is None and self.tokenizer is not None:
+            eos_token_id = self.tokenizer.eos_token_id
+        generator = torch.Generator().manual_seed(seed)
+        waiting = deque(enumerate(prompts))
+        running: list[_Running] = []
+        results: list[Result | None] = [None] * len(prompts)
+        stats = dict(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0, prefix_hit_tokens=0, steps=0,
+                     peak_blocks=0, peak_dense_tokens=0)
+        previous_impl = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        start = time.perf_counter()
+        try:
+            while waiting or running:
+                self._admit_waiting(waiting, running, stats)
+                logits = self._forward(running, stats)
+                now = time.perf_counter() - start
+                next_tokens = self._sample(logits, do_sample, temperature, top_k, generator)
+                still = []
+                for req, token in zip(running, next_tokens.tolist()):
+                    res = req.result
+                    if not res.tokens:
+                        res.first_token_s = now
+                        self._cache_prompt(req)
+                    res.tokens.append(token)
+                    req.pending = [token]
+                    if len(res.tokens) >= max_new_tokens or token == eos_token_id:
+                        res.done_s = now
+                        self._finish(req)
+                        results[req.index] = res
+                    else:
+                        still.append(req)
+                running = still
+        finally:
+            for req in running:
+                self._finish(req)
+            self.model.set_attn_implementation(previous_impl)
+        wall = time.perf_counter() - start
+        if self.tokenizer is not None:
+            for res in results:
+                res.text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        self._summarize(results, stats, wall)
+        return results
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need Engine(model, tokenizer=...)")
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = [int(t) for t in (prompt.reshape(-1).tolist() if torch.is_tensor(prompt) else prompt)]
+        if not ids:
+            raise ValueError("a prompt must have at least one token")
+        return ids
+
+    def _admit_waiting(self, waiting: deque, running: list[_Running], stats: dict) -> None:
+        """Admits waiting requests up to ``max_batch``. A request that shares more than a page with a prompt
+        being prefilled right now (and not cached yet) waits one step: it will then reuse that prefix
+        instead of computing it again (cache-aware scheduling)."""
+        prefilling = [torch.tensor(r.result.prompt) for r in running if not r.result.tokens]
+        deferred = deque()
+        while waiting and len(running) < self.max_batch:
+            index, prompt = waiting.popleft()
+            if self.store.prefix_cache is not None and prefilling:
+                p = torch.tensor(prompt)
+                shared = max(_common_prefix(p, other) for other in prefilling)
+                if shared >= self.store.page_size:
+                    deferred.append((index, prompt))
+                    continue
+            req = self._admit(index, prompt, stats)
+            running.append(req)
+            if req.pending:
+                prefilling.append(torch.tensor(prompt))
+        waiting.extendleft(reversed(deferred))
+
+    def _admit(self, index: int, prompt: list[int], stats: dict) -> _Running:
+        """A new request starts from the longest cached prefix of its prompt (locked while it runs)."""
+        alloc, tree, node = self.store.allocator, self.store.prefix_cache, None
+        seq = alloc.sequence()
+        if tree is not None and len(prompt) > 1:
+            m = tree.match(torch.tensor(prompt[:-1]), self.namespace, lock=True)  # keep >= 1 token to compute
+            node = m.node
+            if m.length:
+                seq = alloc.sequence(m)
+        stats["prefix_hit_tokens"] += seq.num_tokens
+        return _Running(index, Result(prompt, cached_tokens=seq.num_tokens), seq, node)
+
+    def _cache_prompt(self, req: _Running) -> None:
+        tree = self.store.prefix_cache
+        if tree is not None:
+            prompt = torch.tensor(req.result.prompt)
+            tree.insert(prompt, req.seq.blocks[: -(-len(prompt) // self.store.page_size)], self.namespace)
+
+    def _finish(self, req: _Running) -> None:
+        self.store.allocator.release(req.seq)
+        if req.node is not None:
+            self.store.prefix_cache.unlock(req.node)
+            req.node = None
+
+    def _forward(self, running: list[_Running], stats: dict) -> torch.Tensor:
+        """One packed forward of every request's pending tokens; returns each request's last logits."""
+        page, alloc = self.store.page_size, self.store.allocator
+        tokens, positions, slots, q_lens = [], [], [], []
+        for req in running:
+            start, n = req.seq.num_tokens, len(req.pending)
+            self.store.copy_blocks(alloc.append(req.seq, n))  # copy-on-write of a shared partial page
+            tokens += req.pending
+            positions += range(start, start + n)
+            slots.append(req.seq.slots(start))
+            q_lens.append(n)
+            if not req.result.tokens:
+                stats["prefill_tokens"] += n
+        device = next(self.model.parameters()).device
+        batch = len(running)
+        max_blocks = max(len(r.seq.blocks) for r in running)
+        tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        for b, req in enumerate(running):
+            tables[b, : len(req.seq.blocks)] = req.seq.blocks
+        seq_lens = torch.tensor([r.seq.num_tokens for r in running], dtype=torch.int32)
+        cu_q = torch.zeros(batch + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(q_lens), 0, out=cu_q[1:])
+        num_blocks = int(tables.max()) + 1
+        self.store.ensure_blocks(num_blocks)
+        self.cache._plan = _StepPlan(0, len(tokens), -1, torch.cat(slots).view(1, -1).to(device), tables.to(device),
+                                     seq_lens.to(device), cu_q.to(device), None, num_blocks)
+        used = alloc.num_blocks - alloc.num_free
+        stats["peak_blocks"] = max(stats["peak_blocks"], used)
+        stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], int(seq_lens.sum()))
+        stats["steps"] += 1
+        out = self.model(input_ids=torch.tensor([tokens], device=device),
+                         position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=(cu_q[1:] - 1).to(device))
+        return out.logits[0].float()
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
+                generator: torch.Generator) -> torch.Tensor:
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        logits = logits / max(temperature, 1e-5)
+        if top_k:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=generator).squeeze(1)
+
+    # ---- reporting -------------------------------------------------------------------------------
+    def _summarize(self, results: list[Result], stats: dict, wall: float) -> None:
+        generated = sum(len(r.tokens) for r in results)
+        layers, heads, dim = self._kv_shape
+        per_token_dense = 2 * layers * heads * dim * self._dtype_bytes
+        s = dict(stats)
+        s.update(
+            requests=len(results), generated_tokens=generated, wall_s=wall,
+            tokens_per_s=generated / wall if wall else 0.0,
+            ttft_s=sum(r.first_token_s for r in results) / max(1, len(results)),
+            tpot_s=sum(r.time_per_output_token for r in results) / max(1, len(results)),
+            prefix_hit_rate=stats["prefix_hit_tokens"] / max(1, stats["prompt_tokens"]),
+            kv_bytes=stats["peak_blocks"] * self.store.bytes_per_block(),
+            dynamic_cache_bytes=stats["peak_dense_tokens"] * per_token_dense,
+            format=str(self.store.kv_format) if self.store.kv_format else "model dtype",
+        )
+        if self.store.prefix_cache is not None:
+            s["prefix_cache"] = self.store.prefix_cache.stats()
+        self._stats = s
+
+    def stats(self) -> dict:
+        """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
+        ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
+        (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak pages in use) against
+        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype)."""
+        return dict(self._stats)
+
+    def __repr__(self) -> str:
+        return (f"Engine(model={type(self.model).__name__}, format={self.store.kv_format or 'model dtype'}, "
+                f"page_size={self.store.page_size}, max_batch={self.max_batch}, "
+                f"prefix_cache={self.store.prefix_cache is not None})")
