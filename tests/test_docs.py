@@ -18,7 +18,7 @@ import kvcache.quant
 
 
 @pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant,
-                                    kvcache.pool],
+                                    kvcache.pool, kvcache.hf, kvcache.engine],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
