@@ -310,3 +310,50 @@ def test_kvcache_attention_without_a_paged_cache_falls_back_exactly():
         got = model(ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1, 5:], ref[1, 5:], atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_lets_a_new_cache_skip_the_shared_prompt():
+    model = _model("llama")
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 37), generator=g)
+    question = torch.randint(3, 128, (1, 6), generator=g)
+    first = kvcache.PagedCache(config=model.config, prefix_cache=True, page_size=8)
+    _generate(model, first, "kvcache", input_ids=system, do_sample=False)
+    assert first.save_prefix(system) == 0
+    ids = torch.cat([system, question], 1)
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, do_sample=False)
+    for impl in ("sdpa", "kvcache"):
+        second = kvcache.PagedCache(config=model.config, store=first.store)
+        assert second.load_prefix(ids) == 37       # ends inside a page: that page is copied on write
+        got = _generate(model, second, impl, input_ids=ids, do_sample=False)
+        assert torch.equal(got.sequences, ref.sequences)
+        assert torch.equal(first.rows[0].blocks[:4], second.rows[0].blocks[:4])  # full pages shared
+    stats = first.store.prefix_cache.stats()
+    assert stats["hit_tokens"] == 2 * 37
+    with pytest.raises(ValueError, match="load_prefix needs an empty cache"):
+        second.load_prefix(ids)
+    with pytest.raises(ValueError, match="no prefix cache"):
+        kvcache.PagedCache(config=model.config).load_prefix(ids)
+
+
+def test_shared_allocator_bounds_the_pool():
+    alloc = kvcache.BlockAllocator(num_blocks=4, page_size=8)
+    cache = kvcache.PagedCache(num_layers=1, page_size=8, allocator=alloc)
+    k = torch.randn(1, 2, 30, 32)
+    cache.update(k, k, 0)
+    assert alloc.num_free == 0 and cache.store.pools[0].num_blocks == 4
+    with pytest.raises(kvcache.OutOfBlocksError):
+        cache.update(k[:, :, :3], k[:, :, :3], 0)
+    with pytest.raises(ValueError, match="page_size=16 differs from page_size=8"):
+        kvcache.PagedCache(num_layers=1, page_size=8, allocator=kvcache.BlockAllocator(4, 16))
+
+
+def test_sink_tokens_work_in_every_generate_mode_and_need_the_kernel():
+    model = _model("mistral")
+    ids, mask = _inputs()
+    for mode, make in MODES.items():
+        cache = kvcache.PagedCache(config=model.config, sink_tokens=2)
+        out = _generate(model, cache, "kvcache", **make(ids, mask))
+        assert out.sequences.shape[1] > ids.shape[1]
+    with pytest.raises(ValueError, match="sink_tokens=2 needs the kernel's attention"):
+        _generate(model, kvcache.PagedCache(config=model.config, sink_tokens=2), "sdpa", input_ids=ids[:1])

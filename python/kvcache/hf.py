@@ -67,7 +67,8 @@ class PagedStore:
     """
 
     def __init__(self, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
-                 prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None):
+                 prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None,
+                 allocator: BlockAllocator | None = None):
         if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
         self.page_size = int(page_size)
@@ -81,11 +82,16 @@ class PagedStore:
                 raise ValueError(f"the prefix cache's page_size={self.allocator.page_size} differs from "
                                  f"page_size={self.page_size}")
         else:
-            self.allocator = BlockAllocator(budget, self.page_size)
+            self.allocator = allocator or BlockAllocator(budget, self.page_size)
+            if self.allocator.page_size != self.page_size:
+                raise ValueError(f"the allocator's page_size={self.allocator.page_size} differs from "
+                                 f"page_size={self.page_size}")
             self.prefix_cache = PrefixCache(self.allocator) if prefix_cache else None
+        if allocator is not None or isinstance(prefix_cache, PrefixCache):
+            self.max_tokens = self.allocator.num_blocks * self.page_size  # someone else's budget: fixed
         self.namespace = namespace
         self.pools: dict[int, KVPool] = {}
-        self.fixed_size = max_tokens is not None
+        self.fixed_size = self.max_tokens is not None
 
     @property
     def capacity_blocks(self) -> int:
@@ -263,19 +269,21 @@ class PagedCache(Cache):
         sink_tokens: with a sliding-window model and ``"kvcache"`` attention, the first tokens stay
             visible (StreamingLLM attention sinks).
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
-        prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one.
+        prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
+            (its allocator then numbers the pages); see :meth:`load_prefix` / :meth:`save_prefix`.
+        allocator: number the pages with this :class:`kvcache.BlockAllocator` (its size bounds the pool).
     """
 
     def __init__(self, config=None, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, sink_tokens: int = 0,
                  store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
-                 num_layers: int | None = None):
+                 allocator: BlockAllocator | None = None, num_layers: int | None = None):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if num_layers is None and text_config is not None:
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if store is None:
             store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
-                               prefix_cache=prefix_cache)
+                               prefix_cache=prefix_cache, allocator=allocator)
         self.store = store
         self.config = text_config
         self.device = None if device is None else torch.device(device)
@@ -317,6 +325,9 @@ class PagedCache(Cache):
         elif batch != len(self.rows):
             raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
                              f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave)")
+        if self.sink_tokens and not self.fused:
+            raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention: "
+                             f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
         plan = self._step_plan(layer.length, q_len)
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
