@@ -65,7 +65,7 @@ class _PackedCache(PagedCache):
     writes ``[1, kv_heads, total, head_dim]`` through it and tags the K/V for the kernel."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        plan = self._plan
+        plan = self._plan.on(key_states.device)
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:
             key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)

@@ -34,7 +34,7 @@ import importlib.machinery
 import inspect
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -253,6 +253,18 @@ class _StepPlan:
     cu_q_lens: torch.Tensor      # [batch + 1] int32: stored queries
     query_rows: torch.Tensor | None  # rows of [batch * q_len] that are stored, None = all
     num_blocks: int              # 1 + the largest block id in the tables
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> "_StepPlan":
+        """The plan with its tensors on ``device`` (layers may live on different devices)."""
+        if self.slot_mapping.device == device:
+            return self
+        if device not in self._copies:
+            move = {name: getattr(self, name) for name in ("slot_mapping", "block_tables", "seq_lens", "cu_q_lens",
+                                                           "query_rows")}
+            move = {k: None if v is None else v.to(device) for k, v in move.items()}
+            self._copies[device] = _StepPlan(self.length, self.q_len, self.version, num_blocks=self.num_blocks, **move)
+        return self._copies[device]
 
 
 class PagedCache(Cache):
@@ -328,7 +340,7 @@ class PagedCache(Cache):
         if self.sink_tokens and not self.fused:
             raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention: "
                              f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
-        plan = self._step_plan(layer.length, q_len)
+        plan = self._step_plan(layer.length, q_len).on(key_states.device)
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
             pool.append(key_states.to(pool.k.dtype), value_states.to(pool.v.dtype), plan.slot_mapping)
@@ -586,7 +598,8 @@ class PagedCache(Cache):
 
     def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as ``[batch, kv_heads, length, head_dim]`` (pad slots that were not stored are zero)."""
-        layer, plan, pool = self.layers[layer_idx], self._plan, self.store.pools[layer_idx]
+        layer, pool = self.layers[layer_idx], self.store.pools[layer_idx]
+        plan = self._plan.on(pool.k.device)
         length = layer.length
         if pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
             k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length)
