@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import residual as res
 from .hf import PagedCache, PagedStore, _StepPlan, ATTENTION_NAME
 from .prefix import Namespace, Sequence
 
@@ -67,9 +68,13 @@ class _PackedCache(PagedCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         plan = self._plan.on(key_states.device)
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
-        if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:
-            key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
-        pool.append(key_states, value_states, plan.slot_mapping)
+        if plan.residual is not None:
+            residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
+            res.apply(plan.residual, pool, residual, key_states, value_states)
+        else:
+            if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:
+                key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
+            pool.append(key_states, value_states, plan.slot_mapping)
         k = key_states.view(key_states.shape)
         k._kvcache = (self, layer_idx, plan)
         return k, value_states
@@ -89,17 +94,22 @@ class Engine:
         prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls).
         page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows).
         max_batch: requests decoded together.
+        residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
+            request stay in the model's dtype (see :class:`kvcache.PagedCache`).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache: bool = True, page_size: int = 16,
-                 max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None):
+                 max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None,
+                 residual_length: int = 0, residual_sink_tokens: int = 0):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
         config = model.config.get_text_config(decoder=True)
-        fmt = "" if kv_format is None else str(kv_format)
+        self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
+                                prefix_cache=prefix_cache, residual_length=residual_length,
+                                residual_sink_tokens=residual_sink_tokens)
+        fmt = "+".join(filter(None, ("" if kv_format is None else str(self.store.kv_format), self.store.residual_label)))
         self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
                                                 kv_format=fmt)
-        self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
-                                prefix_cache=prefix_cache, namespace=self.namespace)
+        self.store.namespace = self.namespace
         self.cache = _PackedCache(config, store=self.store)
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
@@ -234,8 +244,18 @@ class Engine:
         torch.cumsum(torch.tensor(q_lens), 0, out=cu_q[1:])
         num_blocks = int(tables.max()) + 1
         self.store.ensure_blocks(num_blocks)
+        residual = None
+        if self.store.residual is not None:  # the same plan as a padded batch, then packed
+            width = max(q_lens)
+            lens = torch.tensor(q_lens).view(-1, 1)
+            starts = (seq_lens.view(-1, 1) - lens).to(torch.int64)
+            valid = torch.arange(width).view(1, -1) < lens
+            residual = self.store.residual.plan([r.seq.blocks.tolist() for r in running], starts.view(-1).tolist(),
+                                                seq_lens.tolist(), starts + torch.arange(width), valid)
+            residual.slot_mapping = residual.slot_mapping[valid].view(1, -1)
+            residual = residual.on(device)
         self.cache._plan = _StepPlan(0, len(tokens), -1, torch.cat(slots).view(1, -1).to(device), tables.to(device),
-                                     seq_lens.to(device), cu_q.to(device), None, num_blocks)
+                                     seq_lens.to(device), cu_q.to(device), None, num_blocks, residual)
         used = alloc.num_blocks - alloc.num_free
         stats["peak_blocks"] = max(stats["peak_blocks"], used)
         stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], int(seq_lens.sum()))

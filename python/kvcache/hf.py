@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .formats import CacheFormat
+from . import residual as res
 from .pool import KVPool
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
+from .residual import ResidualPages, ResidualPlan
 
 __all__ = ["PagedCache", "PagedStore", "ATTENTION_NAME", "register_attention"]
 
@@ -64,13 +66,21 @@ class PagedStore:
     requests): each holds references on the blocks it uses. Pools are allocated per layer on first use,
     with that layer's kv heads, head_dim and device, and grow (doubling) as block ids are handed out,
     unless ``max_tokens`` fixes their size up front.
+
+    With a quantized format, ``residual_length`` (the newest tokens of every sequence) and
+    ``residual_sink_tokens`` (its first tokens, in whole pages) stay in the model's dtype, in residual
+    pools beside the quantized ones (:mod:`kvcache.residual`); KIVI formats always use them, since a
+    KIVI page is quantized only once it is complete.
     """
 
     def __init__(self, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
                  prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None,
-                 allocator: BlockAllocator | None = None):
+                 allocator: BlockAllocator | None = None, residual_length: int = 0, residual_sink_tokens: int = 0):
         if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
+        if residual_length < 0 or residual_sink_tokens < 0:
+            raise ValueError(f"residual_length={residual_length} and residual_sink_tokens={residual_sink_tokens} "
+                             f"must be >= 0")
         self.page_size = int(page_size)
         self.kv_format = None if kv_format is None else CacheFormat.parse(kv_format)
         self.max_tokens = max_tokens
@@ -92,6 +102,22 @@ class PagedStore:
         self.namespace = namespace
         self.pools: dict[int, KVPool] = {}
         self.fixed_size = self.max_tokens is not None
+        fmt = self.kv_format
+        quantized = fmt is not None and (fmt.k.quantized or fmt.v.quantized)
+        kivi = fmt is not None and (fmt.k.kind.startswith("kivi") or fmt.v.kind.startswith("kivi"))
+        self.residual: ResidualPages | None = None
+        self.residual_pools: dict[int, KVPool] = {}
+        if quantized and (residual_length or residual_sink_tokens or kivi):
+            self.residual = ResidualPages(self.page_size, residual_length, -(-residual_sink_tokens // self.page_size))
+            self.residual.is_live = lambda block: self.allocator.refcount(block) > 0
+
+    @property
+    def residual_label(self) -> str:
+        """The residual settings as text (part of the prefix cache's namespace): "" when there are none."""
+        r = self.residual
+        if r is None:
+            return ""
+        return f"residual={r.window}" + (f",sinks={r.sink_pages * self.page_size}" if r.sink_pages else "")
 
     @property
     def capacity_blocks(self) -> int:
@@ -111,6 +137,17 @@ class PagedStore:
             self.pools[layer] = pool
         elif pool.num_blocks < min_blocks:
             pool = self.pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
+        return pool
+
+    def residual_pool(self, layer: int, key: torch.Tensor, min_blocks: int) -> KVPool:
+        """Layer ``layer``'s full-precision residual pool (the model's dtype), grown to ``min_blocks``."""
+        pool = self.residual_pools.get(layer)
+        if pool is None:
+            _, heads, _, dim = key.shape
+            pool = KVPool.allocate(_grown(0, min_blocks), self.page_size, heads, dim, key.dtype, device=key.device)
+            self.residual_pools[layer] = pool
+        elif pool.num_blocks < min_blocks:
+            pool = self.residual_pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
         return pool
 
     def ensure_blocks(self, min_blocks: int) -> None:
@@ -133,10 +170,26 @@ class PagedStore:
                     for t in (getattr(pool, role), getattr(pool, f"{role}_scale")):
                         if t is not None and t.dim() >= 3:
                             t.index_copy_(0, dst, t.index_select(0, src))
+            if self.residual is not None:  # open pages are copied in the residual pools
+                moves = self.residual.copy_on_write([tuple(p) for p in copies.tolist()])
+                for layer, pool in list(self.residual_pools.items()):
+                    if moves:
+                        pool = self.residual_pool(layer, pool.k, self.residual.num_slots)
+                        ops.copy_blocks(pool.k, pool.v, torch.tensor(moves, dtype=torch.int64, device=pool.k.device))
+
+    def clear(self) -> None:
+        """Drops every pool's memory (the allocator must hold no blocks)."""
+        self.pools.clear()
+        self.residual_pools.clear()
+        if self.residual is not None:
+            self.residual.reset()
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pools.values())
+        return sum(p.nbytes for p in self.pools.values()) + sum(p.nbytes for p in self.residual_pools.values())
+
+    def residual_bytes_per_block(self) -> int:
+        return sum(p.nbytes // p.num_blocks for p in self.residual_pools.values())
 
     def bytes_per_block(self) -> int:
         return sum(p.nbytes // p.num_blocks for p in self.pools.values())
@@ -253,6 +306,7 @@ class _StepPlan:
     cu_q_lens: torch.Tensor      # [batch + 1] int32: stored queries
     query_rows: torch.Tensor | None  # rows of [batch * q_len] that are stored, None = all
     num_blocks: int              # 1 + the largest block id in the tables
+    residual: ResidualPlan | None = None  # with residual pools: their part of the step
     _copies: dict = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> "_StepPlan":
@@ -263,7 +317,9 @@ class _StepPlan:
             move = {name: getattr(self, name) for name in ("slot_mapping", "block_tables", "seq_lens", "cu_q_lens",
                                                            "query_rows")}
             move = {k: None if v is None else v.to(device) for k, v in move.items()}
-            self._copies[device] = _StepPlan(self.length, self.q_len, self.version, num_blocks=self.num_blocks, **move)
+            self._copies[device] = _StepPlan(self.length, self.q_len, self.version, num_blocks=self.num_blocks,
+                                             residual=None if self.residual is None else self.residual.on(device),
+                                             **move)
         return self._copies[device]
 
 
@@ -280,6 +336,11 @@ class PagedCache(Cache):
         device, dtype: only checked against the tensors the model passes (pages follow the model).
         sink_tokens: with a sliding-window model and ``"kvcache"`` attention, the first tokens stay
             visible (StreamingLLM attention sinks).
+        residual_length: with a quantized ``kv_format``, the newest ``residual_length`` tokens of every row
+            stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
+            pages are quantized once they are older (:mod:`kvcache.residual`). KIVI formats always keep
+            the page being written in full precision.
+        residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
             (its allocator then numbers the pages); see :meth:`load_prefix` / :meth:`save_prefix`.
@@ -289,13 +350,15 @@ class PagedCache(Cache):
     def __init__(self, config=None, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, sink_tokens: int = 0,
                  store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
-                 allocator: BlockAllocator | None = None, num_layers: int | None = None):
+                 allocator: BlockAllocator | None = None, num_layers: int | None = None,
+                 residual_length: int = 0, residual_sink_tokens: int = 0):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if num_layers is None and text_config is not None:
             num_layers = getattr(text_config, "num_hidden_layers", None)
         if store is None:
             store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
-                               prefix_cache=prefix_cache, allocator=allocator)
+                               prefix_cache=prefix_cache, allocator=allocator, residual_length=residual_length,
+                               residual_sink_tokens=residual_sink_tokens)
         self.store = store
         self.config = text_config
         self.device = None if device is None else torch.device(device)
@@ -303,6 +366,10 @@ class PagedCache(Cache):
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens={sink_tokens} must be >= 0")
         self.sink_tokens = int(sink_tokens)
+        if self.sink_tokens and store.residual is not None:
+            raise ValueError(f"sink_tokens={sink_tokens} (attention sinks of a sliding window) cannot be combined with "
+                             f"residual pages ({store.residual_label}, format {store.kv_format}): the kernel's window "
+                             f"needs every token at its position in one pool")
         self.rows: list[Sequence] = []   # per batch row: its stored tokens (pads not stored)
         self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
         self._version = 0
@@ -342,7 +409,10 @@ class PagedCache(Cache):
                              f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
         plan = self._step_plan(layer.length, q_len).on(key_states.device)
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
-        if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
+        if plan.residual is not None:  # seal what aged, write the new tokens in full precision
+            residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
+            res.apply(plan.residual, pool, residual, key_states, value_states)
+        elif pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
             pool.append(key_states.to(pool.k.dtype), value_states.to(pool.v.dtype), plan.slot_mapping)
         else:
             pool.append(key_states, value_states, plan.slot_mapping)
@@ -368,7 +438,7 @@ class PagedCache(Cache):
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
         self.reset()
         if self.store.prefix_cache is None and self.store.allocator.num_free == self.store.allocator.num_blocks:
-            self.store.pools.clear()
+            self.store.clear()
 
     def __enter__(self) -> "PagedCache":
         return self
@@ -439,8 +509,9 @@ class PagedCache(Cache):
         ns = self.store.namespace
         if ns is None:
             fmt = self.store.kv_format
+            label = "" if fmt is None else "+".join(filter(None, (str(fmt), self.store.residual_label)))
             ns = Namespace(model=str(getattr(self.config, "_name_or_path", "") or type(self.config).__name__),
-                           kv_format="" if fmt is None else str(fmt))
+                           kv_format=label)
         return ns
 
     def load_prefix(self, input_ids: torch.Tensor) -> int:
@@ -481,12 +552,17 @@ class PagedCache(Cache):
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Tokens, blocks, bytes (stored, reserved by the pools), internal waste, and the bytes an
-        equivalent ``DynamicCache`` would hold in the model's dtype."""
+        equivalent ``DynamicCache`` would hold in the model's dtype. With residual pages, ``residual_blocks``
+        of the blocks are also held in full precision, and ``bytes`` counts both copies."""
         page = self.store.page_size
         length = self.get_seq_length()
         tokens = sum(length - p for p in self.pads)
         blocks = sum(len(s.blocks) for s in self.rows)
         per_block = self.store.bytes_per_block()
+        residual_blocks = 0
+        if self.store.residual is not None:
+            open_blocks = self.store.residual.slot_of
+            residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
         dense = 0
         for pool in self.store.pools.values():
             elem = torch.finfo(self.layers[0].dtype).bits // 8 if self.layers and self.layers[0].is_initialized else 2
@@ -494,14 +570,16 @@ class PagedCache(Cache):
         fmt = self.store.kv_format
         if fmt is None and self.layers and self.layers[0].is_initialized:
             fmt = CacheFormat.parse(self.layers[0].dtype)
+        label = "+".join(filter(None, (str(fmt), self.store.residual_label))) if fmt is not None else "model dtype"
         return {
-            "format": str(fmt) if fmt is not None else "model dtype",
+            "format": label,
             "rows": len(self.rows),
             "seq_length": length,
             "tokens": tokens,
             "blocks": blocks,
             "page_size": page,
-            "bytes": blocks * per_block,
+            "residual_blocks": residual_blocks,
+            "bytes": blocks * per_block + residual_blocks * self.store.residual_bytes_per_block(),
             "pool_bytes": self.store.nbytes,
             "waste_tokens": blocks * page - tokens,
             "waste_fraction": (blocks * page - tokens) / (blocks * page) if blocks else 0.0,
@@ -590,10 +668,16 @@ class PagedCache(Cache):
         cu_q = torch.zeros(batch + 1, dtype=torch.int32)
         torch.cumsum(q_counts, 0, out=cu_q[1:])
         query_rows = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+        residual = None
+        if self.store.residual is not None:
+            residual = self.store.residual.plan([s.blocks.tolist() for s in self.rows],
+                                                [max(0, length - p) for p in self.pads], seq_lens.tolist(),
+                                                stored_pos, valid)
         device = next((p.k.device for p in self.store.pools.values()), None) or self.layers[0].device
         self._plan = plan = _StepPlan(length, q_len, self._version, slot_mapping.to(device), tables.to(device),
                                       seq_lens.to(device), cu_q.to(device),
-                                      None if query_rows is None else query_rows.to(device), num_blocks)
+                                      None if query_rows is None else query_rows.to(device), num_blocks,
+                                      None if residual is None else residual.on(device))
         return plan
 
     def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -601,7 +685,10 @@ class PagedCache(Cache):
         layer, pool = self.layers[layer_idx], self.store.pools[layer_idx]
         plan = self._plan.on(pool.k.device)
         length = layer.length
-        if pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
+        if plan.residual is not None:
+            k, v = res.gather(plan.residual, pool, self.store.residual_pools[layer_idx], plan.block_tables,
+                              plan.seq_lens, length, dtype)
+        elif pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
             k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length)
             k, v = (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
         else:
@@ -648,7 +735,7 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         sliding_window = getattr(module, "sliding_window", None)
     if tag is not None:
         cache, layer_idx, plan = tag
-        if _fused_ok(cache, plan, attention_mask, query):
+        if _fused_ok(cache, plan, attention_mask, query) and not (sliding_window and plan.residual is not None):
             return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
         key, value = cache._dense(layer_idx, query.dtype)
     return _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
@@ -681,10 +768,14 @@ def _paged(cache: PagedCache, layer_idx: int, plan: _StepPlan, query: torch.Tens
     if plan.query_rows is not None:
         q = q.index_select(0, plan.query_rows)
     pool = cache.store.pools[layer_idx]
-    out = ops.paged_attention(q, pool.k, pool.v, plan.block_tables, plan.seq_lens, plan.cu_q_lens, float(scaling),
-                              window_left=-1 if not sliding_window else int(sliding_window) - 1,
-                              sink_tokens=cache.sink_tokens if sliding_window else 0,
-                              softcap=float(softcap or 0.0), **pool.op_kwargs())
+    if plan.residual is not None:  # (sliding windows went to the dense path: positions span two pools)
+        out = res.attention(plan.residual, pool, cache.store.residual_pools[layer_idx], q, plan.cu_q_lens,
+                            float(scaling), softcap=float(softcap or 0.0))
+    else:
+        out = ops.paged_attention(q, pool.k, pool.v, plan.block_tables, plan.seq_lens, plan.cu_q_lens,
+                                  float(scaling), window_left=-1 if not sliding_window else int(sliding_window) - 1,
+                                  sink_tokens=cache.sink_tokens if sliding_window else 0,
+                                  softcap=float(softcap or 0.0), **pool.op_kwargs())
     if plan.query_rows is not None:
         full = out.new_zeros(batch * q_len, heads, dim)
         full.index_copy_(0, plan.query_rows, out)

@@ -1,0 +1,241 @@
+"""Full-precision residual pages for quantized paged caches.
+
+Recent tokens carry most of the attention weight, so quantized caches keep them in the model's dtype:
+HF's QuantizedCache keeps a ``residual_length`` of tokens, KIVI a window (and its keys, quantized per
+channel over a page's tokens, cannot be quantized before the page is complete anyway). Here that is a
+property of *pages*: a page is either **sealed** (in the quantized pool, at its block id) or **open**
+(in a small full-precision pool, at a residual slot). Open pages are the ones that are still being
+written, the ``window`` newest tokens' pages, and the first ``sink_pages`` pages of each sequence.
+
+:class:`ResidualPages` keeps which blocks are open and where, for every layer at once (all layers use
+the same block tables), and plans each forward once: which pages to seal (complete, older than the
+window as of *before* the forward, so the tokens a forward attends with are never quantized by it),
+which sealed pages get new tokens and must be reopened (after a crop, or a prefix match that ends inside
+a sealed page: the page is dequantized into a residual slot), where the new tokens go, and the tables
+of the two attention passes. :func:`apply` carries the plan out for one layer; :func:`attention` attends
+over both pools (two :func:`kvcache.paged_attention` calls merged by their log-sum-exp, exact for what is
+stored) and :func:`gather` reads a dense copy.
+
+Every sealed token precedes every query of the forward (sealing only takes pages older than its
+start, and a page that receives tokens is open), so the sealed pass needs no causal mask: each query is
+its own row there and sees all of its sequence's sealed tokens; the open pass is causal, bottom-right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .pool import KVPool
+
+
+@dataclass
+class ResidualPlan:
+    """One forward's residual work, the same for every layer (tensors on one device)."""
+
+    seal_slots: torch.Tensor      # [n] int64: residual slots of the pages to quantize now
+    seal_targets: torch.Tensor    # [n, page] int64: their token slots in the quantized pool
+    reopen_blocks: torch.Tensor   # [m, 1] int32: sealed pages that get new tokens (one-page tables)
+    reopen_slots: torch.Tensor    # [m, page] int64: the residual token slots they are dequantized into
+    slot_mapping: torch.Tensor    # [batch, q_len] int64: residual token slots of the new tokens, -1 = skip
+    open_tables: torch.Tensor     # [batch, w] int32: each row's open pages (residual slots), in order
+    open_lens: torch.Tensor       # [batch] int32: tokens in them
+    page_slots: torch.Tensor      # [batch, max_pages] int32: every page's residual slot (0 where sealed)
+    page_open: torch.Tensor       # [batch, max_pages] bool
+    sealed_rows: torch.Tensor     # [r] int64: queries (stored-query index) that see sealed tokens
+    sealed_tables: torch.Tensor   # [r, w'] int32: their sequence's sealed blocks, in order
+    sealed_lens: torch.Tensor     # [r] int32
+    num_slots: int                # residual pool blocks needed
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> "ResidualPlan":
+        if self.slot_mapping.device == device:
+            return self
+        if device not in self._copies:
+            moved = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__
+                     if name not in ("num_slots", "_copies")}
+            self._copies[device] = ResidualPlan(num_slots=self.num_slots, **moved)
+        return self._copies[device]
+
+
+class ResidualPages:
+    """Which blocks are open (held in full precision) and at which residual slot; plans each forward.
+
+    Args:
+        page_size: tokens per page.
+        window: the newest ``window`` tokens of every sequence stay in full precision (their pages do).
+        sink_pages: the first pages of every sequence are never sealed.
+    """
+
+    def __init__(self, page_size: int, window: int = 0, sink_pages: int = 0):
+        if window < 0 or sink_pages < 0:
+            raise ValueError(f"window={window} and sink_pages={sink_pages} must be >= 0")
+        self.page_size, self.window, self.sink_pages = int(page_size), int(window), int(sink_pages)
+        self.slot_of: dict[int, int] = {}   # open block id -> residual slot
+        self._free: list[int] = []
+        self.num_slots = 0                  # slots ever handed out (the residual pools' size)
+        self.is_live = None                 # block id -> bool (in use); lets full pools reclaim slots
+
+    # ---- slots -------------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if not self._free and self.is_live is not None:
+            self.collect()
+        if self._free:
+            return self._free.pop()
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def open(self, block: int) -> int:
+        """The block's residual slot, taking one if it has none."""
+        slot = self.slot_of.get(block)
+        if slot is None:
+            slot = self.slot_of[block] = self._take()
+        return slot
+
+    def close(self, block: int) -> None:
+        """The block no longer needs a slot (sealed, or freed)."""
+        slot = self.slot_of.pop(block, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def collect(self) -> int:
+        """Gives back the slots of blocks that are no longer in use; returns how many."""
+        dead = [b for b in self.slot_of if not self.is_live(b)]
+        for b in dead:
+            self.close(b)
+        return len(dead)
+
+    def copy_on_write(self, copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Blocks copied to new ids (a shared partial page before its write): the copy is open iff the
+        source is. Returns the (src slot, dst slot) pairs whose residual pages must be copied."""
+        moves = []
+        for src, dst in copies:
+            if src in self.slot_of:
+                moves.append((self.slot_of[src], self.open(dst)))
+            else:
+                self.close(dst)
+        return moves
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def plan(self, tables: list[list[int]], before: list[int], after: list[int],
+             query_positions: torch.Tensor, valid: torch.Tensor) -> ResidualPlan:
+        """Plans a forward in which row ``b`` (blocks ``tables[b]``) goes from ``before[b]`` to
+        ``after[b]`` stored tokens. ``query_positions`` ``[batch, q_len]`` are the stored positions of the
+        forward's tokens and ``valid`` says which are stored. Updates the bookkeeping (the plan must then
+        be applied to every layer before the next plan)."""
+        P, batch = self.page_size, len(tables)
+        seal, sealed_now, freed = [], set(), []
+        for row, n in zip(tables, before):
+            for p in range(self.sink_pages, max(self.sink_pages, (n - self.window) // P)):
+                blk = row[p]
+                if blk in self.slot_of and blk not in sealed_now:
+                    seal.append((self.slot_of[blk], blk))
+                    sealed_now.add(blk)
+        for _, blk in seal:  # the slots are freed after this plan's new slots are taken (see below)
+            freed.append(self.slot_of.pop(blk))
+        reopen = []
+        for row, n, m in zip(tables, before, after):
+            for p in range(n // P, -(-m // P)):
+                blk = row[p]
+                if blk not in self.slot_of and p * P < n:  # a sealed page that is partly filled: reopen it
+                    reopen.append((blk, self.open(blk)))
+                else:
+                    self.open(blk)
+        self._free.extend(freed)
+
+        max_pages = max([-(-m // P) for m in after] + [1])
+        page_slots = torch.zeros(batch, max_pages, dtype=torch.int32)
+        page_open = torch.zeros(batch, max_pages, dtype=torch.bool)
+        open_rows, open_lens, sealed_rows, sealed_lens = [], [], [], []
+        for b, (row, m) in enumerate(zip(tables, after)):
+            pages = -(-m // P)
+            slots = [self.slot_of.get(blk, -1) for blk in row[:pages]]
+            is_open = [s >= 0 for s in slots]
+            page_open[b, :pages] = torch.tensor(is_open, dtype=torch.bool)
+            page_slots[b, :pages] = torch.tensor([max(s, 0) for s in slots], dtype=torch.int32)
+            tokens = [min(P, m - p * P) for p in range(pages)]
+            open_rows.append([s for s, o in zip(slots, is_open) if o])
+            open_lens.append(sum(t for t, o in zip(tokens, is_open) if o))
+            sealed_rows.append([blk for blk, o in zip(row[:pages], is_open) if not o])
+            sealed_lens.append(sum(t for t, o in zip(tokens, is_open) if not o))
+
+        pos = torch.where(valid, query_positions, 0)
+        slots = page_slots.to(torch.int64).gather(1, pos // P) * P + pos % P
+        slot_mapping = torch.where(valid, slots, torch.full_like(slots, -1))
+        # sealed pass: every stored query of a row with sealed tokens is its own row
+        q_counts = valid.sum(dim=1).tolist()
+        starts = [sum(q_counts[:b]) for b in range(batch)]
+        rows = [(starts[b] + i, b) for b in range(batch) if sealed_lens[b] for i in range(q_counts[b])]
+        arange_p = torch.arange(P, dtype=torch.int64)
+        return ResidualPlan(
+            seal_slots=torch.tensor([s for s, _ in seal], dtype=torch.int64),
+            seal_targets=torch.tensor([blk for _, blk in seal], dtype=torch.int64).view(-1, 1) * P + arange_p,
+            reopen_blocks=torch.tensor([blk for blk, _ in reopen], dtype=torch.int32).view(-1, 1),
+            reopen_slots=torch.tensor([s for _, s in reopen], dtype=torch.int64).view(-1, 1) * P + arange_p,
+            slot_mapping=slot_mapping,
+            open_tables=_table(open_rows),
+            open_lens=torch.tensor(open_lens, dtype=torch.int32),
+            page_slots=page_slots,
+            page_open=page_open,
+            sealed_rows=torch.tensor([r for r, _ in rows], dtype=torch.int64),
+            sealed_tables=_table([sealed_rows[b] for _, b in rows]),
+            sealed_lens=torch.tensor([sealed_lens[b] for _, b in rows], dtype=torch.int32),
+            num_slots=self.num_slots,
+        )
+
+    def sealed_pages(self, table: list[int], length: int) -> int:
+        """Sealed pages among a sequence's first ``length`` tokens."""
+        return sum(blk not in self.slot_of for blk in table[: -(-length // self.page_size)])
+
+    def reset(self) -> None:
+        self.slot_of.clear()
+        self._free.clear()
+        self.num_slots = 0
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    width = max([len(r) for r in rows] + [1])
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).view(len(rows), width)
+
+
+# ---- one layer ---------------------------------------------------------------------------------------
+def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Carries out ``plan`` on one layer: quantizes the pages to seal, reopens pages, writes the new K/V."""
+    if plan.seal_slots.numel():
+        sealed.append(residual.k[plan.seal_slots], residual.v[plan.seal_slots], plan.seal_targets)
+    if plan.reopen_blocks.numel():
+        m, P = plan.reopen_blocks.shape[0], sealed.page_size
+        k, v = sealed.gather(plan.reopen_blocks, torch.full((m,), P, dtype=torch.int32, device=key.device),
+                             max_len=P, dtype=residual.k.dtype)
+        residual.append(k, v, plan.reopen_slots)
+    if key.dtype != residual.k.dtype:
+        key, value = key.to(residual.k.dtype), value.to(residual.v.dtype)
+    residual.append(key, value, plan.slot_mapping)
+
+
+def attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, query: torch.Tensor,
+              cu_q_lens: torch.Tensor, scale: float, softcap: float = 0.0, return_lse: bool = False):
+    """Attention of the stored queries ``[total_q, q_heads, head_dim]`` over both pools."""
+    out, lse = residual.attention(query, plan.open_tables, plan.open_lens, cu_q_lens, scale, softcap=softcap,
+                                  return_lse=True)
+    if plan.sealed_rows.numel():
+        rows = plan.sealed_rows
+        cu = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
+        s_out, s_lse = sealed.attention(query.index_select(0, rows), plan.sealed_tables, plan.sealed_lens, cu, scale,
+                                        softcap=softcap, return_lse=True)
+        full_out = torch.zeros_like(out).index_copy_(0, rows, s_out.to(out.dtype))
+        full_lse = torch.full_like(lse, float("-inf")).index_copy_(0, rows, s_lse)
+        out, lse = ops.merge_states(out, lse, full_out, full_lse)
+    return (out, lse) if return_lse else out
+
+
+def gather(plan: ResidualPlan, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K/V ``[batch, kv_heads, max_len, head_dim]``: each page from the pool that holds it."""
+    sk, sv = sealed.gather(block_tables, seq_lens, max_len=max_len, dtype=dtype)
+    rk, rv = residual.gather(plan.page_slots, seq_lens, max_len=max_len)
+    pos = torch.arange(max_len, device=sk.device) // sealed.page_size
+    is_open = plan.page_open.index_select(1, pos.clamp(max=plan.page_open.shape[1] - 1))[:, None, :, None]
+    return torch.where(is_open, rk.to(dtype), sk), torch.where(is_open, rv.to(dtype), sv)
