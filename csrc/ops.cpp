@@ -10,7 +10,10 @@ TORCH_LIBRARY(kvcache, m) {
 
   // Storage formats (core/kv_format.h), per K and V: k_format/v_format 0 = full precision (the pool's
   // dtype), 1 = int8 with k_scale/v_scale [num_blocks, num_kv_heads, page_size] float32 per row,
-  // 2 / 3 = fp8 e4m3 / e5m2 with a float32 scale per kv head [num_kv_heads].
+  // 2 / 3 = fp8 e4m3 / e5m2 with a float32 scale per kv head [num_kv_heads], 4 = int4 with fp16
+  // (scale, zero) pairs per 32 dims, 5 / 6 = kivi4 / kivi2 (keys per channel over a page, written whole
+  // pages at a time; values per token). + 16 (kRotatedFlag): rows Hadamard-rotated before quantizing
+  // (core/quant.h); gather unrotates, paged_attention rotates the query and unrotates the output.
 
   // key/value [batch, num_kv_heads, q_len, head_dim] (any strides) -> pools at slot_mapping
   // [batch, q_len] int64; a slot of -1 skips that token. Quantized pools quantize on the way in.

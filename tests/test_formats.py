@@ -9,7 +9,8 @@ from kvcache import CacheFormat, KVFormat, memory
 
 
 @pytest.mark.parametrize("text", ["fp16", "bf16", "fp32", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4",
-                                  "int4(group=64)", "fp8_e4m3(scale=0.05)", "kivi2(group=128)"])
+                                  "int4(group=64)", "fp8_e4m3(scale=0.05)", "kivi2(group=128)",
+                                  "int8(hadamard)", "int4(group=64,hadamard)", "fp8_e4m3(scale=0.05,hadamard)"])
 def test_text_round_trips(text):
     fmt = KVFormat.parse(text)
     assert str(fmt) == text
@@ -24,6 +25,9 @@ def test_cache_format_text():
     assert CacheFormat.parse(str(both)) == both
     assert CacheFormat.parse(torch.bfloat16) == CacheFormat(KVFormat("bf16"), KVFormat("bf16"))
     assert hash(CacheFormat.parse("k=int8,v=int8")) == hash(CacheFormat.parse("int8"))  # same identity
+    rot = CacheFormat.parse("k=int8(hadamard),v=int4")
+    assert rot.k == KVFormat("int8", hadamard=True) and str(rot) == "k=int8(hadamard),v=int4"
+    assert rot != CacheFormat.parse("k=int8,v=int4")   # a different cache identity: different codes
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -31,6 +35,9 @@ def test_cache_format_text():
     ("int4(group=48)", r"group=48 must be 16, 32, 64 or 128"),
     ("int8(scale=0.1)", r"scale=0.1 is only for fp8 formats"),
     ("int4(bits=3)", r"unknown option 'bits'"),
+    ("bf16(hadamard)", r"hadamard is only for int8, fp8 and int4 formats, not bf16"),
+    ("kivi2(hadamard)", r"hadamard is only for .* not kivi2"),
+    ("int8(hadamard=1)", r"unknown option 'hadamard'"),
     ("k=int8,x=int4", r"expected 'k=<format>,v=<format>'"),
     ("k=int8", r"expected 'k=<format>,v=<format>'"),
 ])
@@ -45,6 +52,7 @@ def test_bytes_per_token_head_by_hand():
     assert KVFormat("int8").bytes_per_token_head(d, page, "k") == 128 + 4          # + fp32 scale
     assert KVFormat("fp8_e4m3").bytes_per_token_head(d, page, "k") == 128          # per-head scale only
     assert KVFormat("int4").bytes_per_token_head(d, page, "v") == 64 + 4 * 4       # 4 groups x (2 + 2)
+    assert KVFormat("int4", hadamard=True).bytes_per_token_head(d, page, "v") == 64 + 4 * 4  # rotation: no bytes
     assert KVFormat("kivi2").bytes_per_token_head(d, page, "k") == 32 + 128 * 4 / 16  # per channel per page
     assert KVFormat("kivi2").bytes_per_token_head(d, page, "v") == 32 + 4 * 4
 

@@ -87,3 +87,53 @@ def test_group_quantize_shapes_and_error():
     assert rel < 0.1
     with pytest.raises(ValueError, match="head_dim=100 must be a multiple of group=32"):
         quant.group_quantize(torch.randn(2, 100), 4)
+
+
+# ---- Hadamard rotation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim", [2, 16, 64, 128, 256])
+def test_fwht_is_the_hadamard_matrix(dim):
+    i = torch.arange(dim)
+    bits = i.view(-1, 1) & i.view(1, -1)
+    parity = torch.zeros_like(bits)
+    for b in range(dim.bit_length()):
+        parity ^= (bits >> b) & 1
+    h = 1.0 - 2.0 * parity.double()
+    x = torch.randint(-8, 8, (5, dim)).float()   # small integers: every sum is exact
+    assert torch.equal(quant.fwht(x).double(), x.double() @ h.T)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rotation_keeps_dot_products_and_inverts(dim):
+    g = torch.Generator().manual_seed(dim)
+    q, k = torch.randn(7, dim, generator=g), torch.randn(7, dim, generator=g) * 5
+    dots = (quant.rotate_query(q).double() * quant.rotate(k).double()).sum(-1)
+    assert torch.allclose(dots, (q.double() * k.double()).sum(-1), atol=1e-4)
+    assert torch.allclose(quant.unrotate(quant.rotate(k)), k, atol=1e-5)
+    signs = quant.rot_signs(dim)
+    assert 0.25 < (signs < 0).float().mean() < 0.75   # a real mix of signs, not all +1
+
+
+def test_rotation_spreads_an_outlier_channel():
+    x = torch.randn(64, 64) * 0.1
+    x[:, 5] += 20.0                               # one outlier channel, like SmolLM2's keys
+    crest = lambda t: float((t.abs().amax(-1) / t.pow(2).mean(-1).sqrt()).mean())  # noqa: E731
+    assert crest(x) > 7.5 and crest(quant.rotate(x)) < 1.5
+
+
+def test_rotation_needs_a_power_of_two():
+    with pytest.raises(ValueError, match=r"head_dim=96 must be a power of two"):
+        quant.rotate(torch.zeros(2, 96))
+
+
+# ---- KIVI planar packing -------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4])
+def test_planar_packing_layout_and_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8)
+    packed = quant.pack_planar(codes, bits)
+    assert packed.shape == (3, 64 * bits // 8)
+    assert torch.equal(quant.unpack_planar(packed, bits), codes)
+    span = 4 * bits
+    for d in (0, 5, 17, 31, 32, 63):   # core/quant.h: planar_byte / planar_shift
+        byte = (d // 32) * span + (d % 32) % span
+        shift = bits * ((d % 32) // span)
+        assert torch.equal((packed[:, byte].to(torch.int32) >> shift) & (2**bits - 1), codes[:, d].to(torch.int32))

@@ -1,4 +1,4 @@
-"""Quantized pools (int8, fp8 e4m3/e5m2): append stores exactly the reference codes and scales, gather
+"""Quantized pools (int8, fp8 e4m3/e5m2, int4, each optionally Hadamard-rotated): append stores exactly the reference codes and scales, gather
 dequantizes exactly, attention reads the codes in registers within the attention tolerance."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from kvcache.pool import format_id
 
 from conftest import DEVICES
 
-FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4"]
+FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4",
+           "int8(hadamard)", "fp8_e4m3(hadamard)", "int4(hadamard)", "k=int8(hadamard),v=int4", "k=int4,v=fp8_e5m2(hadamard)"]
 def filled_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int, in_dtype: torch.dtype, device="cpu",
                 seed: int = 0):
     """A pool holding `lens` tokens per sequence through shuffled block tables, appended in two steps
@@ -166,8 +167,8 @@ def test_bad_quantized_arguments_write_nothing():
 
 
 def test_unimplemented_formats_say_so():
-    with pytest.raises(NotImplementedError, match=r"KV format kivi2 is not implemented by the kernels yet"):
-        kvcache.KVPool.allocate(4, 16, 2, 64, "kivi2")
+    with pytest.raises(NotImplementedError, match=r"KV format kivi2\(group=64\) is not implemented by the kernels yet"):
+        kvcache.KVPool.allocate(4, 16, 2, 64, "kivi2(group=64)")
     with pytest.raises(NotImplementedError, match=r"KV format int4\(group=64\) is not implemented"):
         kvcache.KVPool.allocate(4, 16, 2, 64, "int4(group=64)")
 
@@ -182,3 +183,64 @@ def test_int4_pool_shapes_and_bad_scales():
         kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(kw | {"k_scale": pool.k_scale.float()}))
     with pytest.raises(ValueError, match=r"but int4 keeps a \(scale, zero\) pair per 32 dims: \[4, 2, 16, 2, 2\]"):
         kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(kw | {"k_scale": pool.k_scale[..., :1, :].contiguous()}))
+
+
+# ---- Hadamard-rotated formats ----------------------------------------------------------------------------
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("fmt", ["int8(hadamard)", "k=int4(hadamard),v=int8"])
+def test_rotation_keeps_lse_and_softcap_exact(isa, fmt, softcap):
+    # The kernel attends in the rotated space; the reference attends the unrotated values with the
+    # same soft-cap: outputs and log-sum-exps agree to fp32 rounding (the scores are the same numbers).
+    pool, table, lens, _, _ = filled_pool(fmt, [70, 33], 16, 2, 64, torch.float32)
+    q = torch.randn(5, 4, 64) * 3
+    cu = torch.tensor([0, 1, 5], dtype=torch.int32)
+    out, lse = pool.attention(q, table, lens, cu, softcap=softcap, return_lse=True)
+    deq = [ref.dequantize_pool(t, s, format_id(f)).double() for t, s, f in
+           ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
+    out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
+    ref.paged_attention(q.double(), *deq, table, lens, cu, 64 ** -0.5, -1, 0, softcap, out64, lse64,
+                        compute_dtype=torch.float64)
+    assert (out.double() - out64).abs().max() < 2e-5
+    assert (lse.double() - lse64).abs().max() < 2e-5
+
+
+def test_rotation_lowers_the_error_on_outlier_channels():
+    # keys with one outlier channel (as SmolLM2's): rotation cuts int8's reconstruction error
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(1, 2, 64, 64, generator=g)
+    key[..., 9] += 30.0
+    errs = {}
+    for fmt in ("int8", "int8(hadamard)"):
+        pool = kvcache.KVPool.allocate(4, 16, 2, 64, fmt)
+        pool.append(key, key, torch.arange(64).view(1, 64))
+        k = pool.gather(torch.arange(4, dtype=torch.int32).view(1, 4), torch.tensor([64], dtype=torch.int32))[0]
+        errs[fmt] = float((k - key).norm() / key.norm())
+    assert errs["int8(hadamard)"] < errs["int8"] / 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rotated(device):
+    pool, table, lens, _, _ = filled_pool("k=int8(hadamard),v=int4(hadamard)", [20, 9], 16, 2, 64, torch.float32, device)
+    kw = pool.op_kwargs()
+    key = torch.randn(1, 2, 3, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.append.default,
+                          (key, key.clone(), pool.k, pool.v, torch.tensor([[40, 41, 42]], device=device),
+                           kw["k_scale"], kw["v_scale"], kw["k_format"], kw["v_format"]))
+    q = torch.randn(2, 4, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.paged_attention.default,
+                          (q, pool.k, pool.v, table, lens, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+                           0.125, -1, 0, 0.0, torch.empty_like(q), None, kw["k_scale"], kw["v_scale"],
+                           kw["k_format"], kw["v_format"]))
+
+
+def test_bad_rotated_arguments_write_nothing():
+    with pytest.raises(ValueError, match=r"head_dim=96 must be a power of two"):
+        kvcache.KVPool.allocate(4, 16, 2, 96, "int8(hadamard)")
+    pool = kvcache.KVPool.allocate(4, 16, 2, 96, "int8")
+    key = torch.randn(1, 2, 3, 96)
+    before = (pool.k.clone(), pool.k_scale.clone())
+    with pytest.raises(ValueError, match=r"head_dim = 96 must be a power of two \(2 to 1024\) for Hadamard-rotated"):
+        kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(pool.op_kwargs() | {"k_format": 17}))
+    with pytest.raises(ValueError, match=r"k_format = 16 is not a storage format .* \+ 16 for Hadamard-rotated rows"):
+        kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(pool.op_kwargs() | {"k_format": 16}))
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])

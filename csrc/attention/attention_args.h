@@ -26,6 +26,8 @@ struct AttentionArgs {
   KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
   const float* k_scale = nullptr;         // quantized pools: see core/kv_format.h
   const float* v_scale = nullptr;
+  bool k_rot = false;                     // K rows Hadamard-rotated: queries are rotated on load
+  bool v_rot = false;                     // V rows rotated: outputs are unrotated when written
   PagedLayout layout;
   const int32_t* block_tables = nullptr;  // [batch, max_blocks]
   int64_t table_stride = 0;

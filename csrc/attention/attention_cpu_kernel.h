@@ -248,6 +248,45 @@ struct ReadI4 {
   }
 };
 
+/// KIVI rows (4 or 2 bits, planar codes: dims 0-15 and 16-31 of a chunk unpack in natural order).
+/// Keys (kKey): `meta` is the page's per-channel metadata, per chunk 32 fp16 scales then 32 zeros;
+/// values: `meta` is the row's (scale, zero) fp16 pair per chunk, as int4. Plain loops: the codes are
+/// few bytes and the speed of KIVI decode is not tuned yet.
+template <int kBits, bool kKey>
+struct ReadKivi {
+  using Elem = uint8_t;
+  static constexpr bool kEvenOdd = false;
+  static constexpr bool kBf16Exact = false;  // dequantized values are not bf16 numbers
+  static constexpr int kDimsPerElem = 8 / kBits;
+  static void chunk(const Elem* row, const uint16_t* meta, int64_t c, vf& a, vf& b) {
+    constexpr int kBytes = 4 * kBits, kMask = (1 << kBits) - 1;
+    const uint8_t* p = row + kBytes * c;
+    vi lo, hi;
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = (p[j % kBytes] >> (kBits * (j / kBytes))) & kMask;
+      hi[j] = (p[(j + 16) % kBytes] >> (kBits * ((j + 16) / kBytes))) & kMask;
+    }
+    if constexpr (kKey) {
+      const uint16_t* m = meta + 64 * c;
+      a = __builtin_convertvector(lo, vf) * ReadF16::widen16(m) + ReadF16::widen16(m + 32);
+      b = __builtin_convertvector(hi, vf) * ReadF16::widen16(m + 16) + ReadF16::widen16(m + 48);
+    } else {
+      const float scale = fp16_to_float(meta[2 * c]), zero = fp16_to_float(meta[2 * c + 1]);
+      a = __builtin_convertvector(lo, vf) * scale + zero;
+      b = __builtin_convertvector(hi, vf) * scale + zero;
+    }
+  }
+};
+
+template <class Read>
+constexpr bool bf16_exact() {
+  if constexpr (requires { Read::kBf16Exact; }) {
+    return Read::kBf16Exact;
+  } else {
+    return true;
+  }
+}
+
 /// Dims per stored element (2 for packed int4), and a row's first element from a dim offset.
 template <class Read>
 constexpr int64_t dims_per_elem() {
@@ -267,6 +306,19 @@ inline int64_t storage_index(int64_t d) {
   } else {
     return d;
   }
+}
+
+/// Query row `base` of a.query as fp32 in natural order, times a.scale; with Hadamard-rotated keys,
+/// rotated like them (quant::rotate, then 1 / (c^2 D)) so that its dot products with the codes are q.k.
+inline void load_query_f32(const AttentionArgs& a, int64_t base, float* q) {
+  const int64_t D = a.layout.head_dim;
+  for (int64_t d = 0; d < D; ++d) q[d] = load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+  if (a.k_rot) {
+    quant::rotate(q, D);
+    const float s = quant::rot_query_scale(D);
+    for (int64_t d = 0; d < D; ++d) q[d] *= s;
+  }
+  for (int64_t d = 0; d < D; ++d) q[d] *= a.scale;
 }
 
 /// Per-row bookkeeping of a task.
@@ -311,22 +363,28 @@ template <class Index>
 void finish_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const Scratch& s,
                  const TaskRows& tr, int64_t q_start, Index storage) {
   const int64_t D = a.layout.head_dim, G = a.group;
+  thread_local std::vector<float> obuf;
+  obuf.resize(D);
+  float* o = obuf.data();
   for (int64_t hb = 0; hb < tr.heads; ++hb) {
     for (int64_t local = 0; local < tr.per_head; ++local) {
       const int64_t r = hb * tr.padded + local;
       const RowState& st = s.rows[r];
       const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
       const float lse = st.l > 0.f ? st.m + std::log(st.l) : -INFINITY;
-      const float* o = &s.o[r * D];
+      const float* so = &s.o[r * D];
+      for (int64_t d = 0; d < D; ++d) o[d] = so[storage(d)] * inv;
+      // Rotated V: the state is linear in V, so unrotating here (partial states too) is exact.
+      if (a.v_rot) quant::unrotate(o, D);
       if (t.partial < 0) {
         const int64_t i = t.tok_begin + local / G, hq = (t.head_begin + hb) * G + local % G;
         const int64_t row = (q_start + i) * a.q_heads + hq;
-        for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, o[storage(d)] * inv);
+        for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, o[d]);
         if (a.lse) a.lse[row] = lse;
       } else {
         const int64_t slot_row = t.partial * partial.rows_per_slot + hb * tr.per_head + local;
         float* po = partial.o + slot_row * D;
-        for (int64_t d = 0; d < D; ++d) po[d] = o[storage(d)] * inv;
+        for (int64_t d = 0; d < D; ++d) po[d] = o[d];
         partial.lse[slot_row] = lse;
       }
     }
@@ -350,6 +408,12 @@ inline void quads_to_rows(const vf quad[4], vf rows[4]) {
 template <class Read>
 struct ScoreFma {
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    if (a.k_rot) {
+      float q[kMaxRotatedDim];
+      load_query_f32(a, base, q);
+      for (int64_t d = 0; d < a.layout.head_dim; ++d) q_row[storage_index<Read>(d)] = q[d];
+      return;
+    }
     for (int64_t d = 0; d < a.layout.head_dim; ++d) {
       q_row[storage_index<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
     }
@@ -582,9 +646,13 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
   constexpr int64_t kdiv = dims_per_elem<ReadK>(), vdiv = dims_per_elem<ReadV>();
   const int64_t k_row_bytes = D / kdiv * int64_t(sizeof(KElem)), v_row_bytes = D / vdiv * int64_t(sizeof(VElem));
   const int64_t row_bytes = std::max(k_row_bytes, v_row_bytes);  // prefetch: the wider of the two
-  // int4 rows carry (scale, zero) fp16 pairs, one per 32 dims: [rows, D / 32, 2]
-  const uint16_t* k_meta = a.k_kind == KVKind::kInt4 ? reinterpret_cast<const uint16_t*>(a.k_scale) : nullptr;
-  const uint16_t* v_meta = a.v_kind == KVKind::kInt4 ? reinterpret_cast<const uint16_t*>(a.v_scale) : nullptr;
+  // int4 and kivi value rows carry (scale, zero) fp16 pairs, one per 32 dims: [rows, D / 32, 2]; kivi
+  // keys carry 2 D fp16 per (block, head) page: row r of the pool reads the metadata of page r / P.
+  const bool grouped_k = a.k_kind == KVKind::kInt4 || is_kivi(a.k_kind);
+  const uint16_t* k_meta = grouped_k ? reinterpret_cast<const uint16_t*>(a.k_scale) : nullptr;
+  const uint16_t* v_meta = a.v_kind == KVKind::kInt4 || is_kivi(a.v_kind) ? reinterpret_cast<const uint16_t*>(a.v_scale) : nullptr;
+  const bool kivi_k = is_kivi(a.k_kind);
+  auto k_meta_of = [&](int64_t off) { return kivi_k ? k_meta + off / (L.page_size * D) * 2 * D : k_meta + off / 32 * 2; };
   const uint16_t* kmeta[kTile] = {};
   const uint16_t* vmeta[kTile] = {};
   alignas(64) float p[kRows][kTile];
@@ -634,7 +702,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
             const int64_t off = base + (tok_of[j] - t0) * D;
             krow[j] = kc + off / kdiv;
             vrow[j] = vc + off / vdiv;
-            if (k_meta) kmeta[j] = k_meta + off / 32 * 2;  // off / D rows, D / 32 groups each
+            if (k_meta) kmeta[j] = k_meta_of(off);  // off / D rows, D / 32 groups each
             if (v_meta) vmeta[j] = v_meta + off / 32 * 2;
           }
         } else {
@@ -644,7 +712,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
             const int64_t off = L.token_offset(table[tok >> L.page_shift], h, tok);
             krow[j] = kc + off / kdiv;
             vrow[j] = vc + off / vdiv;
-            if (k_meta) kmeta[j] = k_meta + off / 32 * 2;
+            if (k_meta) kmeta[j] = k_meta_of(off);
             if (v_meta) vmeta[j] = v_meta + off / 32 * 2;
           }
         }
@@ -720,7 +788,11 @@ inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, cons
     st.l = 0.f;
     const int64_t base = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
     float* q = &s.q[r * D];
-    for (int64_t d = 0; d < D; ++d) q[d] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+    if (a.k_rot) {
+      load_query_f32(a, base, q);
+    } else {
+      for (int64_t d = 0; d < D; ++d) q[d] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+    }
     float* o = &s.o[r * D];
     const int64_t end = std::min<int64_t>(t.kv_end, st.pos + 1);
     for (int64_t j = t.kv_begin; j < end; ++j) {
@@ -749,7 +821,7 @@ inline void run_task_scalar(const AttentionArgs& a, const AttentionTask& t, cons
   finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return d; });
 }
 
-/// Calls fn(Reader{}) with the reader of a quantized kind.
+/// Calls fn(Reader{}) with the reader of a quantized kind (not kivi).
 template <class Fn>
 void with_quantized_reader(KVKind kind, Fn&& fn) {
   switch (kind) {
@@ -760,17 +832,34 @@ void with_quantized_reader(KVKind kind, Fn&& fn) {
   }
 }
 
+/// Calls fn(KeyReader{}, ValueReader{}) for kivi keys and values (validated: both kivi).
+template <class Fn>
+void with_kivi_readers(KVKind k, KVKind v, Fn&& fn) {
+  if (k == KVKind::kKivi4) {
+    if (v == KVKind::kKivi4) return fn(ReadKivi<4, true>{}, ReadKivi<4, false>{});
+    return fn(ReadKivi<4, true>{}, ReadKivi<2, false>{});
+  }
+  if (v == KVKind::kKivi4) return fn(ReadKivi<2, true>{}, ReadKivi<4, false>{});
+  fn(ReadKivi<2, true>{}, ReadKivi<2, false>{});
+}
+
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
 inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial) {
   thread_local Scratch scratch;
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
+  if (is_kivi(a.k_kind)) {
+    return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+      run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
+    });
+  }
   if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
     return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
       with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
 #ifdef __AVX512BF16__
         // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
         if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
-          if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
+          // (a rotated query is not a bf16 value any more: FMA path too)
+          if (a.q_dtype == DType::kBFloat16 && !a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
         }
 #endif
         run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "attention/attention_cuda_launch.h"
+#include "cache/rotation_cuda.cuh"
 #include "core/dtype_cuda.cuh"
 #include "core/quant.h"
 #include "core/softmax_state.h"
@@ -42,12 +43,30 @@ __device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(
 __device__ __forceinline__ float to_float(Fp8E4M3 x) { return quant::fp8_decode(x.bits, quant::kE4M3); }
 __device__ __forceinline__ float to_float(Fp8E5M2 x) { return quant::fp8_decode(x.bits, quant::kE5M2); }
 
+/// KIVI codes (planar, core/quant.h); keys read their page's per-channel metadata, values their row's.
+template <int kBits, bool kKey>
+struct Kivi { uint8_t bits; };
+
 /// Value i (a dim index into the pool: row * head_dim + d) of a pool; int4 reads its nibble and its
 /// group's fp16 (scale, zero) from `meta`.
 template <typename T>
-__device__ __forceinline__ float kv_at(const T* pool, const uint16_t* /*meta*/, int64_t i) { return to_float(pool[i]); }
-template <>
-__device__ __forceinline__ float kv_at<Int4>(const Int4* pool, const uint16_t* meta, int64_t i) {
+__device__ __forceinline__ float kv_at(const T* pool, const uint16_t* /*meta*/, const PagedLayout& /*L*/, int64_t i) {
+  return to_float(pool[i]);
+}
+template <int kBits, bool kKey>
+__device__ __forceinline__ float kv_at(const Kivi<kBits, kKey>* pool, const uint16_t* meta, const PagedLayout& L,
+                                       int64_t i) {
+  const int64_t D = L.head_dim, row = i / D, d = i % D;
+  const uint8_t code = quant::planar_get(reinterpret_cast<const uint8_t*>(pool) + row * (D * kBits / 8), d, kBits);
+  if (kKey) {
+    const uint16_t* m = meta + (row / L.page_size) * 2 * D;
+    return quant::uint_decode(code, __half2float(__ushort_as_half(m[quant::kivi_key_scale_at(d)])),
+                              __half2float(__ushort_as_half(m[quant::kivi_key_zero_at(d)])));
+  }
+  const uint16_t* m = meta + (i / 32) * 2;
+  return quant::uint_decode(code, __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
+}
+__device__ __forceinline__ float kv_at(const Int4* pool, const uint16_t* meta, const PagedLayout& /*L*/, int64_t i) {
   const uint8_t byte = pool[i / 2].bits;
   const uint16_t* m = meta + (i / kInt4Group) * 2;
   return quant::uint_decode(static_cast<uint8_t>((i & 1) ? byte >> 4 : byte & 15),
@@ -132,15 +151,24 @@ __device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
     const int64_t d = lane + 32 * k;
-    if (d < D) row.q[k] = a.scale * load_any(a.query, base + d * a.q_strides[2], a.q_dtype);
+    if (d < D) row.q[k] = load_any(a.query, base + d * a.q_strides[2], a.q_dtype);
   }
+  if (a.k_rot) {  // keys are stored rotated: rotate the query alike (whole warp: row.valid is uniform)
+    warp_rotate(row.q, D, lane);
+    const float s = quant::rot_query_scale(D);
+#pragma unroll
+    for (int k = 0; k < kMaxPerLane; ++k) row.q[k] *= s;
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = lane + 32 * k < D ? row.q[k] * a.scale : 0.f;
 }
 
 /// Normalizes a finished row and writes it: the output and lse, or the task's partial state.
 __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial,
-                           const Row& row, int64_t r, int lane) {
+                           Row& row, int64_t r, int lane) {
   if (!row.valid) return;
   const int64_t D = a.layout.head_dim;
+  if (a.v_rot) warp_unrotate(row.o, D, lane);  // values stored rotated; the state is linear in V
   const float inv = row.l > 0.f ? 1.f / row.l : 0.f;
   const float lse = row.l > 0.f ? row.m + logf(row.l) : -INFINITY;
   if (t.partial < 0) {
@@ -192,11 +220,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const
 #pragma unroll
       for (int k = 0; k < kMaxPerLane; ++k) {
         const int64_t d = lane + 32 * k;
-        if (d < D) s += row.q[k] * kv_at(kc, k_meta, off + d);
+        if (d < D) s += row.q[k] * kv_at(kc, k_meta, L, off + d);
       }
       s = warp_sum(s) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
       const float vs = token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-      absorb(a, row, s, lane, [&](int64_t d) { return kv_at(vc, v_meta, off + d) * vs; });
+      absorb(a, row, s, lane, [&](int64_t d) { return kv_at(vc, v_meta, L, off + d) * vs; });
     }
     finish_row(a, t, partial, row, r, lane);
   }
@@ -238,8 +266,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
       if (key < end) {  // staged dequantized: scales applied here, once per element
         const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
         const int64_t off = L.offset(block, h, pos);
-        kv = kv_at(kc, k_meta, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-        vv = kv_at(vc, v_meta, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+        kv = kv_at(kc, k_meta, L, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+        vv = kv_at(vc, v_meta, L, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
       }
       ks[jj][d] = kv;
       vs[jj][d] = vv;
@@ -312,7 +340,18 @@ __global__ void merge_states_kernel(const void* v_a, const float* lse_a, const v
   if (i % D == 0) lse_out[r] = w.lse;
 }
 
-/// Calls fn(T{}) with the element type of a quantized kind.
+/// Calls fn(K{}, V{}) with the element types of kivi keys and values (validated: both kivi).
+template <class Fn>
+void with_kivi_types(KVKind k, KVKind v, Fn&& fn) {
+  if (k == KVKind::kKivi4) {
+    if (v == KVKind::kKivi4) return fn(Kivi<4, true>{}, Kivi<4, false>{});
+    return fn(Kivi<4, true>{}, Kivi<2, false>{});
+  }
+  if (v == KVKind::kKivi4) return fn(Kivi<2, true>{}, Kivi<4, false>{});
+  fn(Kivi<2, true>{}, Kivi<2, false>{});
+}
+
+/// Calls fn(T{}) with the element type of a quantized kind (not kivi).
 template <class Fn>
 void with_code_type(KVKind kind, Fn&& fn) {
   switch (kind) {
@@ -328,6 +367,12 @@ cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int
                          cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(n));
+  if (is_kivi(a.k_kind)) {  // kivi keys come with kivi values (validated on the host)
+    with_kivi_types(a.k_kind, a.v_kind, [&](auto k, auto v) {
+      Kernel<decltype(k), decltype(v)>::launch(grid, stream, a, tasks, p);
+    });
+    return cudaGetLastError();
+  }
   if (a.k_kind != KVKind::kFull) {  // both quantized (validated on the host)
     with_code_type(a.k_kind, [&](auto k) {
       with_code_type(a.v_kind, [&](auto v) {

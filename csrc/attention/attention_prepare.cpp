@@ -39,6 +39,9 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                                 int64_t k_format, int64_t v_format) {
   const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
+  TORCH_CHECK_VALUE(is_kivi(formats.k_kind) == is_kivi(formats.v_kind),
+                    "paged_attention reads kivi keys only with kivi values; got k_format = ", k_format,
+                    " and v_format = ", v_format);
   const PagedLayout layout = check_formatted_pools(k_cache, v_cache, formats);
   TORCH_CHECK_VALUE((formats.k_kind == KVKind::kFull) == (formats.v_kind == KVKind::kFull),
                     "paged_attention reads K and V both full precision or both quantized; got k_format = ", k_format,
@@ -114,6 +117,8 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   a.v_kind = formats.v_kind;
   a.k_scale = formats.quantized() ? static_cast<const float*>((*formats.k_scale)->data_ptr()) : nullptr;
   a.v_scale = formats.quantized() ? static_cast<const float*>((*formats.v_scale)->data_ptr()) : nullptr;
+  a.k_rot = formats.k_rot;
+  a.v_rot = formats.v_rot;
   a.layout = layout;
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.table_stride = block_tables.stride(0);

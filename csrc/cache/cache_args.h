@@ -28,6 +28,7 @@ struct AppendArgs {
   KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
   float* k_scale = nullptr;        // int8: written per (block, head, pos); fp8: read per head
   float* v_scale = nullptr;
+  bool k_rot = false, v_rot = false;  // rows Hadamard-rotated before quantizing (core/quant.h)
 };
 
 /// paged_gather / paged_gather_ragged: block tables + lengths -> contiguous K/V.
@@ -50,6 +51,7 @@ struct GatherArgs {
   KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  bool k_rot = false, v_rot = false;  // rows are unrotated after dequantizing
 };
 
 /// copy_blocks / swap_blocks: copy whole blocks (each one contiguous run of bytes) between pools.

@@ -36,6 +36,10 @@ void append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_ca
   if (f.quantized()) {
     const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
     at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) { cpu::append_rows_quantized(a, elem, b, e); });
+    if (is_kivi(f.k_kind)) {
+      const int64_t pages = a.batch * (a.q_len / a.layout.page_size) * a.layout.num_kv_heads;
+      at::parallel_for(0, pages, 1, [&](int64_t b, int64_t e) { cpu::append_kivi_key_pages(a, b, e); });
+    }
     return;
   }
   run_by_width<AppendFn>(kv_element_bytes(k_cache), a, rows, /*grain=*/256);

@@ -60,6 +60,7 @@ inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t b
       void* pool = role == 0 ? a.k_cache : a.v_cache;
       float* scales = role == 0 ? a.k_scale : a.v_scale;
       const int64_t base = b * st[0] + h * st[1] + q * st[2];
+      if (role == 0 && is_kivi(kind)) continue;  // kivi keys: whole pages, append_kivi_key_pages
       if (kind == KVKind::kFull) {
         char* dst = static_cast<char*>(pool) + L.offset(block, h, pos) * elem_bytes;
         for (int64_t d = 0; d < D; ++d) {
@@ -67,9 +68,27 @@ inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t b
         }
       } else {
         const RowRef r = row_ref(pool, scales, kind, L, block, h, pos);
-        quantize_row(src, base, st[3], a.in_dtype, D, kind, r.codes, r.scale);
+        quantize_row(src, base, st[3], a.in_dtype, D, kind, r.codes, r.scale, role == 0 ? a.k_rot : a.v_rot);
       }
     }
+  }
+}
+
+/// KIVI key pages of an append (validated: each row's slots are whole pages in order, or -1). Work item
+/// i = ((b * (q_len / P)) + page of the row) * num_kv_heads + h.
+inline void append_kivi_key_pages(const AppendArgs& a, int64_t begin, int64_t end) {
+  const PagedLayout& L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim, P = L.page_size, per_row = a.q_len / P;
+  const int bits = kivi_bits(a.k_kind);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t h = i % H, page = i / H, b = page / per_row, t0 = (page % per_row) * P;
+    const int64_t slot = a.slots[b * a.slot_strides[0] + t0 * a.slot_strides[1]];
+    if (slot < 0) continue;
+    const int64_t block = L.block_of(slot);
+    const int64_t* st = a.key_strides;
+    uint8_t* codes = static_cast<uint8_t*>(a.k_cache) + L.row_index(block, h, 0) * (D * bits / 8);
+    uint16_t* meta = const_cast<uint16_t*>(kivi_key_meta(a.k_scale, L, block, h));
+    quantize_kivi_key_page(a.key, b * st[0] + h * st[1] + t0 * st[2], st[2], st[3], a.in_dtype, P, D, bits, codes, meta);
   }
 }
 
@@ -94,9 +113,24 @@ inline void gather_head_dequantized(const GatherArgs& a, int64_t b, int64_t h, i
         continue;
       }
       const RowRef r = row_ref(const_cast<void*>(pool), const_cast<float*>(scales), kind, L, block, h, pos);
+      float buf[kMaxRotatedDim];
+      const bool rot = role == 0 ? a.k_rot : a.v_rot;
+      const uint16_t* kivi_meta = !is_kivi(kind) ? nullptr
+                                  : role == 0 ? kivi_key_meta(scales, L, block, h)
+                                              : reinterpret_cast<const uint16_t*>(r.scale);
       for (int64_t d = 0; d < D; ++d) {
-        const float x = kind == KVKind::kInt4 ? dequantize_int4(r.codes, r.scale, d) : dequantize(r.codes, d, kind, *r.scale);
-        store_from_float(out, dst + d, a.out_dtype, x);
+        const float x = kivi_meta != nullptr ? dequantize_kivi(r.codes, kivi_meta, d, kivi_bits(kind), role == 0)
+                        : kind == KVKind::kInt4 ? dequantize_int4(r.codes, r.scale, d)
+                                                : dequantize(r.codes, d, kind, *r.scale);
+        if (rot) {
+          buf[d] = x;
+        } else {
+          store_from_float(out, dst + d, a.out_dtype, x);
+        }
+      }
+      if (rot) {
+        quant::unrotate(buf, D);
+        for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, buf[d]);
       }
     }
   }

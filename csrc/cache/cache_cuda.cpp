@@ -20,6 +20,12 @@ void check_on_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_cuda(), name, " is on ", t.device(), " but the pools are on a CUDA device");
 }
 
+// The CUDA kernels hold a rotated row in registers: 8 dims per lane.
+void check_rotated_dim(const PoolFormats& f, int64_t head_dim) {
+  TORCH_CHECK_VALUE(!(f.k_rot || f.v_rot) || head_dim <= 256, "head_dim = ", head_dim,
+                    " is too large for Hadamard-rotated formats on CUDA (at most 256)");
+}
+
 void append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
                  const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
@@ -27,6 +33,7 @@ void append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
   const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
+  check_rotated_dim(f, a.layout.head_dim);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (f.quantized()) {
     const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
@@ -44,6 +51,7 @@ void paged_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, con
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
   const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out, f);
+  check_rotated_dim(f, a.layout.head_dim);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/false, stream)
                              : cuda::launch_gather_padded(a, kv_element_bytes(k_cache), stream),
@@ -58,6 +66,7 @@ void paged_gather_ragged_cuda(const at::Tensor& k_cache, const at::Tensor& v_cac
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
   const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out, f);
+  check_rotated_dim(f, a.layout.head_dim);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/true, stream)
                              : cuda::launch_gather_ragged(a, kv_element_bytes(k_cache), stream),

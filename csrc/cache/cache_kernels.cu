@@ -8,6 +8,7 @@
 
 #include "cache/cache_cuda_launch.h"
 #include "core/dtype_cuda.cuh"
+#include "cache/rotation_cuda.cuh"
 #include "core/quant.h"
 
 namespace kvcache::cuda {
@@ -16,6 +17,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerCta = 16;     // token rows one CTA of the gather kernels handles per step
 constexpr int kMaxGridY = 65535;
+constexpr int kMaxPerLane = 8;      // rotated rows: head_dim <= 256, dims lane + 32 k per lane
 
 /// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim values of K and of V.
 template <typename U>
@@ -116,6 +118,7 @@ __device__ __forceinline__ float warp_max(float x) {
 /// Quantizing append: one warp per (token, kv head) row; lanes stride over head_dim. A full-precision
 /// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
 __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
+  __shared__ float rotated[kThreads / 32][kMaxPerLane * 32];  // one row buffer per warp
   const PagedLayout L = a.layout;
   const int64_t H = L.num_kv_heads, D = L.head_dim;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -131,8 +134,54 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
     const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
     char* pool = static_cast<char*>(role == 0 ? a.k_cache : a.v_cache);
     float* scales = role == 0 ? a.k_scale : a.v_scale;
-    const int64_t base = b * st[0] + h * st[1] + q * st[2];
-    if (kind == KVKind::kFull) {
+    int64_t base = b * st[0] + h * st[1] + q * st[2];
+    DType in_dtype = a.in_dtype;
+    int64_t stride = st[3];
+    if (role == 0 ? a.k_rot : a.v_rot) {
+      // Rotate the row in registers, then quantize it from this warp's shared buffer (fp32, unit stride).
+      float x[kMaxPerLane];
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int64_t d = lane + 32 * k;
+        x[k] = d < D ? load_any(src, base + d * st[3], a.in_dtype) : 0.f;
+      }
+      warp_rotate(x, D, lane);
+      float* buf = rotated[threadIdx.x / 32];
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        if (lane + 32 * k < D) buf[lane + 32 * k] = x[k];
+      }
+      __syncwarp();
+      src = buf;
+      base = 0;
+      stride = 1;
+      in_dtype = DType::kFloat32;
+    }
+    if (role == 0 && is_kivi(kind)) continue;  // kivi keys: whole pages, append_kivi_key_kernel
+    if (is_kivi(kind)) {
+      // Values: one group of 32 dims per warp step, lane i holds dim 32 g + i; codes packed in planes:
+      // lanes < 4 bits gather the codes of lanes + 4 bits, + 8 bits, ... into their byte.
+      const int bits = kivi_bits(kind), span = 4 * bits;
+      const int64_t row_idx = L.row_index(block, h, pos);
+      uint8_t* codes = reinterpret_cast<uint8_t*>(pool) + row_idx * D * bits / 8;
+      uint16_t* meta = reinterpret_cast<uint16_t*>(scales) + row_idx * (D / 32) * 2;
+      for (int64_t g = 0; g < D / 32; ++g) {
+        const float x = load_any(src, base + (g * 32 + lane) * stride, in_dtype);
+        float mn = x, mx = x;
+        for (int o = 16; o > 0; o >>= 1) {
+          mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        const uint32_t code = quant::uint_encode(x, mn, quant::uint_inv_scale(mn, mx, bits), bits);
+        uint32_t byte = code;
+        for (int s = 1; s < 8 / bits; ++s) byte |= __shfl_down_sync(0xffffffffu, code, s * span) << (s * bits);
+        if (lane < span) codes[g * span + lane] = static_cast<uint8_t>(byte);
+        if (lane == 0) {
+          meta[2 * g] = __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, bits)));
+          meta[2 * g + 1] = __half_as_ushort(__float2half_rn(mn));
+        }
+      }
+    } else if (kind == KVKind::kFull) {
       for (int64_t d = lane; d < D; d += 32) {
         for (int k = 0; k < elem_bytes; ++k) {
           pool[(off + d) * elem_bytes + k] = static_cast<const char*>(src)[(base + d * st[3]) * elem_bytes + k];
@@ -144,7 +193,7 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
       uint8_t* codes = reinterpret_cast<uint8_t*>(pool) + row_idx * D / 2;
       uint16_t* meta = reinterpret_cast<uint16_t*>(scales) + row_idx * (D / kInt4Group) * 2;
       for (int64_t g = 0; g < D / kInt4Group; ++g) {
-        const float x = load_any(src, base + (g * kInt4Group + lane) * st[3], a.in_dtype);
+        const float x = load_any(src, base + (g * kInt4Group + lane) * stride, in_dtype);
         float mn = x, mx = x;
         for (int o = 16; o > 0; o >>= 1) {
           mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
@@ -160,25 +209,78 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
       }
     } else if (kind == KVKind::kInt8) {
       float amax = 0.f;
-      for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(load_any(src, base + d * st[3], a.in_dtype)));
+      for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(load_any(src, base + d * stride, in_dtype)));
       amax = warp_max(amax);
       const float inv = quant::int8_inv_scale(amax);
       for (int64_t d = lane; d < D; d += 32) {
-        reinterpret_cast<int8_t*>(pool)[off + d] = quant::int8_encode(load_any(src, base + d * st[3], a.in_dtype), inv);
+        reinterpret_cast<int8_t*>(pool)[off + d] = quant::int8_encode(load_any(src, base + d * stride, in_dtype), inv);
       }
       if (lane == 0) scales[L.row_index(block, h, pos)] = quant::int8_scale(amax);
     } else {
       const quant::Fp8Spec spec = kind == KVKind::kFp8E4M3 ? quant::kE4M3 : quant::kE5M2;
       const float inv = 1.f / scales[h];
       for (int64_t d = lane; d < D; d += 32) {
-        reinterpret_cast<uint8_t*>(pool)[off + d] = quant::fp8_encode(load_any(src, base + d * st[3], a.in_dtype) * inv, spec);
+        reinterpret_cast<uint8_t*>(pool)[off + d] = quant::fp8_encode(load_any(src, base + d * stride, in_dtype) * inv, spec);
       }
     }
+    __syncwarp();  // the row buffer is read by all lanes before the next role rewrites it
+  }
+}
+
+/// KIVI key pages of an append (validated: whole pages in order, or -1): one warp per (page of a row,
+/// kv head); per 32-channel chunk, lane i owns channel 32 c + i: min/max over the page's tokens, then
+/// each token's codes, packed in planes as for values.
+__global__ void append_kivi_key_kernel(AppendArgs a) {
+  const PagedLayout L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim, P = L.page_size, per_row = a.q_len / P;
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= a.batch * per_row * H) return;  // whole warps exit together
+  const int64_t h = item % H, page = item / H, b = page / per_row, t0 = (page % per_row) * P;
+  const int64_t slot = a.slots[b * a.slot_strides[0] + t0 * a.slot_strides[1]];
+  if (slot < 0) return;
+  const int64_t block = L.block_of(slot);
+  const int bits = kivi_bits(a.k_kind), span = 4 * bits;
+  const int64_t row_bytes = D * bits / 8;
+  const int64_t* st = a.key_strides;
+  const int64_t base = b * st[0] + h * st[1] + t0 * st[2];
+  uint8_t* codes = static_cast<uint8_t*>(a.k_cache) + L.row_index(block, h, 0) * row_bytes;
+  uint16_t* meta = reinterpret_cast<uint16_t*>(a.k_scale) + (block * H + h) * 2 * D;
+  for (int64_t c = 0; c < D / 32; ++c) {
+    const int64_t d = 32 * c + lane;
+    float mn = 0.f, mx = 0.f;
+    for (int64_t t = 0; t < P; ++t) {
+      const float x = load_any(a.key, base + t * st[2] + d * st[3], a.in_dtype);
+      mn = t == 0 ? x : fminf(mn, x);
+      mx = t == 0 ? x : fmaxf(mx, x);
+    }
+    const float inv = quant::uint_inv_scale(mn, mx, bits);
+    for (int64_t t = 0; t < P; ++t) {
+      const uint32_t code = quant::uint_encode(load_any(a.key, base + t * st[2] + d * st[3], a.in_dtype), mn, inv, bits);
+      uint32_t byte = code;
+      for (int s = 1; s < 8 / bits; ++s) byte |= __shfl_down_sync(0xffffffffu, code, s * span) << (s * bits);
+      if (lane < span) codes[t * row_bytes + c * span + lane] = static_cast<uint8_t>(byte);
+    }
+    meta[quant::kivi_key_scale_at(d)] = __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, bits)));
+    meta[quant::kivi_key_zero_at(d)] = __half_as_ushort(__float2half_rn(mn));
   }
 }
 
 __device__ __forceinline__ float dequantize(const char* pool, int64_t off, int64_t d, KVKind kind, float scale,
-                                            DType full_dtype, const float* scales) {
+                                            DType full_dtype, const float* scales, const PagedLayout& L, bool key) {
+  if (is_kivi(kind)) {  // off: dims of the row start
+    const int bits = kivi_bits(kind);
+    const int64_t D = L.head_dim, row = off / D;
+    const uint8_t code = quant::planar_get(reinterpret_cast<const uint8_t*>(pool) + row * D * bits / 8, d, bits);
+    const uint16_t* m = reinterpret_cast<const uint16_t*>(scales);
+    if (key) {
+      m += (row / L.page_size) * 2 * D;
+      return quant::uint_decode(code, __half2float(__ushort_as_half(m[quant::kivi_key_scale_at(d)])),
+                                __half2float(__ushort_as_half(m[quant::kivi_key_zero_at(d)])));
+    }
+    m += ((off + d) / 32) * 2;
+    return quant::uint_decode(code, __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
+  }
   if (kind == KVKind::kInt4) {  // off: dims; (scale, zero) fp16 pairs per 32 dims in `scales`
     const int64_t i = off + d;
     const uint8_t byte = reinterpret_cast<const uint8_t*>(pool)[i / 2];
@@ -219,10 +321,52 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
     };
     store_any(a.k_out, dst, a.out_dtype,
               dequantize(static_cast<const char*>(a.k_cache), off, d, a.k_kind, scale_of(a.k_kind, a.k_scale), a.out_dtype,
-                         a.k_scale));
+                         a.k_scale, L, true));
     store_any(a.v_out, dst, a.out_dtype,
               dequantize(static_cast<const char*>(a.v_cache), off, d, a.v_kind, scale_of(a.v_kind, a.v_scale), a.out_dtype,
-                         a.v_scale));
+                         a.v_scale, L, false));
+  }
+}
+
+/// Dequantizing gather when K or V rows are Hadamard-rotated: one warp per token row (the inverse
+/// transform needs the whole row). grid.x = batch * num_kv_heads; warps stride over the rows.
+__global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
+  const PagedLayout L = a.layout;
+  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
+  const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
+  const int64_t rows = ragged ? len : a.max_len;
+  const int32_t* table = a.block_table + b * a.table_stride;
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = threadIdx.x / 32; t < rows; t += blockDim.x / 32) {
+    const int64_t dst = ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D;
+    for (int role = 0; role < 2; ++role) {
+      void* out = role == 0 ? a.k_out : a.v_out;
+      float x[kMaxPerLane];
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) x[k] = 0.f;
+      if (t < len) {  // uniform across the warp
+        const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+        const float* scales = role == 0 ? a.k_scale : a.v_scale;
+        const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
+        const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
+        const int64_t r = L.row_index(block, h, pos);
+        const float s = kind == KVKind::kInt8 ? scales[r]
+                        : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
+#pragma unroll
+        for (int k = 0; k < kMaxPerLane; ++k) {
+          const int64_t d = lane + 32 * k;
+          if (d < D) x[k] = dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0);
+        }
+        if (role == 0 ? a.k_rot : a.v_rot) warp_unrotate(x, D, lane);
+      }
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int64_t d = lane + 32 * k;
+        if (d < D) store_any(out, dst + d, a.out_dtype, x[k]);
+      }
+    }
   }
 }
 
@@ -279,12 +423,23 @@ cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStr
   const int warps_per_block = kThreads / 32;
   append_quantized_kernel<<<static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), kThreads, 0, stream>>>(
       a, elem_bytes);
+  if (is_kivi(a.k_kind)) {
+    const int64_t pages = a.batch * (a.q_len / a.layout.page_size) * a.layout.num_kv_heads;
+    if (pages > 0) {
+      append_kivi_key_kernel<<<static_cast<unsigned>((pages + warps_per_block - 1) / warps_per_block), kThreads, 0,
+                               stream>>>(a);
+    }
+  }
   return cudaGetLastError();
 }
 
 cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStream_t stream) {
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0) return cudaSuccess;
+  if (a.k_rot || a.v_rot) {
+    gather_rotated_kernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(a, ragged);
+    return cudaGetLastError();
+  }
   gather_dequantized_kernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(a, ragged);
   return cudaGetLastError();
 }

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/index_checks.h"
+#include "core/quant.h"
 
 namespace kvcache {
 namespace {
@@ -65,6 +66,8 @@ void set_gather_formats(GatherArgs& a, const at::Tensor& k_out, const PoolFormat
   a.v_kind = f.v_kind;
   a.k_scale = f.k_kind != KVKind::kFull ? static_cast<float*>((*f.k_scale)->data_ptr()) : nullptr;
   a.v_scale = f.v_kind != KVKind::kFull ? static_cast<float*>((*f.v_scale)->data_ptr()) : nullptr;
+  a.k_rot = f.k_rot;
+  a.v_rot = f.v_rot;
 }
 
 }  // namespace
@@ -94,12 +97,16 @@ PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale) {
   for (const auto& [name, f] : {std::pair<const char*, int64_t>{"k_format", k_format}, {"v_format", v_format}}) {
-    TORCH_CHECK_VALUE(f >= 0 && f < kNumKVKinds, name, " = ", f,
-                      " is not a storage format (0 full precision, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2, 4 int4)");
+    const int64_t kind = f >= kRotatedFlag ? f - kRotatedFlag : f;
+    TORCH_CHECK_VALUE(f >= 0 && kind < kNumKVKinds && (f < kRotatedFlag || (kind > 0 && kind <= 4)), name, " = ", f,
+                      " is not a storage format (0 full precision, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2, 4 int4, 5 kivi4, ",
+                      "6 kivi2; + ", kRotatedFlag, " for Hadamard-rotated rows of int8, fp8 or int4)");
   }
   PoolFormats p;
-  p.k_kind = static_cast<KVKind>(k_format);
-  p.v_kind = static_cast<KVKind>(v_format);
+  p.k_rot = k_format >= kRotatedFlag;
+  p.v_rot = v_format >= kRotatedFlag;
+  p.k_kind = static_cast<KVKind>(p.k_rot ? k_format - kRotatedFlag : k_format);
+  p.v_kind = static_cast<KVKind>(p.v_rot ? v_format - kRotatedFlag : v_format);
   p.k_scale = &k_scale;
   p.v_scale = &v_scale;
   return p;
@@ -108,7 +115,7 @@ PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional
 namespace {
 
 void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const std::optional<at::Tensor>* scale,
-                    const char* scale_name) {
+                    const char* scale_name, bool is_key) {
   const auto dt = pool.scalar_type();
   switch (kind) {
     case KVKind::kFull:
@@ -119,6 +126,10 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
       break;
     case KVKind::kInt4:
       TORCH_CHECK_TYPE(dt == at::kByte, name, " has dtype ", dt, "; an int4 pool holds uint8 (two codes per byte)");
+      break;
+    case KVKind::kKivi4:
+    case KVKind::kKivi2:
+      TORCH_CHECK_TYPE(dt == at::kByte, name, " has dtype ", dt, "; a kivi pool holds uint8 (packed codes)");
       break;
     default:
       TORCH_CHECK_TYPE(dt == at::kByte || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2, name, " has dtype ", dt,
@@ -133,6 +144,24 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
   const at::Tensor& s = **scale;
   KVC_CHECK_SAME_DEVICE(s, pool);
   TORCH_CHECK_VALUE(s.is_contiguous(), scale_name, " must be contiguous");
+  if (is_kivi(kind)) {
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kHalf, scale_name, " must have dtype Half (kivi scales and zeros) but has ",
+                     s.scalar_type());
+    const int64_t D = pool.size(3) * dims_per_code(kind);
+    TORCH_CHECK_VALUE(D % 32 == 0, name, " holds head_dim = ", D, ", which kivi needs to be a multiple of 32");
+    if (is_key) {
+      TORCH_CHECK_VALUE(s.dim() == 5 && s.size(0) == pool.size(0) && s.size(1) == pool.size(1) && s.size(2) == D / 32 &&
+                            s.size(3) == 2 && s.size(4) == 32,
+                        scale_name, " has shape ", s.sizes(), " but kivi keys keep a scale and a zero per channel per page: [",
+                        pool.size(0), ", ", pool.size(1), ", ", D / 32, ", 2, 32]");
+    } else {
+      TORCH_CHECK_VALUE(s.dim() == 5 && s.size(0) == pool.size(0) && s.size(1) == pool.size(1) &&
+                            s.size(2) == pool.size(2) && s.size(3) == D / 32 && s.size(4) == 2,
+                        scale_name, " has shape ", s.sizes(), " but kivi values keep a (scale, zero) pair per 32 dims: [",
+                        pool.size(0), ", ", pool.size(1), ", ", pool.size(2), ", ", D / 32, ", 2]");
+    }
+    return;
+  }
   if (kind == KVKind::kInt4) {
     TORCH_CHECK_TYPE(s.scalar_type() == at::kHalf, scale_name, " must have dtype Half (int4 (scale, zero) pairs) but has ",
                      s.scalar_type());
@@ -176,9 +205,11 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
   KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
   KVC_CHECK_CONTIGUOUS(k_cache);
   KVC_CHECK_CONTIGUOUS(v_cache);
-  check_one_pool(k_cache, "k_cache", f.k_kind, f.k_scale, "k_scale");
-  check_one_pool(v_cache, "v_cache", f.v_kind, f.v_scale, "v_scale");
+  check_one_pool(k_cache, "k_cache", f.k_kind, f.k_scale, "k_scale", /*is_key=*/true);
+  check_one_pool(v_cache, "v_cache", f.v_kind, f.v_scale, "v_scale", /*is_key=*/false);
   if (f.k_kind == KVKind::kFull && f.v_kind == KVKind::kFull) return check_pools(k_cache, v_cache);
+  TORCH_CHECK_VALUE(!(f.k_rot || f.v_rot) || quant::rot_supported(k_dim), "head_dim = ", k_dim,
+                    " must be a power of two (2 to 1024) for Hadamard-rotated formats");
   const int64_t page_size = k_cache.size(2);
   TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
                     " must be a power of two from 1 to ", kMaxPageSize);
@@ -211,6 +242,24 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   const at::Tensor slots_host = host_copy(slot_mapping);
   kvc_raise_index_error(check_slots("slot_mapping", slots_host.data_ptr<int64_t>(), slots_host.numel(),
                                     layout.num_slots()));
+  if (is_kivi(f.k_kind)) {
+    // KIVI keys take their per-channel statistics over a whole page: each row writes whole pages.
+    const int64_t P = layout.page_size, q_len = key.size(2);
+    TORCH_CHECK_VALUE(q_len % P == 0, "a kivi key pool is written whole pages at a time, but key has q_len = ", q_len,
+                      ", which is not a multiple of page_size = ", P);
+    const int64_t* s = slots_host.data_ptr<int64_t>();
+    for (int64_t b = 0; b < key.size(0); ++b) {
+      for (int64_t t0 = 0; t0 < q_len; t0 += P) {
+        const int64_t first = s[b * q_len + t0];
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t got = s[b * q_len + t0 + i], want = first < 0 ? -1 : first + i;
+          TORCH_CHECK_VALUE(got == want && (first < 0 || first % P == 0), "slot_mapping[", b, ", ", t0 + i, "] = ", got,
+                            " but a kivi key pool is written whole pages: slots ", t0, "..", t0 + P - 1, " of row ", b,
+                            " must be one page in order (block * ", P, " + 0.. ", P - 1, ") or all -1");
+        }
+      }
+    }
+  }
 
   AppendArgs a;
   a.key = key.data_ptr();
@@ -232,6 +281,8 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   a.v_kind = f.v_kind;
   a.k_scale = f.k_kind != KVKind::kFull ? static_cast<float*>((*f.k_scale)->data_ptr()) : nullptr;
   a.v_scale = f.v_kind != KVKind::kFull ? static_cast<float*>((*f.v_scale)->data_ptr()) : nullptr;
+  a.k_rot = f.k_rot;
+  a.v_rot = f.v_rot;
   return a;
 }
 

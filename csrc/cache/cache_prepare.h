@@ -16,6 +16,7 @@ PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache);
 /// The storage format of the K and V pools of a call: kinds (core/kv_format.h) and scale tensors.
 struct PoolFormats {
   KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
+  bool k_rot = false, v_rot = false;  // Hadamard-rotated rows (kRotatedFlag)
   const std::optional<at::Tensor>* k_scale = nullptr;
   const std::optional<at::Tensor>* v_scale = nullptr;
   bool quantized() const { return k_kind != KVKind::kFull || v_kind != KVKind::kFull; }

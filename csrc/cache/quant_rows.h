@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "core/dtype.h"
 #include "core/kv_format.h"
@@ -24,15 +25,51 @@ inline RowRef row_ref(void* pool, float* scales, KVKind kind, const PagedLayout&
   char* codes = static_cast<char*>(pool) + row * L.head_dim / dims_per_code(kind);
   switch (kind) {
     case KVKind::kInt8: return {codes, scales + row};
-    case KVKind::kInt4: return {codes, reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(scales) + row * (L.head_dim / kInt4Group) * 2)};
+    case KVKind::kInt4:
+    case KVKind::kKivi4:
+    case KVKind::kKivi2:  // (kivi keys: use kivi_key_meta for the page's per-channel metadata)
+      return {codes, reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(scales) + row * (L.head_dim / kInt4Group) * 2)};
     default: return {codes, scales + h};
   }
 }
 
+/// Largest head_dim of a Hadamard-rotated format (a row is rotated in a stack buffer).
+constexpr int64_t kMaxRotatedDim = 1024;
+
 /// Writes the D values src[d * stride] (of dtype in) as `kind` into codes; `scale` is the row's scale
 /// slot (int8, written), the head's scale (fp8, read) or the row's fp16 (scale, zero) pairs (int4, written).
+/// With `rot`, the row is Hadamard-rotated (quant::rotate) first.
 inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in, int64_t D, KVKind kind,
-                         void* codes, float* scale) {
+                         void* codes, float* scale, bool rot = false) {
+  if (rot) {
+    float buf[kMaxRotatedDim];
+    for (int64_t d = 0; d < D; ++d) buf[d] = load_as_float(src, base + d * stride, in);
+    quant::rotate(buf, D);
+    return quantize_row(buf, 0, 1, DType::kFloat32, D, kind, codes, scale, false);
+  }
+  if (is_kivi(kind)) {  // values: per token, groups of 32, planar codes
+    const int bits = kivi_bits(kind);
+    uint8_t* out = static_cast<uint8_t*>(codes);
+    uint16_t* meta = reinterpret_cast<uint16_t*>(scale);
+    std::memset(out, 0, static_cast<size_t>(D * bits / 8));
+    for (int64_t g = 0; g < D / 32; ++g) {
+      float x[32];
+      float mn = 0.f, mx = 0.f;
+      for (int64_t i = 0; i < 32; ++i) {
+        x[i] = load_as_float(src, base + (g * 32 + i) * stride, in);
+        mn = i == 0 ? x[i] : std::fmin(mn, x[i]);
+        mx = i == 0 ? x[i] : std::fmax(mx, x[i]);
+      }
+      const float inv = quant::uint_inv_scale(mn, mx, bits);
+      for (int64_t i = 0; i < 32; ++i) {
+        const int64_t d = g * 32 + i;
+        out[quant::planar_byte(d, bits)] |= static_cast<uint8_t>(quant::uint_encode(x[i], mn, inv, bits) << quant::planar_shift(d, bits));
+      }
+      meta[2 * g] = float_to_fp16(quant::uint_scale(mn, mx, bits));
+      meta[2 * g + 1] = float_to_fp16(mn);
+    }
+    return;
+  }
   if (kind == KVKind::kInt4) {
     uint8_t* out = static_cast<uint8_t*>(codes);
     uint16_t* meta = reinterpret_cast<uint16_t*>(scale);
@@ -67,6 +104,43 @@ inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in
   const float inv = 1.f / *scale;
   uint8_t* out = static_cast<uint8_t*>(codes);
   for (int64_t d = 0; d < D; ++d) out[d] = quant::fp8_encode(load_as_float(src, base + d * stride, in) * inv, spec);
+}
+
+/// The per-channel (scale, zero) metadata of the KIVI key page (block, h): 2 * head_dim fp16 values.
+inline const uint16_t* kivi_key_meta(const float* scales, const PagedLayout& L, int64_t block, int64_t h) {
+  return reinterpret_cast<const uint16_t*>(scales) + (block * L.num_kv_heads + h) * 2 * L.head_dim;
+}
+
+/// Quantizes one KIVI key page: tokens t < P of one kv head, value (t, d) at src[base + t * t_stride +
+/// d * d_stride]; per channel, min/max over the page's tokens. Writes the page's codes (rows of
+/// codes_row_bytes, planar) and its metadata (kivi_key_meta layout).
+inline void quantize_kivi_key_page(const void* src, int64_t base, int64_t t_stride, int64_t d_stride, DType in,
+                                   int64_t P, int64_t D, int bits, uint8_t* codes, uint16_t* meta) {
+  const int64_t row_bytes = D * bits / 8;
+  std::memset(codes, 0, static_cast<size_t>(P * row_bytes));
+  for (int64_t d = 0; d < D; ++d) {
+    float mn = 0.f, mx = 0.f;
+    for (int64_t t = 0; t < P; ++t) {
+      const float x = load_as_float(src, base + t * t_stride + d * d_stride, in);
+      mn = t == 0 ? x : std::fmin(mn, x);
+      mx = t == 0 ? x : std::fmax(mx, x);
+    }
+    const float inv = quant::uint_inv_scale(mn, mx, bits);
+    for (int64_t t = 0; t < P; ++t) {
+      const float x = load_as_float(src, base + t * t_stride + d * d_stride, in);
+      codes[t * row_bytes + quant::planar_byte(d, bits)] |=
+          static_cast<uint8_t>(quant::uint_encode(x, mn, inv, bits) << quant::planar_shift(d, bits));
+    }
+    meta[quant::kivi_key_scale_at(d)] = float_to_fp16(quant::uint_scale(mn, mx, bits));
+    meta[quant::kivi_key_zero_at(d)] = float_to_fp16(mn);
+  }
+}
+
+/// Value d of a stored KIVI row: keys read the page's per-channel metadata, values their row's groups.
+inline float dequantize_kivi(const void* codes, const uint16_t* meta, int64_t d, int bits, bool key) {
+  const uint8_t c = quant::planar_get(static_cast<const uint8_t*>(codes), d, bits);
+  if (key) return quant::uint_decode(c, fp16_to_float(meta[quant::kivi_key_scale_at(d)]), fp16_to_float(meta[quant::kivi_key_zero_at(d)]));
+  return quant::uint_decode(c, fp16_to_float(meta[2 * (d / 32)]), fp16_to_float(meta[2 * (d / 32) + 1]));
 }
 
 /// Value d of a stored int4 row.

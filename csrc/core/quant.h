@@ -9,6 +9,15 @@
 //         zero = min, scale = (max - min) / (2^N - 1), code = clamp(rne((x - min) * ((2^N - 1) / (max - min))))
 // A group whose values are all equal (amax = 0, or max = min) gets scale 0 and codes 0; it dequantizes
 // to exactly zero (int8) or exactly its value (asymmetric: 0 * 0 + min).
+//
+// The `hadamard` option of a format rotates each (token, kv head) row before quantizing it:
+//   rotate(x) = c * H (s . x),  unrotate(y) = s . (H y) / (c D)
+// with H the D x D Walsh-Hadamard matrix (D a power of two), s a fixed pattern of signs and
+// c = 2^-ceil(log2(D) / 2), so every scaling is a power of two and exact. Rotation spreads a row's outlier
+// channels over all dims (lower crest factor, smaller quantization steps) and changes no attention
+// output: q.k = rotate_query(q).rotate(k) with rotate_query(q) = rotate(q) / (c^2 D), and
+// o = unrotate(sum_j p_j rotate(v_j)). The butterflies run in one fixed order, so fp32 results are
+// bit-identical in C++, CUDA and PyTorch.
 #pragma once
 
 #include <cmath>
@@ -114,5 +123,64 @@ KVC_HOST_DEVICE uint8_t uint_encode(float x, float mn, float inv_scale, int bits
   return static_cast<uint8_t>(clampf(rne((x - mn) * inv_scale), 0.f, uint_levels(bits)));
 }
 KVC_HOST_DEVICE float uint_decode(uint8_t code, float scale, float zero) { return static_cast<float>(code) * scale + zero; }
+
+// ---- KIVI packing: planes per 32-dim chunk ---------------------------------------------------------
+// With b bits a chunk of 32 dims takes 4 b bytes; dim j of the chunk sits in byte j % (4 b) at bit
+// b * (j / (4 b)). So dims 0-15 and 16-31 of a chunk unpack as two natural-order runs of 16.
+KVC_HOST_DEVICE int64_t planar_byte(int64_t d, int bits) { return (d / 32) * 4 * bits + (d % 32) % (4 * bits); }
+KVC_HOST_DEVICE int planar_shift(int64_t d, int bits) { return bits * static_cast<int>((d % 32) / (4 * bits)); }
+KVC_HOST_DEVICE uint8_t planar_get(const uint8_t* row, int64_t d, int bits) {
+  return static_cast<uint8_t>((row[planar_byte(d, bits)] >> planar_shift(d, bits)) & ((1 << bits) - 1));
+}
+/// Offsets (in fp16 units) of the scale and zero of channel d in one KIVI key page's metadata.
+KVC_HOST_DEVICE int64_t kivi_key_scale_at(int64_t d) { return (d / 32) * 64 + d % 32; }
+KVC_HOST_DEVICE int64_t kivi_key_zero_at(int64_t d) { return (d / 32) * 64 + 32 + d % 32; }
+
+// ---- Hadamard rotation --------------------------------------------------------------------------
+/// Sign s_d flipped onto dim d before the transform (Knuth's multiplicative hash: a fixed, pseudo-random
+/// pattern, so a constant offset across channels does not land on one dim after H).
+KVC_HOST_DEVICE float rot_sign(int64_t d) { return ((static_cast<uint32_t>(d) * 2654435761u) >> 31) ? -1.f : 1.f; }
+
+KVC_HOST_DEVICE bool rot_supported(int64_t D) { return D >= 2 && D <= 1024 && (D & (D - 1)) == 0; }
+
+/// c = 2^-ceil(log2(D) / 2) (D a power of two).
+KVC_HOST_DEVICE float rot_forward_scale(int64_t D) {
+  int lg = 0;
+  while ((int64_t(1) << lg) < D) ++lg;
+  return ldexpf(1.f, -((lg + 1) / 2));
+}
+/// 1 / (c D), applied after the transform by unrotate.
+KVC_HOST_DEVICE float rot_inverse_scale(int64_t D) { return 1.f / (rot_forward_scale(D) * static_cast<float>(D)); }
+/// 1 / (c^2 D): rotate_query(q) = rotate(q) * rot_query_scale(D).
+KVC_HOST_DEVICE float rot_query_scale(int64_t D) {
+  const float c = rot_forward_scale(D);
+  return 1.f / (c * c * static_cast<float>(D));
+}
+
+/// In-place fast Walsh-Hadamard transform of x[0..D): for h = 1, 2, 4, ..., each pair (x[i], x[i + h])
+/// with bit h of i clear becomes (x[i] + x[i + h], x[i] - x[i + h]). Unnormalized.
+KVC_HOST_DEVICE void fwht(float* x, int64_t D) {
+  for (int64_t h = 1; h < D; h <<= 1) {
+    for (int64_t i = 0; i < D; ++i) {
+      if (i & h) continue;
+      const float a = x[i], b = x[i + h];
+      x[i] = a + b;
+      x[i + h] = a - b;
+    }
+  }
+}
+
+KVC_HOST_DEVICE void rotate(float* x, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) x[d] *= rot_sign(d);
+  fwht(x, D);
+  const float c = rot_forward_scale(D);
+  for (int64_t d = 0; d < D; ++d) x[d] *= c;
+}
+
+KVC_HOST_DEVICE void unrotate(float* y, int64_t D) {
+  fwht(y, D);
+  const float inv = rot_inverse_scale(D);
+  for (int64_t d = 0; d < D; ++d) y[d] *= inv * rot_sign(d);
+}
 
 }  // namespace kvcache::quant

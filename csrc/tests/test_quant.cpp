@@ -69,3 +69,58 @@ TEST(Quant, UintGroups) {
   EXPECT_EQ(uint_encode(0.3f, 0.3f, uint_inv_scale(0.3f, 0.3f, 2), 2), 0);  // a constant group
   EXPECT_EQ(uint_decode(0, uint_scale(0.3f, 0.3f, 2), 0.3f), 0.3f);
 }
+
+TEST(Quant, HadamardTransformMatchesTheMatrix) {
+  // fwht == multiplication by H with H[i][j] = (-1)^popcount(i & j)
+  for (int64_t D : {2, 8, 64, 128}) {
+    float x[128], y[128];
+    for (int64_t i = 0; i < D; ++i) x[i] = y[i] = static_cast<float>((i * 37) % 11) - 5.f;  // small ints: exact
+    fwht(y, D);
+    for (int64_t i = 0; i < D; ++i) {
+      float want = 0.f;
+      for (int64_t j = 0; j < D; ++j) want += (__builtin_popcountll(i & j) & 1) ? -x[j] : x[j];
+      EXPECT_EQ(y[i], want) << "D=" << D << " i=" << i;
+    }
+  }
+}
+
+TEST(Quant, RotationScalesArePowersOfTwoAndInvert) {
+  EXPECT_EQ(rot_forward_scale(64), 0.125f);   // orthonormal: c^2 D = 1
+  EXPECT_EQ(rot_forward_scale(128), 0.0625f);  // c^2 D = 1/2: the query scale makes up for it
+  EXPECT_EQ(rot_query_scale(128), 2.f);
+  EXPECT_EQ(rot_inverse_scale(128), 0.125f);
+  EXPECT_TRUE(rot_supported(256));
+  EXPECT_FALSE(rot_supported(96));
+  for (int64_t D : {16, 64, 128}) {
+    float x[128], q[128], k[128];
+    float qk = 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      x[i] = k[i] = std::sin(0.37f * static_cast<float>(i)) * 3.f;
+      q[i] = std::cos(0.11f * static_cast<float>(i));
+      qk += q[i] * k[i];
+    }
+    rotate(x, D);
+    rotate(k, D);
+    rotate(q, D);
+    float rqk = 0.f;
+    for (int64_t i = 0; i < D; ++i) rqk += q[i] * rot_query_scale(D) * k[i];
+    EXPECT_NEAR(rqk, qk, 1e-4f * D);  // rotation keeps every dot product
+    unrotate(x, D);
+    for (int64_t i = 0; i < D; ++i) EXPECT_NEAR(x[i], std::sin(0.37f * static_cast<float>(i)) * 3.f, 1e-5f);
+  }
+}
+
+TEST(Quant, KiviPlanarPacking) {
+  // 4 bits: dims j and j + 16 of a chunk share byte j; 2 bits: dims j, j + 8, j + 16, j + 24 share byte j
+  EXPECT_EQ(planar_byte(17, 4), 1);
+  EXPECT_EQ(planar_shift(17, 4), 4);
+  EXPECT_EQ(planar_byte(32 + 3, 4), 16 + 3);
+  EXPECT_EQ(planar_byte(26, 2), 2);
+  EXPECT_EQ(planar_shift(26, 2), 6);
+  EXPECT_EQ(planar_byte(64 + 9, 2), 16 + 1);
+  uint8_t row[16] = {};
+  for (int64_t d = 0; d < 64; ++d) row[planar_byte(d, 2)] |= static_cast<uint8_t>((d % 4) << planar_shift(d, 2));
+  for (int64_t d = 0; d < 64; ++d) EXPECT_EQ(planar_get(row, d, 2), d % 4);
+  EXPECT_EQ(kivi_key_scale_at(33), 64 + 1);
+  EXPECT_EQ(kivi_key_zero_at(33), 64 + 32 + 1);
+}

@@ -19,6 +19,7 @@ from . import formats, memory, ops, quant, reference  # noqa: E402
 from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
+from .kivi import KIVIPool  # noqa: E402
 from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
 from .hf import PagedCache, PagedStore, install_registration as _install_registration  # noqa: E402
 from .engine import Engine, Result  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "CacheFormat",
     "Engine",
     "KVFormat",
+    "KIVIPool",
     "KVPool",
     "Namespace",
     "OutOfBlocksError",

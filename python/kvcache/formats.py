@@ -9,8 +9,8 @@ text form is canonical and round-trips through :func:`parse`.
 ('k=int8,v=int4', 8, 4)
 >>> fmt.bytes_per_token_head(head_dim=128, page_size=16)  # (128 + 4) for K, (64 + 4 x 4) for V
 212.0
->>> str(KVFormat.parse("kivi2")), str(KVFormat.parse("fp8_e4m3(scale=0.05)"))
-('kivi2', 'fp8_e4m3(scale=0.05)')
+>>> str(KVFormat.parse("kivi2")), str(KVFormat.parse("fp8_e4m3(scale=0.05)")), str(KVFormat.parse("int8(hadamard)"))
+('kivi2', 'fp8_e4m3(scale=0.05)', 'int8(hadamard)')
 """
 
 from __future__ import annotations
@@ -40,11 +40,18 @@ class KVFormat:
     - ``int4``: asymmetric groups of ``group`` (32) along head_dim, fp16 scale and zero point per group.
     - ``kivi2`` / ``kivi4`` (KIVI): keys per channel (statistics over the tokens of a page), values per
       token in groups of ``group``; the open page stays in full precision until it is sealed.
+
+    ``hadamard`` (int8, fp8, int4; text ``int8(hadamard)``): each (token, kv head) row is rotated by a
+    fixed orthogonal transform (signs, then a Walsh-Hadamard matrix; :func:`kvcache.quant.rotate`) before
+    it is quantized. The transform spreads outlier channels over all dims, so a row's quantization step
+    shrinks; attention is unchanged in exact arithmetic (queries are rotated alike, outputs unrotated,
+    the log-sum-exp and soft-capping untouched). It needs a power-of-two head_dim and stores nothing.
     """
 
     kind: str
     group: int = 32
     scale: float | None = None
+    hadamard: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -53,6 +60,9 @@ class KVFormat:
             raise ValueError(f"group={self.group} must be 16, 32, 64 or 128")
         if self.scale is not None and not (self.kind.startswith("fp8") and self.scale > 0):
             raise ValueError(f"scale={self.scale} is only for fp8 formats and must be positive")
+        if self.hadamard and self.kind not in ("int8", "fp8_e4m3", "fp8_e5m2", "int4"):
+            raise ValueError(f"hadamard is only for int8, fp8 and int4 formats, not {self.kind} "
+                             "(KIVI keys are quantized per channel, which a rotation would mix)")
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -87,6 +97,8 @@ class KVFormat:
             args.append(f"group={self.group}")
         if self.scale is not None:
             args.append(f"scale={self.scale:g}")
+        if self.hadamard:
+            args.append("hadamard")
         return self.kind + (f"({','.join(args)})" if args else "")
 
     @classmethod
@@ -102,14 +114,16 @@ class KVFormat:
             raise ValueError(f"cannot parse KV format {text!r}; e.g. 'int8', 'int4(group=64)', 'fp8_e4m3(scale=0.1)'")
         kwargs: dict = {}
         for item in filter(None, (m.group(2) or "").split(",")):
-            key, _, value = item.partition("=")
+            key, eq, value = item.partition("=")
             key = key.strip()
-            if key == "group":
+            if key == "hadamard" and not eq:
+                kwargs["hadamard"] = True
+            elif key == "group":
                 kwargs["group"] = int(value)
             elif key == "scale":
                 kwargs["scale"] = float(value)
             else:
-                raise ValueError(f"unknown option {key!r} in KV format {text!r} (options: group, scale)")
+                raise ValueError(f"unknown option {key!r} in KV format {text!r} (options: group, scale, hadamard)")
         return cls(m.group(1), **kwargs)
 
 

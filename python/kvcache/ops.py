@@ -57,7 +57,7 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= 2 if k_format == 4 else 1  # int4 packs two dims per byte
+        dim *= {4: 2, 5: 2, 6: 4}.get(k_format % 16, 1)  # packed codes: int4 / kivi4 2, kivi2 4 dims per byte
         shape = (seq_lens.shape[0], heads, max_len, dim)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
         out = (k_cache.new_empty(shape, dtype=dtype), v_cache.new_empty(shape, dtype=dtype))
@@ -79,7 +79,7 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     if out is None:
         total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= 2 if k_format == 4 else 1  # int4 packs two dims per byte
+        dim *= {4: 2, 5: 2, 6: 4}.get(k_format % 16, 1)  # packed codes: int4 / kivi4 2, kivi2 4 dims per byte
         dtype = k_cache.dtype if k_format == 0 else torch.float32
         out = (k_cache.new_empty((total, heads, dim), dtype=dtype), v_cache.new_empty((total, heads, dim), dtype=dtype))
     _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,

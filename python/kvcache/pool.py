@@ -20,10 +20,11 @@ import torch
 from . import ops
 from .formats import CacheFormat, KVFormat
 from .layout import PageLayout
-from .quant import FP8_MAX
+from .quant import FP8_MAX, rot_scales, rotate
 
-# Storage kinds as the kernels number them (csrc/core/kv_format.h).
-_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4}
+# Storage kinds as the kernels number them (csrc/core/kv_format.h); + ROTATED for the hadamard option.
+_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "kivi4": 5, "kivi2": 6}
+ROTATED = 16
 _FULL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -33,8 +34,8 @@ def format_id(fmt: KVFormat) -> int:
         return 0
     if fmt.kind not in _KIND_IDS or fmt.group != 32:
         raise NotImplementedError(f"KV format {fmt} is not implemented by the kernels yet "
-                                  f"(int8, fp8_e4m3, fp8_e5m2 and int4 with groups of 32 are)")
-    return _KIND_IDS[fmt.kind]
+                                  f"(int8, fp8_e4m3, fp8_e5m2, int4, kivi4 and kivi2 with groups of 32 are)")
+    return _KIND_IDS[fmt.kind] + (ROTATED if fmt.hadamard else 0)
 
 
 @dataclass
@@ -42,7 +43,11 @@ class KVPool:
     """One layer's pools: codes ``k``/``v`` ``[num_blocks, num_kv_heads, page_size, head_dim]`` and, for
     quantized formats, ``k_scale``/``v_scale`` (int8: per row ``[num_blocks, num_kv_heads, page_size]``;
     fp8: per kv head ``[num_kv_heads]``; int4: codes ``[..., head_dim / 2]`` two per byte and fp16
-    (scale, zero) pairs ``[num_blocks, num_kv_heads, page_size, head_dim / 32, 2]``)."""
+    (scale, zero) pairs ``[num_blocks, num_kv_heads, page_size, head_dim / 32, 2]``).
+
+    Formats with the ``hadamard`` option (e.g. ``"int8(hadamard)"``) store rotated rows
+    (:func:`kvcache.quant.rotate`) in the same tensors; every method hands back unrotated values and
+    exact attention, so callers see no difference but the smaller error."""
 
     num_blocks: int
     page_size: int
@@ -64,12 +69,20 @@ class KVPool:
         tensors = {}
         for role, f in (("k", fmt.k), ("v", fmt.v)):
             format_id(f)  # rejects formats the kernels do not implement yet
+            if f.hadamard:
+                rot_scales(head_dim)  # rejects a head_dim that is not a power of two
             if not f.quantized:
                 codes = torch.empty(layout.shape, dtype=_FULL_DTYPES[f.kind], device=device)
                 scale = None
             elif f.kind == "int8":
                 codes = torch.zeros(layout.shape, dtype=torch.int8, device=device)
                 scale = torch.zeros(layout.shape[:3], dtype=torch.float32, device=device)
+            elif f.kind.startswith("kivi"):  # planar codes; keys per channel per page, values as int4
+                if head_dim % 32:
+                    raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for {f.kind}")
+                codes = torch.zeros((*layout.shape[:3], head_dim * f.bits // 8), dtype=torch.uint8, device=device)
+                meta = (num_blocks, num_kv_heads, head_dim // 32, 2, 32) if role == "k" else (*layout.shape[:3], head_dim // 32, 2)
+                scale = torch.zeros(meta, dtype=torch.float16, device=device)
             elif f.kind == "int4":  # two codes per byte; (scale, zero) fp16 per 32 dims
                 if head_dim % 32:
                     raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for int4")
@@ -97,11 +110,12 @@ class KVPool:
         """Writes (quantizing) K/V ``[batch, kv_heads, q_len, head_dim]`` at ``slot_mapping``.
 
         fp8 formats without a fixed scale take theirs from the first tokens appended: per kv head,
-        the absolute maximum mapped onto the format's largest value.
+        the absolute maximum (of the rotated rows, for ``hadamard``) mapped onto the format's largest value.
         """
         for role, x, f in (("k", key, self.format.k), ("v", value, self.format.v)):
             if f.kind.startswith("fp8") and not self._scales_set[role] and x.numel():
-                amax = x.detach().float().abs().amax(dim=(0, 2, 3))
+                x = rotate(x.detach()) if f.hadamard else x.detach()
+                amax = x.float().abs().amax(dim=(0, 2, 3))
                 kind = f.kind.removeprefix("fp8_")
                 scale = torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
                 getattr(self, f"{role}_scale").copy_(scale)

@@ -92,6 +92,52 @@ def group_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return out.reshape(*lead, d)
 
 
+# ---- Hadamard rotation (the ``hadamard`` option of a format) --------------------------------------
+def rot_signs(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed signs s_d flipped onto each dim before the transform (Knuth's multiplicative hash)."""
+    d = torch.arange(dim, dtype=torch.int64, device=device)
+    return torch.where(((d * 2654435761) % 2**32) >> 31 == 1, -1.0, 1.0)
+
+
+def rot_scales(dim: int) -> tuple[float, float, float]:
+    """(c, 1 / (c D), 1 / (c^2 D)) with c = 2^-ceil(log2(D) / 2): forward, inverse and query scales."""
+    if dim < 2 or dim > 1024 or dim & (dim - 1):
+        raise ValueError(f"head_dim={dim} must be a power of two (2 to 1024) for Hadamard-rotated formats")
+    c = 2.0 ** -((dim.bit_length() - 1 + 1) // 2)
+    return c, 1.0 / (c * dim), 1.0 / (c * c * dim)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform along the last dim, butterflies in the order of
+    ``quant::fwht``: for h = 1, 2, 4, ..., (x[i], x[i + h]) -> (x[i] + x[i + h], x[i] - x[i + h])."""
+    *lead, d = x.shape
+    h = 1
+    while h < d:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d)
+        h *= 2
+    return x
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """c * H (s . x) along the last dim, in float32 (what a ``hadamard`` format quantizes)."""
+    c, _, _ = rot_scales(x.shape[-1])
+    return fwht(_f32(x) * rot_signs(x.shape[-1], x.device)) * c
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rotate`: s . (H y) / (c D)."""
+    _, inv, _ = rot_scales(y.shape[-1])
+    return fwht(_f32(y)) * (inv * rot_signs(y.shape[-1], y.device))
+
+
+def rotate_query(q: torch.Tensor) -> torch.Tensor:
+    """A query rotated so that ``rotate_query(q) . rotate(k) == q . k``."""
+    _, _, qs = rot_scales(q.shape[-1])
+    return rotate(q) * qs
+
+
 # ---- packing: 8 / bits codes per byte, lowest dim in the lowest bits ---------------------------------
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., d] -> bytes [..., d * bits / 8]."""
@@ -106,3 +152,22 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+# ---- KIVI packing: planes per 32-dim chunk (csrc/core/quant.h: planar_byte) ----------------------------
+def pack_planar(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., d] (d a multiple of 32) -> bytes [..., d * bits / 8]: in each 32-dim chunk, dim j
+    sits in byte j % (4 bits) at bit bits * (j // (4 bits))."""
+    *lead, d = codes.shape
+    planes = 8 // bits
+    c = codes.to(torch.int32).reshape(*lead, d // 32, planes, 4 * bits)
+    shifts = (torch.arange(planes, dtype=torch.int32, device=codes.device) * bits).view(planes, 1)
+    return (c << shifts).sum(-2).to(torch.uint8).reshape(*lead, d * bits // 8)
+
+
+def unpack_planar(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    *lead, nbytes = packed.shape
+    planes = 8 // bits
+    p = packed.to(torch.int32).reshape(*lead, nbytes // (4 * bits), 1, 4 * bits)
+    shifts = (torch.arange(planes, dtype=torch.int32, device=packed.device) * bits).view(planes, 1)
+    return ((p >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(*lead, nbytes * planes)

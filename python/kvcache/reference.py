@@ -135,7 +135,28 @@ def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_
 
 
 # ---- quantized pools (kvcache.KVPool): format ids 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = int4 -------
+# (+ 16: rows Hadamard-rotated before quantizing, kvcache.quant.rotate); 5 = kivi4, 6 = kivi2
 _FP8_KIND = {2: "e4m3", 3: "e5m2"}
+_ROTATED = 16
+_KIVI_BITS = {5: 4, 6: 2}
+
+
+def _kivi_key_pages(key: torch.Tensor, slot_mapping: torch.Tensor, pool: torch.Tensor, meta: torch.Tensor,
+                    bits: int) -> None:
+    """KIVI keys: each run of page_size slots of a row is one whole page (or -1): per channel, min/max over
+    the page's tokens; codes planar, metadata [blocks, heads, d / 32, 2, 32] (scales, then zeros)."""
+    page = pool.shape[2]
+    batch, heads, q_len, d = key.shape
+    for b in range(batch):
+        for t0 in range(0, q_len, page):
+            first = int(slot_mapping[b, t0])
+            if first < 0:
+                continue
+            block = first // page
+            codes, scale, zero = quant.uint_quantize(key[b, :, t0:t0 + page], bits, dim=1)  # [heads, page, d]
+            pool[block] = quant.pack_planar(codes, bits)
+            meta[block] = torch.stack([scale.half().view(heads, d // 32, 32), zero.half().view(heads, d // 32, 32)],
+                                      dim=2)
 
 
 def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -148,7 +169,15 @@ def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
     block, offset = torch.div(slots, page, rounding_mode="floor"), slots % page
     for x, pool, scale, fmt in ((key, k_cache, k_scale, k_format), (value, v_cache, v_scale, v_format)):
         rows = x.transpose(1, 2)[keep]                                   # [n, kv_heads, head_dim]
-        if fmt == 0:
+        if fmt >= _ROTATED:
+            rows, fmt = quant.rotate(rows), fmt - _ROTATED
+        if fmt in _KIVI_BITS and pool is k_cache:
+            _kivi_key_pages(x, slot_mapping, pool, scale, _KIVI_BITS[fmt])
+        elif fmt in _KIVI_BITS:  # values: per token, groups of 32, planar codes
+            codes, group_scale, zero = quant.group_quantize(rows, _KIVI_BITS[fmt], 32)
+            pool[block, :, offset, :] = quant.pack_planar(codes, _KIVI_BITS[fmt])
+            scale[block, :, offset] = torch.stack([group_scale.half(), zero.half()], dim=-1)
+        elif fmt == 0:
             pool[block, :, offset, :] = rows
         elif fmt == 1:
             codes, row_scale = quant.int8_quantize(rows)
@@ -165,6 +194,15 @@ def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
 
 def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor | None, fmt: int) -> torch.Tensor:
     """The values a pool of any format stands for, in float32, shaped like the pool."""
+    if fmt >= _ROTATED:
+        return quant.unrotate(dequantize_pool(pool, scale, fmt - _ROTATED))
+    if fmt in _KIVI_BITS:
+        codes = quant.unpack_planar(pool, _KIVI_BITS[fmt]).float()        # [blocks, heads, page, d]
+        if scale.shape[-1] == 32:                                         # keys: [blocks, heads, d / 32, 2, 32]
+            s = scale[:, :, :, 0].reshape(*scale.shape[:2], 1, -1).float()
+            z = scale[:, :, :, 1].reshape(*scale.shape[:2], 1, -1).float()
+            return codes * s + z
+        return quant.group_dequantize(codes.to(torch.uint8), scale[..., 0].float(), scale[..., 1].float())
     if fmt == 0:
         return pool.float()
     if fmt == 1:

@@ -1,0 +1,57 @@
+// Hadamard rotation (core/quant.h: rotate / unrotate) of a row held by one warp: lane `lane` holds
+// dims lane + 32 k in x[k]. Same butterflies in the same order as quant::fwht, so results are
+// bit-identical to the CPU and to PyTorch. Every lane of the warp must call these together.
+#pragma once
+
+#include <cstdint>
+
+#include "core/quant.h"
+
+namespace kvcache::cuda {
+
+template <int N>
+__device__ __forceinline__ void warp_fwht(float (&x)[N], int64_t D, int lane) {
+  // Butterflies across lanes (h < 32): the lower dim of a pair computes a + b, the upper a - b.
+  for (int h = 1; h < 32 && h < D; h <<= 1) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float other = __shfl_xor_sync(0xffffffffu, x[k], h);
+      x[k] = (lane & h) ? other - x[k] : x[k] + other;
+    }
+  }
+  // Butterflies across registers (h >= 32): dims lane + 32 k and lane + 32 (k + h / 32).
+  for (int64_t h = 32; h < D; h <<= 1) {
+    const int hk = static_cast<int>(h / 32);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+#pragma unroll
+      for (int k2 = 0; k2 < N; ++k2) {
+        if (k2 == k + hk && (k & hk) == 0) {
+          const float a = x[k], b = x[k2];
+          x[k] = a + b;
+          x[k2] = a - b;
+        }
+      }
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void warp_rotate(float (&x)[N], int64_t D, int lane) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] *= quant::rot_sign(lane + 32 * k);
+  warp_fwht(x, D, lane);
+  const float c = quant::rot_forward_scale(D);
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] *= c;
+}
+
+template <int N>
+__device__ __forceinline__ void warp_unrotate(float (&x)[N], int64_t D, int lane) {
+  warp_fwht(x, D, lane);
+  const float inv = quant::rot_inverse_scale(D);
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] *= inv * quant::rot_sign(lane + 32 * k);
+}
+
+}  // namespace kvcache::cuda

@@ -1,0 +1,233 @@
+"""KIVI formats (kivi4, kivi2) in the kernels and kvcache.KIVIPool: keys quantized per channel over a
+page (written whole), values per token; codes bit-identical to the reference, exact dequantizing gather,
+attention within the FlashAttention tolerance, and KIVIPool's sealed + residual attention exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import quant
+from kvcache import reference as ref
+from kvcache.pool import format_id
+
+from conftest import DEVICES
+
+FORMATS = ["kivi4", "kivi2", "k=kivi4,v=kivi2", "k=kivi2,v=kivi4"]
+
+
+def kivi_pool(fmt: str, pages: list[int], page: int, heads: int, dim: int, in_dtype: torch.dtype, device="cpu",
+              seed: int = 0):
+    """A kivi KVPool holding whole pages of len(pages) sequences through shuffled block tables (written in
+    two appends per sequence, the second a single page), plus the K/V that went in."""
+    g = torch.Generator().manual_seed(seed)
+    pool = kvcache.KVPool.allocate(sum(pages) + 2, page, heads, dim, fmt, device)
+    perm = torch.randperm(pool.num_blocks, generator=g)
+    table = torch.full((len(pages), max(pages) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[start:start + p].to(torch.int32)
+        start += p
+    keys, values = [], []
+    for b, p in enumerate(pages):
+        n = p * page
+        k = (torch.randn(1, n, heads, dim, generator=g) * 2).to(in_dtype).transpose(1, 2)
+        k[..., 3] += 10.0                                              # an outlier channel, as real keys have
+        v = torch.randn(1, n, heads, dim, generator=g).to(in_dtype).transpose(1, 2)
+        slots = pool.layout.token_slots(table[b], torch.arange(n)).view(1, n)
+        cut = n - page
+        if cut:
+            pool.append(k[:, :, :cut].to(device), v[:, :, :cut].to(device), slots[:, :cut].to(device))
+        pool.append(k[:, :, cut:].to(device), v[:, :, cut:].to(device), slots[:, cut:].to(device))
+        keys.append(k)
+        values.append(v)
+    lens = torch.tensor([p * page for p in pages], dtype=torch.int32)
+    return pool, table.to(device), lens.to(device), keys, values
+
+
+def dequantized(pool):
+    return [ref.dequantize_pool(t.cpu(), s.cpu(), format_id(f)) for t, s, f in
+            ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
+    pool, table, lens, keys, values = kivi_pool(fmt, [3, 1], page, 2, 64, in_dtype, device)
+    expect = kvcache.KVPool.allocate(pool.num_blocks, page, 2, 64, fmt)
+    for b, n in enumerate(lens.tolist()):
+        slots = pool.layout.token_slots(table[b].cpu(), torch.arange(n)).view(1, n)
+        ref.append_quantized(keys[b], values[b], expect.k, expect.v, slots, expect.k_scale, expect.v_scale,
+                             format_id(pool.format.k), format_id(pool.format.v))
+    used = table[table >= 0].long().cpu()
+    for got, exp in ((pool.k, expect.k), (pool.v, expect.v), (pool.k_scale, expect.k_scale), (pool.v_scale, expect.v_scale)):
+        assert torch.equal(got.cpu()[used], exp[used])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_dequantizes_exactly(fmt, device):
+    pool, table, lens, keys, values = kivi_pool(fmt, [3, 2], 16, 2, 64, torch.float32, device)
+    k, v = pool.gather(table, lens, max_len=50)
+    deq_k, deq_v = dequantized(pool)
+    k_ref, v_ref = torch.empty_like(k.cpu()), torch.empty_like(v.cpu())
+    ref.paged_gather(deq_k, deq_v, table.cpu(), lens.cpu(), k_ref, v_ref)
+    assert torch.equal(k.cpu(), k_ref) and torch.equal(v.cpu(), v_ref)
+    # per-channel keys: the outlier channel costs the other channels nothing
+    bits = pool.format.k.bits
+    err = (k[0, :, :48].cpu() - keys[0][0]).abs().amax(dim=(0, 1))          # per channel
+    span = keys[0][0].amax(dim=1) - keys[0][0].amin(dim=1)                  # [heads, dim] over all tokens
+    assert (err <= span.amax(0) / (2 ** bits - 1) * 0.51 + 1e-2).all()
+    kr, _ = kvcache.paged_gather_ragged(pool.k, pool.v, table, torch.tensor([0, 48, 80], dtype=torch.int32, device=device),
+                                        **pool.op_kwargs())
+    assert torch.equal(kr[:48].cpu(), k_ref[0, :, :48].transpose(0, 1))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_reads_codes_in_registers(isa, fmt, q_dtype):
+    pool, table, lens, _, _ = kivi_pool(fmt, [19, 3], 16, 2, 128, torch.bfloat16)
+    q_lens = [1, 20]
+    q = torch.randn(sum(q_lens), 8, 128).to(q_dtype)
+    cu = torch.tensor([0, 1, 21], dtype=torch.int32)
+    deq = dequantized(pool)
+    out, lse = pool.attention(q, table, lens, cu, return_lse=True)
+    out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
+    ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
+                        out64, lse64, compute_dtype=torch.float64)
+    out_pt = torch.zeros_like(q)
+    ref.paged_attention(q, deq[0].to(q_dtype), deq[1].to(q_dtype), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
+                        out_pt, None, compute_dtype=q_dtype)
+    pt_err = (out_pt.double() - out64).abs().max().item()
+    noise = 2 * (out64.to(q_dtype).double() - out64).abs().max().item()
+    err = (out.double() - out64).abs().max().item()
+    assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
+    assert torch.allclose(lse, lse64, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kivi(device):
+    pool, table, lens, _, _ = kivi_pool("kivi2", [2, 1], 16, 2, 64, torch.float32, device)
+    kw = pool.op_kwargs()
+    key = torch.randn(1, 2, 16, 64, device=device)
+    free = int(torch.tensor([b for b in range(pool.num_blocks) if b not in table.cpu().tolist()[0] + table.cpu().tolist()[1]])[0])
+    slots = (free * 16 + torch.arange(16, device=device)).view(1, 16)
+    torch.library.opcheck(torch.ops.kvcache.append.default,
+                          (key, key.clone(), pool.k, pool.v, slots, kw["k_scale"], kw["v_scale"], kw["k_format"],
+                           kw["v_format"]))
+    out = torch.empty(2, 2, 32, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.paged_gather.default,
+                          (pool.k, pool.v, table, lens, out, out.clone(), kw["k_scale"], kw["v_scale"],
+                           kw["k_format"], kw["v_format"]))
+    q = torch.randn(2, 4, 64, device=device)
+    torch.library.opcheck(torch.ops.kvcache.paged_attention.default,
+                          (q, pool.k, pool.v, table, lens, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+                           0.125, -1, 0, 0.0, torch.empty_like(q), None, kw["k_scale"], kw["v_scale"],
+                           kw["k_format"], kw["v_format"]))
+
+
+def test_bad_kivi_arguments_write_nothing():
+    pool = kvcache.KVPool.allocate(4, 16, 2, 64, "kivi4")
+    assert pool.k.shape == (4, 2, 16, 32) and pool.k_scale.shape == (4, 2, 2, 2, 32)
+    assert pool.v_scale.shape == (4, 2, 16, 2, 2)
+    before = [t.clone() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale)]
+    key = torch.randn(1, 2, 16, 64)
+    page = torch.arange(16).view(1, 16)
+    cases = [
+        (key[:, :, :8], page[:, :8], {}, ValueError, r"written whole pages at a time, but key has q_len = 8, which is "
+                                                     r"not a multiple of page_size = 16"),
+        (key, page + 1, {}, ValueError, r"slot_mapping\[0, 0\] = 1 but a kivi key pool is written whole pages"),
+        (key, page[:, [0, 2, 1] + list(range(3, 16))], {}, ValueError, r"slot_mapping\[0, 1\] = 2 but a kivi key pool"),
+        (key, page, {"k_scale": pool.v_scale}, ValueError, r"k_scale has shape \[4, 2, 16, 2, 2\] but kivi keys keep a "
+                                                            r"scale and a zero per channel per page: \[4, 2, 2, 2, 32\]"),
+        (key, page, {"v_scale": pool.k_scale}, ValueError, r"v_scale has shape .* but kivi values keep"),
+        (key, page, {"k_scale": pool.k_scale.float()}, TypeError, r"k_scale must have dtype Half"),
+    ]
+    for k, slots, override, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            kvcache.append(k, k, pool.k, pool.v, slots, **(pool.op_kwargs() | override))
+        assert all(torch.equal(a, b) for a, b in zip((pool.k, pool.v, pool.k_scale, pool.v_scale), before))
+    with pytest.raises(ValueError, match=r"reads kivi keys only with kivi values"):
+        kvcache.paged_attention(torch.randn(1, 4, 64), pool.k, pool.v, torch.tensor([[0]], dtype=torch.int32),
+                                torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                **(pool.op_kwargs() | {"v_format": 1, "v_scale": torch.zeros(4, 2, 16)}))
+    with pytest.raises(ValueError, match=r"head_dim=48 must be a multiple of 32 for kivi2"):
+        kvcache.KVPool.allocate(4, 16, 2, 48, "kivi2")
+
+
+# ---- KIVIPool --------------------------------------------------------------------------------------------
+def effective_kv(keys: torch.Tensor, values: torch.Tensor, fmt: str, page: int, sealed_pages: int, sink_pages: int):
+    """What a KIVIPool stands for: K/V [tokens, heads, d] with pages [sink, sink + sealed) quantized as the
+    reference quantizes them (keys per channel over each page, values per token) and the rest exact."""
+    f = kvcache.CacheFormat.parse(fmt)
+    k, v = keys.float().clone(), values.float().clone()
+    lo, hi = sink_pages * page, (sink_pages + sealed_pages) * page
+    if hi > lo:
+        pk = k[lo:hi].reshape(sealed_pages, page, *k.shape[1:])
+        codes, s, z = quant.uint_quantize(pk, f.k.bits, dim=1)
+        k[lo:hi] = quant.uint_dequantize(codes, s.half().float(), z.half().float(), dim=1).reshape(-1, *k.shape[1:])
+        codes, s, z = quant.group_quantize(v[lo:hi], f.v.bits, 32)
+        v[lo:hi] = quant.group_dequantize(codes, s.half().float(), z.half().float(), 32)
+    return k, v
+
+
+@pytest.mark.parametrize("window, sink_pages", [(0, 0), (20, 0), (0, 1), (40, 2)])
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
+def test_kivi_pool_streams_exactly(isa, fmt, window, sink_pages):
+    # A prefill, a few chunks and decode steps for two sequences; after every append, attention and gather
+    # match the reference on what the pool stands for (sealed pages quantized, the rest exact).
+    g = torch.Generator().manual_seed(window + sink_pages)
+    page, heads, dim = 16, 2, 64
+    pool = kvcache.KIVIPool.allocate(24, page, heads, dim, fmt, dtype=torch.float32, residual_blocks=16,
+                                     window=window, sink_pages=sink_pages)
+    table = torch.tensor([list(range(0, 12)), list(range(12, 24))], dtype=torch.int32)
+    total = 150
+    keys = torch.randn(2, total, heads, dim, generator=g) * 2
+    keys[..., 7] += 8.0
+    values = torch.randn(2, total, heads, dim, generator=g)
+    n = 0
+    for step in (37, 5, 1, 1, 30, 1, 16, 1):
+        lens = torch.tensor([n + step] * 2, dtype=torch.int32)
+        pool.append(keys[:, n:n + step].transpose(1, 2), values[:, n:n + step].transpose(1, 2), table, lens)
+        n += step
+        q = torch.randn(2 * step, 4, dim, generator=g)
+        cu = torch.tensor([0, step, 2 * step], dtype=torch.int32)
+        out, lse = pool.attention(q, table, lens, cu, return_lse=True)
+        k_hat, v_hat = pool.gather(table, lens)
+        sealed = pool.sealed_pages(table, lens)
+        for b in range(2):
+            ek, ev = effective_kv(keys[b, :n], values[b, :n], fmt, page, sealed[b], sink_pages)
+            assert torch.equal(k_hat[b].transpose(0, 1), ek) and torch.equal(v_hat[b].transpose(0, 1), ev)
+            o64, l64 = ref.attention(q[b * step:(b + 1) * step].double(), ek.double(), ev.double(), dim ** -0.5,
+                                     compute_dtype=torch.float64)
+            assert (out[b * step:(b + 1) * step].double() - o64).abs().max() < 1e-5
+            assert (lse[b * step:(b + 1) * step].double() - l64.double()).abs().max() < 1e-4
+        # every page older than the window (and past the sinks) is sealed, before this append's tokens
+        before = n - step
+        assert sealed == [max(0, (before - window) // page - sink_pages)] * 2
+
+
+def test_kivi_pool_release_and_out_of_residual_blocks():
+    pool = kvcache.KIVIPool.allocate(8, 16, 1, 32, "kivi4", dtype=torch.float32, residual_blocks=2)
+    table = torch.arange(8, dtype=torch.int32).view(1, 8)
+    x = torch.randn(1, 1, 40, 32)
+    with pytest.raises(RuntimeError, match=r"out of residual blocks: this append needs 3, 2 are free"):
+        pool.append(x, x, table, torch.tensor([40], dtype=torch.int32))
+    assert pool.residual_of == [-1] * 8                     # nothing taken
+    pool.append(x[:, :, :20], x[:, :, :20], table, torch.tensor([20], dtype=torch.int32))
+    pool.append(x[:, :, 20:21], x[:, :, 20:21], table, torch.tensor([21], dtype=torch.int32))  # seals page 0
+    assert pool.sealed_pages(table, torch.tensor([21], dtype=torch.int32)) == [1]
+    pool.release(table[0])
+    assert sorted(pool._free) == [0, 1] and pool.residual_of == [-1] * 8
+    assert pool.nbytes == pool.sealed.nbytes + pool.residual.nbytes
+
+
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2", "k=kivi2,v=kivi4"])
+def test_pool_bytes_match_the_format_accounting(fmt):
+    # kvcache.formats (and so kvcache.memory) count codes + per-page key metadata + per-token value metadata
+    blocks, page, heads, dim = 6, 16, 2, 128
+    pool = kvcache.KVPool.allocate(blocks, page, heads, dim, fmt)
+    assert pool.nbytes == blocks * page * heads * kvcache.CacheFormat.parse(fmt).bytes_per_token_head(dim, page)
