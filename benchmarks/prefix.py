@@ -8,7 +8,13 @@ One seeded trace of two workloads, replayed by both caches in the same order:
 The replay goes in waves of 16 requests: match every request of the wave, then insert each one's
 prompt (chat: prompt + answer). Afterwards everything is evicted, in calls of one request's worth
 (2176 tokens = 136 pages). Timed: the match calls, the insert calls, the evict calls; every input
-(token arrays, block ids, SGLang's RadixKey/values) is built before the clock starts.
+(token arrays, block ids, SGLang's RadixKey/values) is built before the clock starts. Each wave's
+token arrays are copied from the trace's as the wave arrives, untimed (a server matches tokens its
+tokenizer has just written, so they are in cache; all of a replay's inputs together are ~36 MB,
+and read from DRAM, a C++ match of a 2k-token prompt measures the memory's bandwidth rather than
+the tree). Each cache first answers an empty lookup and insert, untimed (a first call pays one-time
+costs: ~30 us for ours, a third of a wave's match). The configurations take turns, replay by
+replay, so a noisy neighbour slows all of them alike; each keeps its best replay.
 
 Ours runs with pages of 16 tokens, both one request per call (``match`` / ``insert``) and one wave
 per call (``match_ragged`` / ``insert_ragged``). SGLang runs with page_size=1 (token-exact, like
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import importlib.machinery
+import os
 import random
 import statistics
 import sys
@@ -81,44 +88,55 @@ def waves(requests: list, size: int = WAVE):
 
 
 # ---- ours ---------------------------------------------------------------------------------------
+def ragged(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat(seqs), torch.tensor([0] + [len(x) for x in seqs]).cumsum(0)
+
+
 def run_ours(trace: list[Request], batched: bool, evict_all: bool = False) -> dict:
     pages = lambda n: -(-n // PAGE)  # noqa: E731
     alloc = kvcache.BlockAllocator(sum(pages(len(r.cached)) for r in trace), PAGE)
     cache = kvcache.PrefixCache(alloc)
     ns = kvcache.Namespace(model="bench")
-    prompts = [torch.tensor(r.prompt, dtype=torch.int32) for r in trace]
-    cached = [torch.tensor(r.cached, dtype=torch.int32) for r in trace]
-    tables = [alloc.allocate(pages(len(r.cached))) for r in trace]  # each request's own blocks (prefill)
-    ragged = lambda seqs: (torch.cat(seqs), torch.tensor([0] + [len(x) for x in seqs]).cumsum(0))  # noqa: E731
-    lengths, t_match, t_insert = [], 0.0, 0.0
-    if batched:
-        match_ragged, insert_ragged = cache.match_ragged, cache.insert_ragged
-        inputs = [(*ragged([prompts[i] for i in w]), *ragged([cached[i] for i in w]), *ragged([tables[i] for i in w]))
-                  for w in waves(list(range(len(trace))))]
-        for p, cu, c, cu_c, b, cu_b in inputs:
+    all_prompts = [torch.tensor(r.prompt, dtype=torch.int32) for r in trace]
+    all_cached = [torch.tensor(r.cached, dtype=torch.int32) for r in trace]
+    match, insert, match_ragged, insert_ragged = cache.match, cache.insert, cache.match_ragged, cache.insert_ragged
+    none, zero = torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    if batched:  # the warm-up: an empty batch, which caches nothing
+        match_ragged(none, zero, ns), insert_ragged(none, zero, none, zero, ns)
+    else:
+        match(none, ns), insert(none, none, ns)
+    lengths, tables, t_match, t_insert = [], [], 0.0, 0.0
+    for wave in waves(list(range(len(trace)))):
+        # The wave arrives: its token arrays (fresh copies), and each request's own blocks (its prefill).
+        blocks = [alloc.allocate(pages(len(trace[i].cached))) for i in wave]
+        tables += blocks
+        if batched:
+            (p, cu), (c, cu_c) = ragged([all_prompts[i] for i in wave]), ragged([all_cached[i] for i in wave])
+            b, cu_b = ragged(blocks)
             t0 = time.perf_counter()
-            lens = match_ragged(p, cu, ns).lengths
+            ms = match_ragged(p, cu, ns)   # kept: freeing results is not timed, for either cache
             t1 = time.perf_counter()
             insert_ragged(c, cu_c, b, cu_b, ns)
             t2 = time.perf_counter()
-            t_match, t_insert = t_match + t1 - t0, t_insert + t2 - t1
-            lengths += lens.tolist()
+            lengths += ms.lengths.tolist()
+        else:
+            prompts, cached = [all_prompts[i].clone() for i in wave], [all_cached[i].clone() for i in wave]
+            t0 = time.perf_counter()
+            ms = [match(p, ns) for p in prompts]
+            t1 = time.perf_counter()
+            for c, b in zip(cached, blocks):
+                insert(c, b, ns)
+            t2 = time.perf_counter()
+            lengths += [m.length for m in ms]
+        t_match, t_insert = t_match + t1 - t0, t_insert + t2 - t1
+    prompts = [p.clone() for p in all_prompts]  # every request again, all at once
+    if batched:
         everything = ragged(prompts)
         t0 = time.perf_counter()
-        warm = match_ragged(*everything, ns).lengths
+        warm = match_ragged(*everything, ns)
         t_warm = time.perf_counter() - t0
-        warm = warm.tolist()
+        warm = warm.lengths.tolist()
     else:
-        match, insert = cache.match, cache.insert
-        for w in waves(list(range(len(trace)))):
-            t0 = time.perf_counter()
-            ms = [match(prompts[i], ns) for i in w]
-            t1 = time.perf_counter()
-            for i in w:
-                insert(cached[i], tables[i], ns)
-            t2 = time.perf_counter()
-            t_match, t_insert = t_match + t1 - t0, t_insert + t2 - t1
-            lengths += [m.length for m in ms]
         t0 = time.perf_counter()
         warm = [match(p, ns) for p in prompts]
         t_warm = time.perf_counter() - t0
@@ -198,23 +216,27 @@ class _FreeNothing:
 def run_sglang(sgl, trace: list[Request], page: int, evict_all: bool = False) -> dict:
     RadixCache, RadixKey, params, _ = sgl
     cache = RadixCache.create_simulated(mock_allocator=_FreeNothing(), page_size=page)
-    prompts = [params.MatchPrefixParams(key=RadixKey(array("q", r.prompt))) for r in trace]
-    offset, inserts = 0, []
-    for r in trace:
-        inserts.append(params.InsertParams(key=RadixKey(array("q", r.cached)),
-                                           value=torch.arange(offset, offset + len(r.cached), dtype=torch.int64)))
-        offset += len(r.cached)
+    all_prompts, all_cached = [array("q", r.prompt) for r in trace], [array("q", r.cached) for r in trace]
+    key = lambda seq: RadixKey(array("q", seq))  # noqa: E731  (a fresh copy)
     match, insert = cache.match_prefix, cache.insert
-    lengths, t_match, t_insert = [], 0.0, 0.0
-    for w in waves(list(range(len(trace)))):
+    match(params.MatchPrefixParams(key=key([]))), insert(params.InsertParams(key=key([])))  # the warm-up
+    lengths, offset, t_match, t_insert = [], 0, 0.0, 0.0
+    for wave in waves(list(range(len(trace)))):
+        prompts, inserts = [params.MatchPrefixParams(key=key(all_prompts[i])) for i in wave], []
+        for i in wave:  # values: the KV slots of the request's tokens
+            n = len(all_cached[i])
+            inserts.append(params.InsertParams(key=key(all_cached[i]),
+                                               value=torch.arange(offset, offset + n, dtype=torch.int64)))
+            offset += n
         t0 = time.perf_counter()
-        ms = [match(prompts[i]) for i in w]
+        ms = [match(p) for p in prompts]
         t1 = time.perf_counter()
-        for i in w:
-            insert(inserts[i])
+        for x in inserts:
+            insert(x)
         t2 = time.perf_counter()
         t_match, t_insert = t_match + t1 - t0, t_insert + t2 - t1
         lengths += [m.device_prefix_len for m in ms]
+    prompts = [params.MatchPrefixParams(key=key(p)) for p in all_prompts]
     t0 = time.perf_counter()
     warm = [match(p) for p in prompts]
     t_warm = time.perf_counter() - t0
@@ -234,13 +256,21 @@ def run_sglang(sgl, trace: list[Request], page: int, evict_all: bool = False) ->
 
 
 # ---- report -------------------------------------------------------------------------------------
-def best_of(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
-    out = dict(runs[0])
-    for key in ("match_s", "insert_s", "warm_match_s", "evict_s"):
-        out[key] = min(r[key] for r in runs)
-        out[key + "_median"] = statistics.median(r[key] for r in runs)
-    out["evict_all_s"] = min(fn(evict_all=True)["evict_s"] for _ in range(repeats))
+def best_of(configs: dict, repeats: int) -> dict:
+    """Each configuration's best replay (and median); the configurations take turns, replay by replay."""
+    runs = {name: [] for name in configs}
+    evict_all = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, fn in configs.items():
+            runs[name].append(fn())
+            evict_all[name].append(fn(evict_all=True)["evict_s"])
+    out = {}
+    for name, rs in runs.items():
+        out[name] = dict(rs[0])
+        for key in ("match_s", "insert_s", "warm_match_s", "evict_s"):
+            out[name][key] = min(r[key] for r in rs)
+            out[name][key + "_median"] = statistics.median(r[key] for r in rs)
+        out[name]["evict_all_s"] = min(evict_all[name])
     return out
 
 
@@ -260,9 +290,13 @@ def per_unit(row: dict, res: dict, op: str) -> float:
 
 
 def markdown(info: dict, rows: list[dict], sgl_version: str | None) -> str:
-    lines = [f"Measured {info['date']} on {info['cpu']}, torch {info['torch']}, one thread; "
+    load = info["load_average"]
+    busy = f" (other jobs shared its {os.cpu_count()} cores, caches and memory bandwidth)" if load > 1.5 else ""
+    lines = [f"Measured {info['date']} on {info['cpu']}, torch {info['torch']}, one thread, machine load average "
+             f"{load:.1f}{busy}; "
              f"{'SGLang ' + sgl_version + ' RadixCache' if sgl_version else 'SGLang not installed'}. "
-             f"Best of {rows[0]['repeats']} replays. Microseconds per request (match, insert) or per 2176 tokens "
+             f"Best of {rows[0]['repeats']} replays, the configurations taking turns; each wave's inputs are built "
+             f"(untimed) as it arrives. Microseconds per request (match, insert) or per 2176 tokens "
              f"evicted (each cache counting its own tokens). Ours: pages of {PAGE}; *per call* = one request per "
              f"call (`match` / `insert`), *batched* = one call per wave of {WAVE} requests (`match_ragged` / "
              f"`insert_ragged`; warm match: the whole trace in one call; evict is one call either way). "
@@ -301,18 +335,21 @@ def main() -> None:
     trace = make_trace(8, 16, 5, 4) if args.quick else make_trace(64, 16, 20, 4)
     sgl = load_sglang()
     info = machine()
+    load_before = os.getloadavg()[0]
     rows = []
     for name, requests in trace.items():
         row = {"workload": name, "requests": len(requests), "repeats": repeats,
                "lookup_tokens": sum(len(r.prompt) for r in requests)}
-        row["ours"] = best_of(lambda **kw: run_ours(requests, batched=False, **kw), repeats)
-        row["ours_batched"] = best_of(lambda **kw: run_ours(requests, batched=True, **kw), repeats)
+        configs = {"ours": lambda **kw: run_ours(requests, batched=False, **kw),
+                   "ours_batched": lambda **kw: run_ours(requests, batched=True, **kw)}
+        if sgl:
+            configs["sglang_p1"] = lambda **kw: run_sglang(sgl, requests, 1, **kw)
+            configs["sglang_p16"] = lambda **kw: run_sglang(sgl, requests, PAGE, **kw)
+        row.update(best_of(configs, repeats))
         ours = row["ours"]["lengths"] + row["ours"]["warm_lengths"]
         assert row["ours_batched"]["lengths"] + row["ours_batched"]["warm_lengths"] == ours, "batched != per call"
         row["lengths_check"] = "ours only"
         if sgl:
-            row["sglang_p1"] = best_of(lambda **kw: run_sglang(sgl, requests, 1, **kw), repeats)
-            row["sglang_p16"] = best_of(lambda **kw: run_sglang(sgl, requests, PAGE, **kw), repeats)
             same1 = row["sglang_p1"]["lengths"] + row["sglang_p1"]["warm_lengths"] == ours
             same16 = row["sglang_p16"]["lengths"] + row["sglang_p16"]["warm_lengths"] == [n // PAGE * PAGE for n in ours]
             row["lengths_check"] = (f"{len(ours)} matches: {'identical' if same1 else 'DIFFERENT'} to p=1, "
@@ -324,6 +361,7 @@ def main() -> None:
                 row[key].pop("lengths")
                 row[key].pop("warm_lengths")
         rows.append(row)
+    info["load_average"] = (load_before + os.getloadavg()[0]) / 2  # 1-minute averages at the start and the end
     table = markdown(info, rows, sgl[3] if sgl else None)
     print(table)
     write_results("prefix_quick" if args.quick else "prefix",

@@ -9,6 +9,7 @@
 
 #include "attention/attention_cpu.h"
 #include "core/quant.h"
+#include "prefix/prefix_pybind.h"
 
 namespace py = pybind11;
 
@@ -24,6 +25,7 @@ PYBIND11_MODULE(_C, m) {
   info["cuda_archs"] = std::string();
 #endif
   m.attr("build_info") = info;
+  kvcache::register_prefix_pybind(m);  // kvcache._C._PrefixTree: the prefix cache without torch's call overhead
 
   // Transparent huge pages for a CPU pool, asked for before its pages are first touched. A decode step
   // reads each (block, head) run of a few KiB and jumps: with 4 KiB pages nearly every run costs a TLB

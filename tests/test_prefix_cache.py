@@ -1,5 +1,6 @@
 """kvcache.PrefixCache: matching (including inside a page) with copy-on-write reuse, namespaces, locks,
-eviction, the host tier, bad input, threads, and a property-based test against a pure-Python model.
+eviction, the host tier, bad input, threads, its two ways into one C++ tree (the pybind11 fast path
+and the torch class: same answers, same errors), and a property-based test against a pure-Python model.
 
 Every pool in these tests stores, at each token position, a hash of the namespace and of the tokens up
 to and including that position: the K/V a model would have computed there depends on exactly that.
@@ -10,10 +11,13 @@ shared, or a copy that went wrong all show up as a wrong value.
 
 from __future__ import annotations
 
+import array
+import sys
 import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -302,10 +306,12 @@ def test_threads_share_one_cache():
     assert alloc.num_free == 1024
 
 
-def test_native_calls_release_the_gil():
-    """torch runs custom-class methods with the GIL released: another Python thread keeps running in
-    the middle of a long native call (20000 matches of 2176 tokens in one call, tens of milliseconds).
-    Were the GIL held, that thread could run only before or after the call, never in its middle half."""
+@pytest.mark.parametrize("front_end", ["pybind11", "torch class"])
+def test_native_calls_release_the_gil(front_end):
+    """Both ways in run the tree with the GIL released (the pybind11 path releases it itself, torch
+    does it for custom-class methods): another Python thread keeps running in the middle of a long
+    native call (20000 matches of 2176 tokens in one call, tens of milliseconds). Were the GIL held,
+    that thread could run only before or after the call, never in its middle half."""
     alloc = kvcache.BlockAllocator(256, 16)
     cache = kvcache.PrefixCache(alloc)
     tokens = torch.randint(0, 32000, (2176,), dtype=torch.int32)
@@ -322,7 +328,10 @@ def test_native_calls_release_the_gil():
     while not stamps:
         pass
     t0 = time.perf_counter()
-    lengths = cache.match_ragged(flat, cu, "a").lengths
+    if front_end == "pybind11":
+        lengths = cache.match_ragged(flat, cu, "a").lengths
+    else:
+        lengths = cache.native.match_ragged(flat, cu, "a", False)[0]
     t1 = time.perf_counter()
     stop.set()
     thread.join()
@@ -346,6 +355,200 @@ def test_native_classes_work_in_torchscript():
         return length
 
     assert cache_prompt(alloc, cache, torch.arange(6)) == 6
+
+
+# ---- two ways in, one tree: the pybind11 fast path and the torch class ----------------------------
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9], [7, 7]]
+QUERIES = [[1, 2, 3, 4, 5, 0], [1, 2, 3, 9, 9], [7, 7, 7], [2], []]
+
+
+def cached(prompts=PROMPTS, num_blocks=64, page=4):
+    """A cache holding `prompts` in namespace "a", the cache holding the only references."""
+    alloc = kvcache.BlockAllocator(num_blocks, page)
+    cache = kvcache.PrefixCache(alloc)
+    for p in prompts:
+        table = alloc.allocate(-(-len(p) // page))
+        cache.insert(p, table, "a")
+        alloc.free(table)
+    return alloc, cache
+
+
+def strided(values, dtype):
+    return np.array([x for v in values for x in (v, -1)], dtype=dtype)[::2]
+
+
+ID_KINDS = {
+    "int32 tensor": lambda v: torch.tensor(v, dtype=torch.int32),
+    "int64 tensor": lambda v: torch.tensor(v, dtype=torch.int64),
+    "strided tensor": lambda v: torch.from_numpy(strided(v, np.int32)),
+    "int32 numpy": lambda v: np.array(v, dtype=np.int32),
+    "int64 numpy": lambda v: np.array(v, dtype=np.int64),
+    "strided numpy": lambda v: strided(v, np.int64),
+    "array.array": lambda v: array.array("i", v),
+    "list": list,
+    "tuple": tuple,
+}
+
+
+@pytest.mark.parametrize("kind", ID_KINDS)
+def test_every_kind_of_ids_gets_the_torch_class_answer(kind):
+    make = ID_KINDS[kind]
+    alloc, cache = cached()
+    for q in QUERIES:
+        m = cache.match(make(q), "a")
+        length, blocks, node = cache.native.match(torch.tensor(q, dtype=torch.int64), "a", False)
+        assert type(m) is kvcache.prefix.Match
+        assert (m.length, m.blocks.dtype, m.blocks.tolist(), m.node) == (length, torch.int32, blocks.tolist(), node)
+    flat, cu = [t for q in QUERIES for t in q], [0, 6, 11, 14, 15, 15]
+    got = cache.match_ragged(make(flat), make(cu), "a")
+    want = cache.native.match_ragged(torch.tensor(flat), torch.tensor(cu), "a", False)
+    assert type(got) is kvcache.prefix.RaggedMatch
+    assert [(t.dtype, t.tolist()) for t in got] == [(t.dtype, t.tolist()) for t in want]
+
+    table = alloc.allocate(2)
+    ins = cache.insert(make([1, 2, 3, 4, 50]), make(table.tolist()), "a")
+    assert type(ins) is kvcache.prefix.Insert and ins.prefix_length == 4
+    assert ins == (4, ins.node) and hash(ins) == hash((4, ins.node)) and ins._replace(node=0) == (4, 0)
+    tables = alloc.allocate(3)
+    prefix, nodes = cache.insert_ragged(make([60, 61, 62, 63, 64, 70]), make([0, 5, 6]), make(tables.tolist()),
+                                        make([0, 2, 3]), "a")
+    assert prefix.tolist() == [0, 0] and nodes.dtype == torch.int64
+    for tokens in ([1, 2, 3, 4, 50], [60, 61, 62, 63, 64], [70]):
+        assert cache.native.match(torch.tensor(tokens), "a", False)[0] == len(tokens)
+    cache.check()
+
+
+def test_the_fast_path_and_the_torch_class_share_one_tree():
+    alloc, cache = cached()
+    table = alloc.allocate(1)
+    cache.native.insert(torch.tensor([5, 5, 5]), table, "a", False)   # in through the torch class...
+    assert cache.match([5, 5, 5], "a").length == 3                      # ...out through pybind11
+    assert cache.stats()["lookups"] == 1 and cache.stats()["inserts"] == len(PROMPTS) + 1
+    m = cache.match(PROMPTS[0], "a")
+    m.blocks[0] = 1000                                                  # results are the caller's own
+    assert cache.match(PROMPTS[0], "a").blocks[0] != 1000
+
+    native = torch.classes.kvcache.PrefixCache(kvcache.BlockAllocator(8, 4).native, "lru")
+    core_id = native.core_id()
+    fast = kvcache._C._PrefixTree(core_id)
+    del native    # the fast path's object keeps the tree; the id is forgotten
+    with pytest.raises(ValueError, match=rf"core_id = {core_id} names no live torch.classes.kvcache.PrefixCache"):
+        kvcache._C._PrefixTree(core_id)
+    length, blocks, _ = fast.match([1, 2], "a", False)                  # plain tuples without result types
+    assert length == 0 and blocks.tolist() == []
+
+
+def test_results_made_through_numpy_are_the_same():
+    """The fallback for a torch without torch._C._wrap_tensor_impl: numpy arrays and torch.from_numpy."""
+    _, cache = cached()
+    flat, cu = torch.tensor([t for q in QUERIES for t in q]), torch.tensor([0, 6, 11, 14, 15, 15])
+
+    def results():
+        return [cache.match(q, "a") for q in QUERIES], cache.match_ragged(flat, cu, "a")
+
+    def plain(rs):
+        singles, ragged = rs
+        return [(m.length, m.blocks.dtype, m.blocks.tolist(), m.node) for m in singles], [
+            (t.dtype, t.tolist()) for t in ragged]
+
+    want = plain(results())
+    kvcache._C._PrefixTree._results_through_numpy(True)
+    try:
+        got = results()
+    finally:
+        kvcache._C._PrefixTree._results_through_numpy(False)
+    assert plain(got) == want
+    got[0][0].blocks[0] = 1000
+    assert cache.match(QUERIES[0], "a").blocks[0] != 1000
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("float_numpy", TypeError, r"tokens must have dtype int32 or int64 \(token ids\) but has format 'd'"),
+    ("unsigned_numpy", TypeError, r"tokens must have dtype int32 or int64 \(token ids\) but has format 'I'"),
+    ("numpy_2d", ValueError, r"tokens must be a 1-D array but has shape \[2, 3\]"),
+    ("not_ints", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got list"),
+    ("not_a_sequence", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got int"),
+    ("int_too_big", IndexError, r"tokens\[1\] = 1099511627776 does not fit in int32"),
+    ("int_beyond_int64", IndexError, r"tokens\[0\] = 1180591620717411303424 does not fit in int32"),
+    ("meta_tensor", ValueError, r"tokens must be a CPU tensor but is on meta"),
+    ("block_too_big", IndexError, r"blocks\[0\] = 8589934592 does not fit in int32"),
+    ("namespace", TypeError, r"namespace must be a kvcache.Namespace or a str, got int"),
+    ("empty_cu", ValueError, r"cu_lens must have batch \+ 1 >= 1 entries"),
+    ("float_cu", TypeError, r"cu_lens must have dtype int32 or int64 but has Float"),
+    ("cu_start", IndexError, r"cu_lens\[0\] = 1 must be 0"),
+    ("cu_order", IndexError, r"cu_lens must be non-decreasing but cu_lens\[2\] = 1 < cu_lens\[1\] = 2"),
+    ("cu_mismatch", ValueError, r"cu_lens has 3 entries but cu_blocks has 2; both are \[batch \+ 1\]"),
+    ("freed_block_late", ValueError, r"blocks\[2\] = block \d+ is free"),
+    ("unknown_core", ValueError, r"core_id = -5 names no live torch.classes.kvcache.PrefixCache"),
+    ("result_type", TypeError, r"match_type must be a NamedTuple class with 3 fields, or None"),
+])
+def test_fast_path_rejects_bad_input_with_state_unchanged(case, exc, match):
+    alloc, cache = cached(num_blocks=16)
+    late = alloc.allocate(3)
+    alloc.free(late[2:])       # the last request of a batch no longer holds its block
+    fast = kvcache._C._PrefixTree(cache.native.core_id())
+    calls = {
+        "float_numpy": lambda: cache.match(np.ones(3), "a"),
+        "unsigned_numpy": lambda: cache.match(np.ones(3, dtype=np.uint32), "a"),
+        "numpy_2d": lambda: cache.match(np.ones((2, 3), dtype=np.int32), "a"),
+        "not_ints": lambda: cache.match([1, "x"], "a"),
+        "not_a_sequence": lambda: cache.match(5, "a"),
+        "int_too_big": lambda: cache.match([1, 2**40], "a"),
+        "int_beyond_int64": lambda: cache.match([2**70], "a"),
+        "meta_tensor": lambda: cache.match(torch.ones(3, dtype=torch.int32, device="meta"), "a"),
+        "block_too_big": lambda: cache.insert([1, 2, 3], np.array([2**33]), "a"),
+        "namespace": lambda: fast.match([1], 5, False),
+        "empty_cu": lambda: cache.match_ragged([1], [], "a"),
+        "float_cu": lambda: cache.match_ragged([1], torch.tensor([0.0, 1.0]), "a"),
+        "cu_start": lambda: cache.match_ragged([1, 2], [1, 2], "a"),
+        "cu_order": lambda: cache.match_ragged([1, 2, 3], [0, 2, 1, 3], "a"),
+        "cu_mismatch": lambda: cache.insert_ragged([1, 2], [0, 1, 2], late[:2], [0, 2], "a"),
+        "freed_block_late": lambda: cache.insert_ragged([20, 21, 22, 23, 24, 30], [0, 5, 6], late, [0, 2, 3], "a"),
+        "unknown_core": lambda: kvcache._C._PrefixTree(-5),
+        "result_type": lambda: kvcache._C._PrefixTree(cache.native.core_id(), dict),
+    }
+    before = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
+    with pytest.raises(exc, match=match):
+        calls[case]()
+    after = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
+    for s in (before[0], after[0]):   # a rejected lookup may still count as a lookup; nothing else moves
+        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate"), s.pop("namespaces")
+    assert before == after
+    cache.check()
+
+
+def test_buffers_are_released_after_use_and_after_rejection():
+    _, cache = cached()
+    good, bad = np.array(PROMPTS[0], dtype=np.int32), np.ones(3)   # float64 is rejected after it was read
+    before = sys.getrefcount(good), sys.getrefcount(bad)
+    for _ in range(3):
+        assert cache.match(good, "a").length == len(PROMPTS[0])
+        with pytest.raises(TypeError, match="format 'd'"):
+            cache.match(bad, "a")
+    assert (sys.getrefcount(good), sys.getrefcount(bad)) == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.match(torch.ones(3), "a", False),
+    lambda c: c.match(torch.ones(2, 3, dtype=torch.int64), "a", False),
+    lambda c: c.match(torch.tensor([1, 2**32]), "a", False),
+    lambda c: c.insert(torch.arange(6), torch.tensor([0]), "a", False),
+    lambda c: c.match_ragged(torch.arange(3), torch.tensor([0, 2, 1, 3]), "a", False),
+    lambda c: c.match_ragged(torch.arange(3), torch.tensor([0, 2]), "a", False),
+    lambda c: c.insert_ragged(torch.arange(4), torch.tensor([0, 4]), torch.tensor([0, 1]), torch.tensor([0, 2, 2]),
+                              "a", False),
+    lambda c: c.unlock(12345),
+    lambda c: c.evict(-1),
+])
+def test_both_ways_in_reject_bad_input_alike(call):
+    alloc, cache = cached()
+    fast = kvcache._C._PrefixTree(cache.native.core_id())
+    with pytest.raises(Exception) as via_torch:
+        call(cache.native)
+    with pytest.raises(Exception) as via_pybind:
+        call(fast)
+    assert type(via_pybind.value) is type(via_torch.value)
+    assert str(via_pybind.value) == str(via_torch.value).splitlines()[0]
 
 
 # ---- property-based: random operations against a pure-Python model -------------------------------

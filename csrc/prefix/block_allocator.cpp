@@ -33,6 +33,11 @@ int64_t BlockAllocator::num_free() const {
 }
 
 void BlockAllocator::check_in_range(const char* what, const int32_t* blocks, int64_t n) const {
+  // One branch-free pass (it vectorizes) for the common case; the slow one names the culprit.
+  const uint32_t limit = static_cast<uint32_t>(num_blocks());
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>(blocks[i]) >= limit;
+  if (!bad) return;
   for (int64_t i = 0; i < n; ++i) {
     if (blocks[i] < 0 || blocks[i] >= num_blocks()) {
       throw std::out_of_range(cat(what, "[", i, "] = ", blocks[i], " is not a block id: ids are in [0, ",
@@ -43,6 +48,9 @@ void BlockAllocator::check_in_range(const char* what, const int32_t* blocks, int
 
 void BlockAllocator::check_held_locked(const char* what, const int32_t* blocks, int64_t n) const {
   check_in_range(what, blocks, n);
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad |= refs_[static_cast<size_t>(blocks[i])] == 0;
+  if (!bad) return;
   for (int64_t i = 0; i < n; ++i) {
     if (refs_[static_cast<size_t>(blocks[i])] == 0) {
       throw std::invalid_argument(cat(what, "[", i, "] = block ", blocks[i], " is free; only blocks in use can be passed here"));

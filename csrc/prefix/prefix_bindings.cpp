@@ -11,6 +11,10 @@
 // NOTE(GIL): torch runs custom-class methods called from Python with the GIL released
 // (torch/csrc/jit/python/pybind_utils.h, runAndInsertCall: `pybind11::gil_scoped_release` around
 // `callee.run(stack)`), so nothing here needs to release it; the core's mutexes do the locking.
+//
+// A call through torch's custom-class machinery costs microseconds (argument boxing, schema
+// matching, tensor wrapping), more than a match itself; kvcache.PrefixCache therefore calls the same
+// RadixTree through the pybind11 fast path (prefix_pybind.cpp), found by PrefixCache.core_id().
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "prefix/block_allocator.h"
+#include "prefix/prefix_pybind.h"
 #include "prefix/radix_tree.h"
 
 namespace kvcache {
@@ -92,21 +97,14 @@ at::Tensor copies_tensor(const std::vector<BlockCopy>& copies) {
   return t;
 }
 
-/// cu_lens [batch + 1] int64/int32: 0, non-decreasing, ending at `total`.
-std::vector<int64_t> read_cu(const at::Tensor& cu, const char* name, int64_t total, const char* total_name) {
+/// cu_lens [batch + 1] int64/int32 (its values are checked by the core, prefix::check_ragged).
+std::vector<int64_t> read_cu(const at::Tensor& cu, const char* name) {
   TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, name,
                    " must have dtype int32 or int64 but has ", cu.scalar_type());
   check_vector(cu, name);
   TORCH_CHECK_VALUE(cu.size(0) >= 1, name, " must have batch + 1 >= 1 entries");
   const at::Tensor c = cu.to(at::kLong).contiguous();
-  std::vector<int64_t> v(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.size(0));
-  TORCH_CHECK_INDEX(v.front() == 0, name, "[0] = ", v.front(), " must be 0");
-  for (size_t i = 1; i < v.size(); ++i) {
-    TORCH_CHECK_INDEX(v[i] >= v[i - 1], name, " must be non-decreasing but ", name, "[", i, "] = ", v[i], " < ", name,
-                      "[", i - 1, "] = ", v[i - 1]);
-  }
-  TORCH_CHECK_INDEX(v.back() == total, name, "[-1] = ", v.back(), " must equal ", total_name, " = ", total);
-  return v;
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.size(0));
 }
 
 c10::Dict<std::string, int64_t> allocator_stats(const prefix::AllocatorStats& s) {
@@ -189,12 +187,15 @@ struct PrefixCacheClass : torch::CustomClassHolder {
   c10::intrusive_ptr<BlockAllocatorClass> allocator;
   c10::intrusive_ptr<BlockAllocatorClass> host;  // null without a host tier
   std::shared_ptr<prefix::RadixTree> tree;
+  int64_t id = 0;  // of the fast path's registry
 
   PrefixCacheClass(c10::intrusive_ptr<BlockAllocatorClass> device, const std::string& policy)
       : allocator(std::move(device)) {
     const prefix::EvictionPolicy p = parse_policy(policy);
     tree = translate([&] { return prefix::RadixTree::create(allocator->core, p); });
+    id = publish_prefix_tree(tree);
   }
+  ~PrefixCacheClass() override { unpublish_prefix_tree(id); }
 
   // -> (matched tokens, blocks [ceil(length / page_size)] int32, node handle)
   std::tuple<int64_t, at::Tensor, int64_t> match(const at::Tensor& tokens, const std::string& ns, bool lock) {
@@ -217,20 +218,14 @@ struct PrefixCacheClass : torch::CustomClassHolder {
                                                                           const at::Tensor& cu_lens,
                                                                           const std::string& ns, bool lock) {
     const Int32Ids t(tokens, "tokens", "token ids");
-    const std::vector<int64_t> cu = read_cu(cu_lens, "cu_lens", t.size, "len(tokens)");
+    const std::vector<int64_t> cu = read_cu(cu_lens, "cu_lens");
     const int64_t batch = static_cast<int64_t>(cu.size()) - 1;
     at::Tensor lengths = at::empty({batch}, at::kLong), nodes = at::empty({batch}, at::kLong);
     at::Tensor cu_blocks = at::empty({batch + 1}, at::kLong);
-    int64_t* len_p = lengths.data_ptr<int64_t>();
-    int64_t* node_p = nodes.data_ptr<int64_t>();
-    int64_t* cu_p = cu_blocks.data_ptr<int64_t>();
     std::vector<int32_t> all_blocks;
-    cu_p[0] = 0;
     translate([&] {
-      for (int64_t i = 0; i < batch; ++i) {
-        len_p[i] = tree->match_into(ns, t.data + cu[i], cu[i + 1] - cu[i], lock, &all_blocks, &node_p[i]);
-        cu_p[i + 1] = static_cast<int64_t>(all_blocks.size());
-      }
+      tree->match_ragged(ns, prefix::Ragged{t.data, t.size, cu.data(), batch}, lock, lengths.data_ptr<int64_t>(),
+                         &all_blocks, cu_blocks.data_ptr<int64_t>(), nodes.data_ptr<int64_t>());
     });
     return {lengths, to_tensor(all_blocks), cu_blocks, nodes};
   }
@@ -242,26 +237,14 @@ struct PrefixCacheClass : torch::CustomClassHolder {
                                                    const std::string& ns, bool lock) {
     const Int32Ids t(tokens, "tokens", "token ids");
     const Int32Ids b(blocks, "blocks", "block ids");
-    const std::vector<int64_t> cu = read_cu(cu_lens, "cu_lens", t.size, "len(tokens)");
-    const std::vector<int64_t> cub = read_cu(cu_blocks, "cu_blocks", b.size, "len(blocks)");
-    TORCH_CHECK_VALUE(cu.size() == cub.size(), "cu_lens has ", cu.size(), " entries but cu_blocks has ", cub.size(),
-                      "; both are [batch + 1]");
+    const std::vector<int64_t> cu = read_cu(cu_lens, "cu_lens");
+    const std::vector<int64_t> cub = read_cu(cu_blocks, "cu_blocks");
     const int64_t batch = static_cast<int64_t>(cu.size()) - 1;
-    const int64_t page = tree->page_size();
-    for (int64_t i = 0; i < batch; ++i) {
-      const int64_t n = cu[i + 1] - cu[i], pages = (n + page - 1) / page;
-      TORCH_CHECK_VALUE(cub[i + 1] - cub[i] == pages, "sequence ", i, " has ", n, " tokens = ", pages, " pages but ",
-                        cub[i + 1] - cub[i], " blocks");
-    }
-    translate([&] { allocator->core->check_held("blocks", b.data, b.size); });
     at::Tensor prefix_lens = at::empty({batch}, at::kLong), nodes = at::empty({batch}, at::kLong);
     translate([&] {
-      for (int64_t i = 0; i < batch; ++i) {
-        prefix::InsertResult r =
-            tree->insert(ns, t.data + cu[i], cu[i + 1] - cu[i], b.data + cub[i], cub[i + 1] - cub[i], lock);
-        prefix_lens.data_ptr<int64_t>()[i] = r.prefix_length;
-        nodes.data_ptr<int64_t>()[i] = r.node;
-      }
+      tree->insert_ragged(ns, prefix::Ragged{t.data, t.size, cu.data(), batch},
+                          prefix::Ragged{b.data, b.size, cub.data(), static_cast<int64_t>(cub.size()) - 1}, lock,
+                          prefix_lens.data_ptr<int64_t>(), nodes.data_ptr<int64_t>());
     });
     return {prefix_lens, nodes};
   }
@@ -323,6 +306,7 @@ struct PrefixCacheClass : torch::CustomClassHolder {
   at::Tensor block_references(bool on_host) { return to_tensor(tree->block_references(on_host)); }
   std::string check_invariants() { return tree->check_invariants(); }
   int64_t page_size() { return tree->page_size(); }
+  int64_t core_id() { return id; }
 };
 
 }  // namespace
@@ -353,7 +337,8 @@ TORCH_LIBRARY_FRAGMENT(kvcache, m) {
       .def("stats", &PrefixCacheClass::stats)
       .def("block_references", &PrefixCacheClass::block_references)
       .def("check_invariants", &PrefixCacheClass::check_invariants)
-      .def("page_size", &PrefixCacheClass::page_size);
+      .def("page_size", &PrefixCacheClass::page_size)
+      .def("core_id", &PrefixCacheClass::core_id);
 }
 
 }  // namespace kvcache

@@ -28,7 +28,8 @@
 //
 // Handles are (generation << 32 | node index), so a handle of an evicted node is rejected rather than
 // aliasing a reused slot. Every call validates its input before changing anything. Thread-safe (one
-// internal mutex; lock order: tree, then allocators). Torch-free C++17.
+// internal mutex; lock order: tree, then allocators; a ragged batch holds it once for all its
+// sequences). Torch-free C++17.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -60,6 +62,22 @@ struct InsertResult {
   int64_t prefix_length = 0;  // tokens that were already cached (the caller's blocks for them are unused)
   int64_t node = 0;           // handle of the node holding the last inserted token
 };
+
+/// A ragged batch, varlen style: sequence i is values[cu[i], cu[i + 1]), for i < batch (cu has
+/// batch + 1 entries, cu[0] = 0, non-decreasing, cu[batch] = size = the entries of values).
+struct Ragged {
+  const int32_t* values = nullptr;
+  int64_t size = 0;
+  const int64_t* cu = nullptr;
+  int64_t batch = 0;
+  int64_t length(int64_t i) const { return cu[i + 1] - cu[i]; }
+  const int32_t* at(int64_t i) const { return values + cu[i]; }
+};
+
+/// Throws unless `cu` is a valid offset array for `size` values (see Ragged): std::invalid_argument
+/// for batch < 0, std::out_of_range for a bad offset. The message names the array (`what`, e.g.
+/// "cu_lens") and the size (`size_name`, e.g. "len(tokens)").
+void check_ragged(const Ragged& r, const char* what, const char* size_name);
 
 struct TreeStats {
   // Counters since construction.
@@ -90,14 +108,23 @@ class RadixTree : public Reclaimer {
 
   /// Longest cached prefix of tokens[0, n); host-tier hits are loaded back first. With `lock`, the
   /// returned node is locked in the same critical section.
-  MatchResult match(const std::string& ns, const int32_t* tokens, int64_t n, bool lock = false);
+  MatchResult match(std::string_view ns, const int32_t* tokens, int64_t n, bool lock = false);
   /// The same, appending the blocks to `*blocks` (no allocation per match in batched callers);
   /// returns the matched length and sets `*node`.
-  int64_t match_into(const std::string& ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
+  int64_t match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
                      int64_t* node);
+  /// match_into() of every sequence of a batch, in order, under one lock: writes lengths[batch],
+  /// nodes[batch] and cu_blocks[batch + 1] (offsets of each sequence's blocks in what it appends to *blocks).
+  void match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths, std::vector<int32_t>* blocks,
+                    int64_t* cu_blocks, int64_t* nodes);
   /// Caches tokens[0, n), whose KV is in `blocks` (ceil(n / page_size) ids the caller holds).
-  InsertResult insert(const std::string& ns, const int32_t* tokens, int64_t n, const int32_t* blocks,
+  InsertResult insert(std::string_view ns, const int32_t* tokens, int64_t n, const int32_t* blocks,
                       int64_t num_blocks, bool lock = false);
+  /// insert() of every sequence of a batch, in order, under one lock; `blocks` has each sequence's
+  /// ceil(n / page_size) ids. Every sequence is validated before the first is inserted. Writes
+  /// prefix_lengths[batch] and nodes[batch].
+  void insert_ragged(std::string_view ns, const Ragged& tokens, const Ragged& blocks, bool lock,
+                     int64_t* prefix_lengths, int64_t* nodes);
   /// Pins a node and its ancestors against eviction (counted: every lock needs one unlock).
   void lock(int64_t node);
   void unlock(int64_t node);
@@ -130,7 +157,10 @@ class RadixTree : public Reclaimer {
   };
   // An eviction candidate. Keys only grow (a touch raises last_access / hits), so entries are not
   // updated when a node is touched: a popped entry whose key is stale is pushed again with the
-  // current key, and one whose node is no longer an evictable leaf is dropped (a lazy heap).
+  // current key, and one whose node is no longer an evictable leaf is dropped (a lazy heap). Once
+  // there have been more touches of queued nodes than entries, the next eviction refreshes every
+  // key and re-heapifies instead (O(n), paid for by those touches): after a pass that touched most
+  // leaves, each victim then costs one pop rather than a pop, a push and another pop.
   struct Candidate {
     uint64_t primary, secondary;  // LRU: (last_access, 0); LFU: (hits, last_access)
     int32_t id;
@@ -140,10 +170,29 @@ class RadixTree : public Reclaimer {
     }
   };
 
+  // Open addressing (linear probing) from edge_key(parent, first token) to the child: one probe
+  // into a flat array per step of a match, and no allocation per node.
+  class EdgeMap {
+   public:
+    int32_t find(uint64_t key) const;  // -1 if absent
+    void set(uint64_t key, int32_t child);
+    void erase(uint64_t key);
+    size_t size() const { return size_; }
+
+   private:
+    static constexpr uint64_t kEmpty = ~uint64_t{0};  // parent -1 never has children
+    size_t slot(uint64_t key) const;
+    void grow();
+    std::vector<uint64_t> keys_;
+    std::vector<int32_t> values_;
+    size_t size_ = 0;
+  };
+
   // Everything below expects mu_ held.
-  int64_t match_locked(const std::string& ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
+  int64_t match_locked(int32_t root, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
                        int64_t* node);
-  int32_t root_of(const std::string& ns);
+  InsertResult insert_locked(int32_t root, const int32_t* tokens, int64_t n, const int32_t* blocks, bool lock);
+  int32_t root_of(std::string_view ns);
   int32_t new_node();
   int32_t resolve(int64_t handle) const;
   int64_t handle(int32_t id) const { return (static_cast<int64_t>(nodes_[id].generation) << 32) | id; }
@@ -154,6 +203,7 @@ class RadixTree : public Reclaimer {
   bool evictable(int32_t id) const;
   void queue(int32_t id);            // after any change that may have made a node an evictable leaf
   int32_t next_victim(bool host);    // the evictable leaf to go first, or -1
+  void refresh_heap(bool host);      // current keys for every entry, dead ones dropped
   void touch(int32_t id, uint64_t tick);
   void lock_path(int32_t id, int delta);
 
@@ -175,9 +225,12 @@ class RadixTree : public Reclaimer {
   uint64_t clock_ = 0;  // logical time of the last match / insert (LRU)
   std::vector<Node> nodes_;
   std::vector<int32_t> free_nodes_;
-  std::unordered_map<uint64_t, int32_t> edges_;  // (parent << 32 | first token) -> child
+  EdgeMap edges_;                                  // (parent << 32 | first token) -> child
   std::unordered_map<std::string, int32_t> roots_;
+  std::string last_ns_;                            // the namespace of the last call and its root (roots
+  int32_t last_root_ = -1;                         // live as long as the tree): no hashing per call
   std::vector<Candidate> heaps_[2];                // device / host eviction candidates (min-heaps)
+  size_t stale_touches_[2] = {0, 0};               // touches of queued nodes since the last refresh
   std::vector<int32_t> path_;                      // scratch of match
   TreeStats counters_;
 };

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <memory>
 #include <numeric>
+#include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -20,6 +22,7 @@ using kvcache::prefix::EvictionPolicy;
 using kvcache::prefix::MatchResult;
 using kvcache::prefix::OutOfBlocks;
 using kvcache::prefix::RadixTree;
+using kvcache::prefix::Ragged;
 
 namespace {
 
@@ -92,6 +95,12 @@ TEST(RadixTree, NamespacesNeverMatchEachOther) {
   EXPECT_EQ(f.get(seq(0, 8), "llama-3|fp8").length, 0);
   EXPECT_EQ(f.get(seq(0, 8), "llama-3|bf16").length, 8);
   EXPECT_EQ(f.tree->stats().namespaces, 2);
+  f.put(seq(0, 4), "llama-3|fp8");  // alternating namespaces (the tree remembers the last one's root)
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(f.get(seq(0, 8), "llama-3|fp8").length, 4);
+    EXPECT_EQ(f.get(seq(0, 8), "llama-3|bf16").length, 8);
+  }
+  f.expect_ok();
 }
 
 TEST(RadixTree, SplitInsideAPageSharesThatPage) {
@@ -146,6 +155,63 @@ TEST(RadixTree, EvictsLeastRecentlyUsedLeavesIntoTheAllocator) {
   EXPECT_EQ(f.tree->evict(100), 4);
   EXPECT_EQ(f.alloc->num_free(), 16);
   f.expect_ok();
+}
+
+TEST(RadixTree, EvictionFollowsLastUseAcrossManyTouches) {
+  // More touches of queued leaves than there are leaves: the eviction heap is rebuilt with fresh
+  // keys rather than fixed up one stale entry at a time; either way the order is the last use.
+  Fixture f(64, 4);
+  for (int32_t i = 0; i < 10; ++i) f.put(seq(100 * i, 4));
+  const int32_t order[] = {3, 7, 1, 9, 0, 5, 2, 8, 6, 4};
+  for (int round = 0; round < 4; ++round) {
+    for (int32_t i : order) f.get(seq(100 * i, 4));
+  }
+  for (int32_t i : order) {
+    EXPECT_EQ(f.tree->evict(1), 1);
+    EXPECT_EQ(f.get(seq(100 * i, 4)).length, 0) << "leaf " << i << " should have gone next";  // touches nothing
+    f.expect_ok();
+  }
+  EXPECT_EQ(f.alloc->num_free(), 64);
+}
+
+TEST(RadixTree, ManySiblingsSurviveEvictionAndReinsertion) {
+  // A thousand children of one root: the edge map grows, loses half its entries and refills.
+  Fixture f(2048, 1);
+  for (int32_t i = 0; i < 1000; ++i) f.put({i, i + 1});
+  f.expect_ok();
+  EXPECT_EQ(f.tree->evict(1000), 1000);  // the 500 oldest leaves
+  f.expect_ok();
+  for (int32_t i = 0; i < 1000; ++i) EXPECT_EQ(f.get({i, i + 1}).length, i < 500 ? 0 : 2) << i;
+  for (int32_t i = 0; i < 500; ++i) f.put({i, i + 1});
+  for (int32_t i = 0; i < 1000; ++i) ASSERT_EQ(f.get({i, i + 1}).length, 2) << i;
+  f.expect_ok();
+  EXPECT_EQ(f.tree->evict(1 << 20), 2000);
+  EXPECT_EQ(f.alloc->num_free(), 2048);
+  f.expect_ok();
+}
+
+TEST(RadixTree, ChildrenStayFindableThroughRandomChurn) {
+  // Random first tokens, random eviction order: edges are deleted from the middle of probe runs.
+  Fixture f(8192, 1);
+  std::mt19937 rng(7);
+  std::set<int32_t> live;
+  for (int round = 0; round < 40; ++round) {
+    for (int k = 0; k < 150; ++k) {
+      const int32_t t = static_cast<int32_t>(rng() % 100000);
+      if (live.insert(t).second) f.put({t});
+    }
+    for (int32_t t : live) {
+      if (rng() & 1) f.get({t});  // scrambles the LRU order
+    }
+    ASSERT_EQ(f.tree->evict(100), 100);
+    std::set<int32_t> found;
+    for (int32_t t : live) {
+      if (f.get({t}).length == 1) found.insert(t);
+    }
+    ASSERT_EQ(found.size(), live.size() - 100) << "round " << round;
+    live = found;
+    f.expect_ok();
+  }
 }
 
 TEST(RadixTree, LfuEvictsTheLeastHit) {
@@ -362,4 +428,103 @@ TEST(RadixTree, ConcurrentRequestsKeepTheTreeConsistent) {
   f.expect_ok();
   f.tree->evict(1 << 20);
   EXPECT_EQ(f.alloc->num_free(), 512);
+}
+
+namespace {
+
+/// Sequences flattened varlen style, with blocks the caller holds for each (allocated all up front).
+struct Batch {
+  std::vector<int32_t> tokens, blocks;
+  std::vector<int64_t> cu{0}, cu_blocks{0};
+  Batch(BlockAllocator& alloc, const std::vector<std::vector<int32_t>>& seqs) {
+    for (const auto& s : seqs) {
+      std::vector<int32_t> table;
+      alloc.append(&table, 0, static_cast<int64_t>(s.size()));
+      tokens.insert(tokens.end(), s.begin(), s.end());
+      blocks.insert(blocks.end(), table.begin(), table.end());
+      cu.push_back(static_cast<int64_t>(tokens.size()));
+      cu_blocks.push_back(static_cast<int64_t>(blocks.size()));
+    }
+  }
+  int64_t batch() const { return static_cast<int64_t>(cu.size()) - 1; }
+  Ragged ragged_tokens() const { return {tokens.data(), static_cast<int64_t>(tokens.size()), cu.data(), batch()}; }
+  Ragged ragged_blocks() const { return {blocks.data(), static_cast<int64_t>(blocks.size()), cu_blocks.data(), batch()}; }
+};
+
+}  // namespace
+
+TEST(RadixTree, RaggedCallsEqualSingleCalls) {
+  const std::vector<std::vector<int32_t>> prompts = {seq(0, 7), seq(0, 3), seq(100, 9), {0, 1, 2, 9, 9}, {}};
+  Fixture ragged(64, 4), single(64, 4);
+  const Batch a(*ragged.alloc, prompts), b(*single.alloc, prompts);  // the same block ids in both
+  ASSERT_EQ(a.blocks, b.blocks);
+  std::vector<int64_t> prefix(5), nodes(5);
+  ragged.tree->insert_ragged("m", a.ragged_tokens(), a.ragged_blocks(), false, prefix.data(), nodes.data());
+  for (int64_t i = 0; i < b.batch(); ++i) {
+    const auto r = single.tree->insert("m", b.tokens.data() + b.cu[i], b.cu[i + 1] - b.cu[i],
+                                       b.blocks.data() + b.cu_blocks[i], b.cu_blocks[i + 1] - b.cu_blocks[i]);
+    EXPECT_EQ(prefix[i], r.prefix_length) << i;
+  }
+  EXPECT_EQ(prefix, (std::vector<int64_t>{0, 3, 0, 3, 0}));
+  ragged.expect_ok();
+
+  const std::vector<std::vector<int32_t>> queries = {seq(0, 5), {0, 1, 2, 9, 9, 9}, seq(100, 12), {7}, {}};
+  std::vector<int32_t> flat;
+  std::vector<int64_t> cu{0};
+  for (const auto& q : queries) {
+    flat.insert(flat.end(), q.begin(), q.end());
+    cu.push_back(static_cast<int64_t>(flat.size()));
+  }
+  std::vector<int64_t> lengths(5), cu_blocks(6), handles(5);
+  std::vector<int32_t> blocks = {-7};  // appended to, after what is there
+  ragged.tree->match_ragged("m", Ragged{flat.data(), static_cast<int64_t>(flat.size()), cu.data(), 5}, false,
+                            lengths.data(), &blocks, cu_blocks.data(), handles.data());
+  EXPECT_EQ(lengths, (std::vector<int64_t>{5, 5, 9, 0, 0}));
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const MatchResult m = ragged.get(queries[i]);
+    EXPECT_EQ(lengths[i], m.length) << i;
+    EXPECT_EQ(handles[i], m.node) << i;
+    EXPECT_EQ(std::vector<int32_t>(blocks.begin() + 1 + cu_blocks[i], blocks.begin() + 1 + cu_blocks[i + 1]), m.blocks)
+        << i;
+  }
+  EXPECT_EQ(blocks[0], -7);
+}
+
+TEST(RadixTree, RaggedInsertChecksEveryRequestFirst) {
+  Fixture f(64, 4);
+  Batch b(*f.alloc, {seq(0, 7), seq(50, 4), seq(90, 2)});
+  std::vector<int64_t> prefix(3), nodes(3);
+  const auto insert = [&](const Ragged& tokens, const Ragged& blocks) {
+    f.tree->insert_ragged("m", tokens, blocks, false, prefix.data(), nodes.data());
+  };
+  const auto before = f.tree->stats();
+  std::vector<int32_t> five = b.blocks;
+  five.push_back(b.blocks.back());
+  std::vector<int64_t> bad_cu_blocks = {0, 2, 4, 5};  // sequence 1: 4 tokens = 1 page, given 2 blocks
+  EXPECT_EQ(error_of<std::invalid_argument>([&] {
+              insert(b.ragged_tokens(), Ragged{five.data(), 5, bad_cu_blocks.data(), 3});
+            }),
+            "sequence 1 has 4 tokens = 1 pages but 2 blocks");
+  std::vector<int64_t> short_cu = {0, 7, 11};
+  EXPECT_EQ(error_of<std::invalid_argument>([&] {
+              insert(Ragged{b.tokens.data(), 11, short_cu.data(), 2}, b.ragged_blocks());
+            }),
+            "cu_lens has 3 entries but cu_blocks has 4; both are [batch + 1]");
+  std::vector<int64_t> unsorted = {0, 11, 7, 13};
+  EXPECT_EQ(error_of<std::out_of_range>([&] { insert(Ragged{b.tokens.data(), 13, unsorted.data(), 3}, b.ragged_blocks()); }),
+            "cu_lens must be non-decreasing but cu_lens[2] = 7 < cu_lens[1] = 11");
+  std::vector<int64_t> offset = {1, 7, 11, 13};
+  EXPECT_EQ(error_of<std::out_of_range>([&] { insert(Ragged{b.tokens.data(), 13, offset.data(), 3}, b.ragged_blocks()); }),
+            "cu_lens[0] = 1 must be 0");
+  EXPECT_EQ(error_of<std::out_of_range>([&] { insert(Ragged{b.tokens.data(), 12, b.cu.data(), 3}, b.ragged_blocks()); }),
+            "cu_lens[-1] = 13 must equal len(tokens) = 12");
+  // The last request's block is no longer held: nothing of the batch goes in.
+  f.alloc->free(&b.blocks.back(), 1);
+  EXPECT_NE(error_of<std::invalid_argument>([&] { insert(b.ragged_tokens(), b.ragged_blocks()); }).find("is free"),
+            std::string::npos);
+  const auto after = f.tree->stats();
+  EXPECT_EQ(after.inserts, before.inserts);
+  EXPECT_EQ(after.nodes, 0);
+  EXPECT_EQ(f.alloc->num_free(), 64 - 3);
+  f.expect_ok();
 }

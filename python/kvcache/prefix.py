@@ -32,6 +32,9 @@ Namespaces keep caches that differ in anything affecting K/V apart: model and re
 KV format, positional encoding, and a user salt. The C++ objects are ``torch.classes.kvcache.
 BlockAllocator`` and ``torch.classes.kvcache.PrefixCache`` (``.native`` on the wrappers); their
 methods run without the GIL and lock internally, so both are safe to share between Python threads.
+:class:`PrefixCache` calls its tree's hot methods (match, insert, their ragged forms, lock, unlock,
+evict) through ``kvcache._C._PrefixTree``, a pybind11 binding of the same C++ object that skips
+torch's custom-class call overhead (a few microseconds per call, more than a match itself).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from . import ops
+from . import _C, ops
 
 __all__ = [
     "BlockAllocator", "Insert", "Match", "Namespace", "OutOfBlocksError", "PrefixCache", "RaggedMatch", "Sequence",
@@ -315,36 +318,38 @@ class PrefixCache:
             self.host_allocator = BlockAllocator(host[0][0].shape[0], allocator.page_size)
             self.native.set_host_tier(self.host_allocator.native, [k for k, _ in device], [v for _, v in device],
                                       [k for k, _ in host], [v for _, v in host])
-        # Bound once: every attribute lookup on a torch ScriptObject builds a new method object (~1 us).
-        self._match, self._insert, self._evict = self.native.match, self.native.insert, self.native.evict
-        self._lock, self._unlock = self.native.lock, self.native.unlock
-        self._match_ragged, self._insert_ragged = self.native.match_ragged, self.native.insert_ragged
+        # The same tree through pybind11 (csrc/prefix/prefix_pybind.cpp), bound once: a call through
+        # the torch class costs ~3.5 us of argument boxing and schema matching, more than a match.
+        fast = _C._PrefixTree(self.native.core_id(), Match, Insert, RaggedMatch)  # results made as these
+        self._match, self._insert, self._evict = fast.match, fast.insert, fast.evict
+        self._lock, self._unlock = fast.lock, fast.unlock
+        self._match_ragged, self._insert_ragged = fast.match_ragged, fast.insert_ragged
 
     def match(self, tokens, namespace: Namespace | str = DEFAULT_NAMESPACE, *, lock: bool = False) -> Match:
-        """The longest cached prefix of ``tokens`` (1-D int32/int64 CPU tensor, or a list of ints).
+        """The longest cached prefix of ``tokens`` (a 1-D int32/int64 CPU tensor or numpy array, or a
+        sequence of ints).
 
         With a host tier, a prefix found there is copied back first. ``lock=True`` locks the returned
         node in the same step (no other thread can evict it in between)."""
-        length, blocks, node = self._match(_ids(tokens, "tokens"), _ns(namespace), lock)
-        return Match(length, blocks, node)
+        return self._match(tokens, _ns(namespace), lock)
 
     def insert(self, tokens, blocks, namespace: Namespace | str = DEFAULT_NAMESPACE, *,
                lock: bool = False) -> Insert:
         """Caches ``tokens``, whose KV is in ``blocks`` (``ceil(len(tokens) / page_size)`` block ids the
         caller holds, or a :class:`Sequence` holding at least those tokens). The cache takes its own
         reference on the blocks of the part it did not have; the caller keeps its references."""
-        tokens = _ids(tokens, "tokens")
         if isinstance(blocks, Sequence):
-            if len(tokens) > blocks.num_tokens:
-                raise ValueError(f"tokens has {len(tokens)} entries but the sequence holds {blocks.num_tokens}")
-            blocks = blocks.blocks[:-(-len(tokens) // self.allocator.page_size)]
-        prefix_length, node = self._insert(tokens, _ids(blocks, "blocks"), _ns(namespace), lock)
-        return Insert(prefix_length, node)
+            n = len(tokens)
+            if n > blocks.num_tokens:
+                raise ValueError(f"tokens has {n} entries but the sequence holds {blocks.num_tokens}")
+            blocks = blocks.blocks[:-(-n // self.allocator.page_size)]
+        return self._insert(tokens, blocks, _ns(namespace), lock)
 
     def match_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, namespace: Namespace | str = DEFAULT_NAMESPACE,
                      *, lock: bool = False) -> RaggedMatch:
-        """:meth:`match` of a batch in one call: sequence ``i`` is ``tokens[cu_lens[i]:cu_lens[i + 1]]``."""
-        return RaggedMatch(*self._match_ragged(tokens, cu_lens, _ns(namespace), lock))
+        """:meth:`match` of a batch in one call: sequence ``i`` is ``tokens[cu_lens[i]:cu_lens[i + 1]]``
+        (``cu_lens``: ``[batch + 1]`` int32/int64 offsets; either may also be a numpy array or a list)."""
+        return self._match_ragged(tokens, cu_lens, _ns(namespace), lock)
 
     def insert_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, blocks: torch.Tensor, cu_blocks: torch.Tensor,
                       namespace: Namespace | str = DEFAULT_NAMESPACE, *, lock: bool = False
