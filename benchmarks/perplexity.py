@@ -44,7 +44,7 @@ import importlib.util
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -71,9 +71,11 @@ class Variant:
     bits: int | None = None           # stored bits per element (for "same number of bits"); None = model dtype
     gate: float | None = None         # allowed perplexity increase over the reference
 
+    paged_attn: str = field(default="kvcache", compare=False)  # PagedCache rows' attention (--attn)
+
     @property
     def attn(self) -> str:
-        return "kvcache" if self.kind == "paged" else "sdpa"
+        return self.paged_attn if self.kind == "paged" else "sdpa"
 
     def missing(self) -> str | None:
         """Why this variant cannot run here, or None."""
@@ -249,8 +251,8 @@ def markdown(info: dict, rows: list[dict], gate_rows: list[dict], notes: list[st
              + "".join(f", {k} {v}" for k, v in info.get("peers", {}).items()) + ". "
              f"{setup['model']}, {setup['dtype']}; each text: {setup['tokens']} tokens, a {setup['prefill']}-token "
              f"first forward, then {setup['chunk']}-token forwards through the cache. Increase and KL "
-             f"(nats/token) are against {REFERENCE.name} with the \"kvcache\" attention; PagedCache rows use "
-             "\"kvcache\" attention, the others SDPA.", "",
+             f"(nats/token) are against {REFERENCE.name}; PagedCache rows use \"{setup.get('paged_attn', 'kvcache')}\" "
+             "attention, the others SDPA.", "",
              "| cache | " + " | ".join(f"{t}: ppl | increase | KL | top-1" for t in texts) + " |",
              "|---|" + "---|---|---|---|" * len(texts)]
     for name in names:
@@ -299,6 +301,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", help="the model's dtype (the reference cache's too)")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the rows' names "
                                                          "(the first is the reference)")
+    parser.add_argument("--attn", default="kvcache", choices=("kvcache", "sdpa"),
+                        help="attention of the PagedCache rows: the kernel over the pages, or SDPA over "
+                             "paged_gather's copy (the same stored values; for machines where the kernel is slow)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write perplexity.{json,md} (default benchmarks/results; --quick writes "
                              "nothing unless given)")
@@ -315,6 +320,7 @@ def main(argv=None) -> None:
     if args.variants:
         wanted = [s.strip() for s in args.variants.split(",")]
         variants = [next(v for v in VARIANTS if v.name == w) for w in wanted]
+    variants = [replace(v, paged_attn=args.attn) for v in variants]
     started = time.perf_counter()
     model, tokenizer = load_smollm2(getattr(torch, args.dtype))
     texts, samples = {}, {}
@@ -327,7 +333,7 @@ def main(argv=None) -> None:
     rows, notes = perplexity_rows(model, texts, variants, prefill=prefill, chunk=chunk)
     gate_rows = gates(rows, variants)
     setup = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "tokens": tokens, "prefill": prefill,
-             "chunk": chunk, "texts": samples, "wall_s": time.perf_counter() - started}
+             "chunk": chunk, "texts": samples, "paged_attn": args.attn, "wall_s": time.perf_counter() - started}
     table = markdown(info, rows, gate_rows, notes, setup)
     print(table)
     out = args.out if args.out is not None or args.quick else Path(__file__).parent / "results"

@@ -216,12 +216,13 @@ def test_kivi_pool_release_and_out_of_residual_blocks():
     x = torch.randn(1, 1, 40, 32)
     with pytest.raises(RuntimeError, match=r"out of residual blocks: this append needs 3, 2 are free"):
         pool.append(x, x, table, torch.tensor([40], dtype=torch.int32))
-    assert pool.residual_of == [-1] * 8                     # nothing taken
+    assert pool.pages.slot_of == {} and pool.pages.num_slots == 0   # nothing taken
     pool.append(x[:, :, :20], x[:, :, :20], table, torch.tensor([20], dtype=torch.int32))
     pool.append(x[:, :, 20:21], x[:, :, 20:21], table, torch.tensor([21], dtype=torch.int32))  # seals page 0
     assert pool.sealed_pages(table, torch.tensor([21], dtype=torch.int32)) == [1]
+    assert list(pool.pages.slot_of) == [1]                          # page 1 (block 1) is the open one
     pool.release(table[0])
-    assert sorted(pool._free) == [0, 1] and pool.residual_of == [-1] * 8
+    assert pool.pages.slot_of == {} and sorted(pool.pages._free) == [0, 1]
     assert pool.nbytes == pool.sealed.nbytes + pool.residual.nbytes
 
 

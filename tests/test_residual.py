@@ -247,3 +247,7 @@ def test_bad_residual_arguments():
     # full precision has nothing to keep: no residual pools, no label
     cache = kvcache.PagedCache(residual_length=16, num_layers=1)
     assert cache.store.residual is None and cache.store.residual_label == ""
+    # defaults: KIVI keeps KIVI's 128-token window, the other formats are quantized as written
+    assert kvcache.PagedCache(kv_format="kivi2", num_layers=1).store.residual.window == 128
+    assert kvcache.PagedCache(kv_format="int4", num_layers=1).store.residual is None
+    assert kvcache.PagedCache(kv_format="kivi4", residual_length=0, num_layers=1).store.residual.window == 0

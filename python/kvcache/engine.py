@@ -100,7 +100,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache: bool = True, page_size: int = 16,
                  max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None,
-                 residual_length: int = 0, residual_sink_tokens: int = 0):
+                 residual_length: int | None = None, residual_sink_tokens: int = 0):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
         config = model.config.get_text_config(decoder=True)
         self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,

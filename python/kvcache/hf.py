@@ -53,6 +53,9 @@ try:  # transformers is optional for the rest of kvcache
 except ImportError:  # pragma: no cover - exercised only without transformers
     Cache, CacheLayerMixin = object, object
 
+# KIVI's default full-precision window (the paper's residual length R)
+KIVI_RESIDUAL_LENGTH = 128
+
 # Block ids the allocator may hand out when no max_tokens is given: the pools themselves grow on demand,
 # so this is a budget, not memory (4M tokens at page 16).
 _UNBOUNDED_BLOCKS = 1 << 18
@@ -67,18 +70,20 @@ class PagedStore:
     with that layer's kv heads, head_dim and device, and grow (doubling) as block ids are handed out,
     unless ``max_tokens`` fixes their size up front.
 
-    With a quantized format, ``residual_length`` (the newest tokens of every sequence) and
-    ``residual_sink_tokens`` (its first tokens, in whole pages) stay in the model's dtype, in residual
-    pools beside the quantized ones (:mod:`kvcache.residual`); KIVI formats always use them, since a
-    KIVI page is quantized only once it is complete.
+    With a quantized format, ``residual_length`` (the newest tokens of every sequence; default
+    ``None``: 128 for KIVI formats, as in the KIVI paper, else 0) and ``residual_sink_tokens`` (its first
+    tokens, in whole pages) stay in the model's dtype, in residual pools beside the quantized ones
+    (:mod:`kvcache.residual`); KIVI formats always use them, since a KIVI page is quantized only once it
+    is complete.
     """
 
     def __init__(self, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
                  prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None,
-                 allocator: BlockAllocator | None = None, residual_length: int = 0, residual_sink_tokens: int = 0):
+                 allocator: BlockAllocator | None = None, residual_length: int | None = None,
+                 residual_sink_tokens: int = 0):
         if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
-        if residual_length < 0 or residual_sink_tokens < 0:
+        if (residual_length or 0) < 0 or residual_sink_tokens < 0:
             raise ValueError(f"residual_length={residual_length} and residual_sink_tokens={residual_sink_tokens} "
                              f"must be >= 0")
         self.page_size = int(page_size)
@@ -105,6 +110,8 @@ class PagedStore:
         fmt = self.kv_format
         quantized = fmt is not None and (fmt.k.quantized or fmt.v.quantized)
         kivi = fmt is not None and (fmt.k.kind.startswith("kivi") or fmt.v.kind.startswith("kivi"))
+        if residual_length is None:
+            residual_length = KIVI_RESIDUAL_LENGTH if kivi else 0
         self.residual: ResidualPages | None = None
         self.residual_pools: dict[int, KVPool] = {}
         if quantized and (residual_length or residual_sink_tokens or kivi):
@@ -338,8 +345,8 @@ class PagedCache(Cache):
             visible (StreamingLLM attention sinks).
         residual_length: with a quantized ``kv_format``, the newest ``residual_length`` tokens of every row
             stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
-            pages are quantized once they are older (:mod:`kvcache.residual`). KIVI formats always keep
-            the page being written in full precision.
+            pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 for KIVI
+            formats (which also keep the page being written in full precision), 0 for the others.
         residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
@@ -351,7 +358,7 @@ class PagedCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, sink_tokens: int = 0,
                  store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
                  allocator: BlockAllocator | None = None, num_layers: int | None = None,
-                 residual_length: int = 0, residual_sink_tokens: int = 0):
+                 residual_length: int | None = None, residual_sink_tokens: int = 0):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if num_layers is None and text_config is not None:
             num_layers = getattr(text_config, "num_hidden_layers", None)

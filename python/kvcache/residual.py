@@ -67,12 +67,15 @@ class ResidualPages:
         page_size: tokens per page.
         window: the newest ``window`` tokens of every sequence stay in full precision (their pages do).
         sink_pages: the first pages of every sequence are never sealed.
+        max_slots: the residual pools' fixed size; a plan that needs more slots raises before it changes
+            anything. By default slots are numbered on (the pools grow).
     """
 
-    def __init__(self, page_size: int, window: int = 0, sink_pages: int = 0):
+    def __init__(self, page_size: int, window: int = 0, sink_pages: int = 0, max_slots: int | None = None):
         if window < 0 or sink_pages < 0:
             raise ValueError(f"window={window} and sink_pages={sink_pages} must be >= 0")
         self.page_size, self.window, self.sink_pages = int(page_size), int(window), int(sink_pages)
+        self.max_slots = max_slots          # a fixed residual pool's size (None: the pools grow)
         self.slot_of: dict[int, int] = {}   # open block id -> residual slot
         self._free: list[int] = []
         self.num_slots = 0                  # slots ever handed out (the residual pools' size)
@@ -82,6 +85,8 @@ class ResidualPages:
     def _take(self) -> int:
         if not self._free and self.is_live is not None:
             self.collect()
+        if not self._free and self.max_slots is not None and self.num_slots >= self.max_slots:
+            raise RuntimeError(f"out of residual blocks: all {self.max_slots} are in use")
         if self._free:
             return self._free.pop()
         self.num_slots += 1
@@ -123,33 +128,53 @@ class ResidualPages:
              query_positions: torch.Tensor, valid: torch.Tensor) -> ResidualPlan:
         """Plans a forward in which row ``b`` (blocks ``tables[b]``) goes from ``before[b]`` to
         ``after[b]`` stored tokens. ``query_positions`` ``[batch, q_len]`` are the stored positions of the
-        forward's tokens and ``valid`` says which are stored. Updates the bookkeeping (the plan must then
-        be applied to every layer before the next plan)."""
-        P, batch = self.page_size, len(tables)
-        seal, sealed_now, freed = [], set(), []
+        forward's tokens and ``valid`` says which are stored. Updates the bookkeeping: the plan must then
+        be applied (:func:`apply`) to every layer before the next plan. A slot freed by sealing may take
+        new tokens in the same plan: :func:`apply` copies a page out before it writes."""
+        P = self.page_size
+        seal, sealed_now = [], set()
         for row, n in zip(tables, before):
             for p in range(self.sink_pages, max(self.sink_pages, (n - self.window) // P)):
                 blk = row[p]
                 if blk in self.slot_of and blk not in sealed_now:
                     seal.append((self.slot_of[blk], blk))
                     sealed_now.add(blk)
-        for _, blk in seal:  # the slots are freed after this plan's new slots are taken (see below)
-            freed.append(self.slot_of.pop(blk))
+        touched = list(dict.fromkeys((row[p], p * P < n) for row, n, m in zip(tables, before, after)
+                                     for p in range(n // P, -(-m // P))))
+        needed = len({blk for blk, _ in touched if blk not in self.slot_of})
+        if self.max_slots is not None:
+            available = len(self._free) + len(seal) + self.max_slots - self.num_slots
+            if needed > available:
+                raise RuntimeError(f"out of residual blocks: this append needs {needed}, {available} are free "
+                                   f"(allocate more residual blocks)")
+        for _, blk in seal:
+            self.close(blk)
         reopen = []
-        for row, n, m in zip(tables, before, after):
-            for p in range(n // P, -(-m // P)):
-                blk = row[p]
-                if blk not in self.slot_of and p * P < n:  # a sealed page that is partly filled: reopen it
-                    reopen.append((blk, self.open(blk)))
-                else:
-                    self.open(blk)
-        self._free.extend(freed)
+        for blk, partly_filled in touched:
+            if blk not in self.slot_of and partly_filled:  # a sealed page that gets more tokens: reopen it
+                reopen.append((blk, self.open(blk)))
+            else:
+                self.open(blk)
+        plan = self.view(tables, after, valid.sum(dim=1).tolist())
+        pos = torch.where(valid, query_positions, 0)
+        slots = plan.page_slots.to(torch.int64).gather(1, pos // P) * P + pos % P
+        arange_p = torch.arange(P, dtype=torch.int64)
+        plan.seal_slots = torch.tensor([s for s, _ in seal], dtype=torch.int64)
+        plan.seal_targets = torch.tensor([blk for _, blk in seal], dtype=torch.int64).view(-1, 1) * P + arange_p
+        plan.reopen_blocks = torch.tensor([blk for blk, _ in reopen], dtype=torch.int32).view(-1, 1)
+        plan.reopen_slots = torch.tensor([s for _, s in reopen], dtype=torch.int64).view(-1, 1) * P + arange_p
+        plan.slot_mapping = torch.where(valid, slots, torch.full_like(slots, -1))
+        return plan
 
-        max_pages = max([-(-m // P) for m in after] + [1])
+    def view(self, tables: list[list[int]], lengths: list[int], q_counts: list[int]) -> ResidualPlan:
+        """The tables that read row ``b``'s first ``lengths[b]`` tokens (its last ``q_counts[b]`` being the
+        queries, packed row after row) from both pools, without changing anything (nothing to write)."""
+        P, batch = self.page_size, len(tables)
+        max_pages = max([-(-m // P) for m in lengths] + [1])
         page_slots = torch.zeros(batch, max_pages, dtype=torch.int32)
         page_open = torch.zeros(batch, max_pages, dtype=torch.bool)
         open_rows, open_lens, sealed_rows, sealed_lens = [], [], [], []
-        for b, (row, m) in enumerate(zip(tables, after)):
+        for b, (row, m) in enumerate(zip(tables, lengths)):
             pages = -(-m // P)
             slots = [self.slot_of.get(blk, -1) for blk in row[:pages]]
             is_open = [s >= 0 for s in slots]
@@ -160,21 +185,13 @@ class ResidualPages:
             open_lens.append(sum(t for t, o in zip(tokens, is_open) if o))
             sealed_rows.append([blk for blk, o in zip(row[:pages], is_open) if not o])
             sealed_lens.append(sum(t for t, o in zip(tokens, is_open) if not o))
-
-        pos = torch.where(valid, query_positions, 0)
-        slots = page_slots.to(torch.int64).gather(1, pos // P) * P + pos % P
-        slot_mapping = torch.where(valid, slots, torch.full_like(slots, -1))
-        # sealed pass: every stored query of a row with sealed tokens is its own row
-        q_counts = valid.sum(dim=1).tolist()
+        # sealed pass: every query of a row with sealed tokens is its own row
         starts = [sum(q_counts[:b]) for b in range(batch)]
         rows = [(starts[b] + i, b) for b in range(batch) if sealed_lens[b] for i in range(q_counts[b])]
-        arange_p = torch.arange(P, dtype=torch.int64)
+        nothing = torch.zeros(0, dtype=torch.int64)
         return ResidualPlan(
-            seal_slots=torch.tensor([s for s, _ in seal], dtype=torch.int64),
-            seal_targets=torch.tensor([blk for _, blk in seal], dtype=torch.int64).view(-1, 1) * P + arange_p,
-            reopen_blocks=torch.tensor([blk for blk, _ in reopen], dtype=torch.int32).view(-1, 1),
-            reopen_slots=torch.tensor([s for _, s in reopen], dtype=torch.int64).view(-1, 1) * P + arange_p,
-            slot_mapping=slot_mapping,
+            seal_slots=nothing, seal_targets=nothing.view(0, P), reopen_blocks=nothing.to(torch.int32).view(0, 1),
+            reopen_slots=nothing.view(0, P), slot_mapping=nothing.view(0, 0),
             open_tables=_table(open_rows),
             open_lens=torch.tensor(open_lens, dtype=torch.int32),
             page_slots=page_slots,
