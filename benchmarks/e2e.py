@@ -31,8 +31,8 @@ earlier request). Reports mean TTFT, tokens actually prefilled, and the fraction
 Requirements beyond requirements/dev.txt (install into your own environment, not the project's):
   - optimum-quanto==0.2.7 (pure Python): ``pip install --no-deps optimum-quanto==0.2.7``
     (its other dependencies, torch/ninja/numpy/safetensors/huggingface_hub, are already there);
-  - hqq==0.2.8.post1 (sdist; CUDA kernels skipped): ``DISABLE_CUDA=1 pip install --no-deps
-    --no-build-isolation hqq==0.2.8.post1 einops termcolor``.
+  - hqq==0.2.8.post1 (sdist; CUDA kernels skipped): ``pip install wheel setuptools``, then
+    ``DISABLE_CUDA=1 pip install --no-deps --no-build-isolation hqq==0.2.8.post1 einops termcolor``.
   Without them their rows are skipped (and said so in the output). The "fp8" backend needs nothing.
   The model and texts: ``python benchmarks/assets.py --text devil`` once (gguf + accelerate needed).
 

@@ -114,7 +114,7 @@ VARIANTS = [
     Variant("PagedCache int8 + 128 residual", "paged", "int8", 128, bits=8, gate=0.005),
     Variant("PagedCache fp8_e4m3 + 128 residual", "paged", "fp8_e4m3", 128, bits=8, gate=0.02),
     Variant("PagedCache int4 + 128 residual", "paged", "int4", 128, bits=4, gate=0.05),
-    Variant("PagedCache kivi4 + 128 residual", "paged", "kivi4", 128, bits=4),
+    Variant("PagedCache kivi4 + 128 residual", "paged", "kivi4", 128, bits=4, gate=0.05),
     Variant("PagedCache kivi2 + 128 residual", "paged", "kivi2", 128, bits=2, gate=0.20),
     Variant("QuantizedCache fp8", "quantized", backend="fp8", bits=8),
     Variant("QuantizedCache HQQ 8-bit", "quantized", backend="hqq", nbits=8, bits=8),
