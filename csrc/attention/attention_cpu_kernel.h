@@ -625,7 +625,11 @@ struct Row8<ReadI4> {
   static constexpr bool kEvenOdd = true;  // low nibbles = even dims
   static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * g)));
-    const __m256 scale = _mm256_set1_ps(fp16_to_float(meta[g / 2 * 2])), zero = _mm256_set1_ps(fp16_to_float(meta[g / 2 * 2 + 1]));
+    // (scale, zero) of the group: one fp16 pair, widened by F16C rather than two scalar conversions
+    int32_t pair;
+    std::memcpy(&pair, meta + g / 2 * 2, 4);
+    const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+    const __m256 scale = _mm256_broadcastss_ps(sz), zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), scale, zero);
     b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), scale, zero);
   }
@@ -660,38 +664,35 @@ struct ScoreAvx2 {
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
                      const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
-    for (int rp = 0; rp < kRows; rp += 2) {
-      const float* q0 = q + rp * D;
-      const float* q1 = q0 + D;
-      __m256 part[kTile / 4];  // [row rp keys 4t..4t+3 | row rp+1 keys 4t..4t+3]
-      for (int t = 0; t < kTile / 4; ++t) {
-        __m256 acc[8];
-        for (auto& v : acc) v = _mm256_setzero_ps();
-        for (int64_t g = 0; g < D / 16; ++g) {
-          const __m256 q0a = _mm256_loadu_ps(q0 + 16 * g), q0b = _mm256_loadu_ps(q0 + 16 * g + 8);
-          const __m256 q1a = _mm256_loadu_ps(q1 + 16 * g), q1b = _mm256_loadu_ps(q1 + 16 * g + 8);
-          for (int j = 0; j < 4; ++j) {
-            __m256 ka, kb;
-            Row8<Read>::load16(krow[4 * t + j], kmeta[4 * t + j], g, ka, kb);
-            acc[j] = _mm256_fmadd_ps(q0a, ka, acc[j]);
-            acc[4 + j] = _mm256_fmadd_ps(q1a, ka, acc[4 + j]);
-            acc[j] = _mm256_fmadd_ps(q0b, kb, acc[j]);
-            acc[4 + j] = _mm256_fmadd_ps(q1b, kb, acc[4 + j]);
-          }
-        }
-        part[t] = hsum8x8(acc);
-      }
-      for (int half = 0; half < 2; ++half) {  // keys 0..7, then 8..15
-        const __m256 x = part[2 * half], y = part[2 * half + 1];
-        const __m256 r0 = _mm256_permute2f128_ps(x, y, 0x20), r1 = _mm256_permute2f128_ps(x, y, 0x31);
-        if (half == 0) {
-          rows[rp] = join8(r0, r0);
-          rows[rp + 1] = join8(r1, r1);
-        } else {
-          std::memcpy(reinterpret_cast<char*>(&rows[rp]) + 32, &r0, 32);
-          std::memcpy(reinterpret_cast<char*>(&rows[rp + 1]) + 32, &r1, 32);
+    // 4 rows x 2 keys per pass: each key chunk is widened once and feeds all four rows
+    __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
+    for (int k = 0; k < kTile / 2; ++k) {
+      __m256 acc[8];  // acc[2 r + t]: row r, key 2 k + t
+      for (auto& v : acc) v = _mm256_setzero_ps();
+      const typename Read::Elem* k0 = krow[2 * k];
+      const typename Read::Elem* k1 = krow[2 * k + 1];
+      for (int64_t g = 0; g < D / 16; ++g) {
+        __m256 k0a, k0b, k1a, k1b;
+        Row8<Read>::load16(k0, kmeta[2 * k], g, k0a, k0b);
+        Row8<Read>::load16(k1, kmeta[2 * k + 1], g, k1a, k1b);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256 qa = _mm256_loadu_ps(q + r * D + 16 * g), qb = _mm256_loadu_ps(q + r * D + 16 * g + 8);
+          acc[2 * r] = _mm256_fmadd_ps(qa, k0a, acc[2 * r]);
+          acc[2 * r + 1] = _mm256_fmadd_ps(qa, k1a, acc[2 * r + 1]);
+          acc[2 * r] = _mm256_fmadd_ps(qb, k0b, acc[2 * r]);
+          acc[2 * r + 1] = _mm256_fmadd_ps(qb, k1b, acc[2 * r + 1]);
         }
       }
+      pairs[k] = _mm256_castps_pd(hsum8x8(acc));
+    }
+    for (int half = 0; half < 2; ++half) {  // 4x4 transpose of 64-bit pairs: keys 0..7, then 8..15
+      const __m256d* x = pairs + 4 * half;
+      const __m256d t0 = _mm256_unpacklo_pd(x[0], x[1]), t1 = _mm256_unpackhi_pd(x[0], x[1]);
+      const __m256d t2 = _mm256_unpacklo_pd(x[2], x[3]), t3 = _mm256_unpackhi_pd(x[2], x[3]);
+      const __m256d r0 = _mm256_permute2f128_pd(t0, t2, 0x20), r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
+      const __m256d r2 = _mm256_permute2f128_pd(t0, t2, 0x31), r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
+      const __m256d out[4] = {r0, r1, r2, r3};
+      for (int r = 0; r < kRows; ++r) std::memcpy(reinterpret_cast<char*>(&rows[r]) + 32 * half, &out[r], 32);
     }
   }
 };
