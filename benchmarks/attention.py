@@ -101,7 +101,7 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
         row[f"{name}_GBps"] = per_layer / t / 1e9
         row[f"{name}_roof_fraction"] = per_layer / t / roof
     row["ours_ms_all"] = [t * 1e3 for t in times["ours"]]  # every round: the spread on a shared machine
-    row["read_roof_GBps_all"] = [b / 1e9 for b in times["probe"]]
+    row["read_roof_GBps_all"] = [probe.buffer.nbytes / t / 1e9 for t in times["probe"]]
     if peers:
         row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ours_ms"]
         row["speedup_vs_gather_sdpa"] = row["gather+sdpa_ms"] / row["ours_ms"]
