@@ -55,7 +55,8 @@ def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, genera
     return layers, table, lens, per_layer
 
 
-def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator) -> dict:
+def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator,
+               peers: bool = True) -> dict:
     layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
     cu = torch.arange(batch + 1, dtype=torch.int32)
@@ -82,23 +83,28 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
     max_err = (mine.float() - theirs).abs().max().item()
     assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
 
-    times = {"ours": [], "sdpa": [], "gather+sdpa": [], "probe": []}
+    names = ("ours", "sdpa", "gather+sdpa") if peers else ("ours",)
+    times = {"probe": [], **{name: [] for name in names}}
     ours()  # warm-up (thread pool, allocator)
     for _ in range(rounds):
         times["probe"].append(probe.buffer.nbytes / probe.measure())
         times["ours"].append(time_call(ours) / len(layers))
-        times["sdpa"].append(time_call(sdpa) / len(layers))
-        times["gather+sdpa"].append(time_call(gather_sdpa) / len(layers))
+        if peers:
+            times["sdpa"].append(time_call(sdpa) / len(layers))
+            times["gather+sdpa"].append(time_call(gather_sdpa) / len(layers))
     roof = probe.buffer.nbytes / best(times["probe"])
     row = {"batch": batch, "context": ctx, "dtype": str(dtype).removeprefix("torch."), "layers": len(layers),
            "kv_bytes_per_call": per_layer, "read_roof_GBps": roof / 1e9, "max_abs_diff_vs_sdpa": max_err}
-    for name in ("ours", "sdpa", "gather+sdpa"):
+    for name in names:
         t = best(times[name])
         row[f"{name}_ms"] = t * 1e3
         row[f"{name}_GBps"] = per_layer / t / 1e9
         row[f"{name}_roof_fraction"] = per_layer / t / roof
-    row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ours_ms"]
-    row["speedup_vs_gather_sdpa"] = row["gather+sdpa_ms"] / row["ours_ms"]
+    row["ours_ms_all"] = [t * 1e3 for t in times["ours"]]  # every round: the spread on a shared machine
+    row["read_roof_GBps_all"] = [probe.buffer.nbytes / t / 1e9 for t in times["probe"]]
+    if peers:
+        row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ours_ms"]
+        row["speedup_vs_gather_sdpa"] = row["gather+sdpa_ms"] / row["ours_ms"]
     del layers
     return row
 
@@ -167,11 +173,13 @@ def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
+        peers = (f"{r['sdpa_ms']:.2f} | {r['gather+sdpa_ms']:.2f} | {r['speedup_vs_sdpa']:.1f}x | "
+                 f"{r['speedup_vs_gather_sdpa']:.1f}x" if "sdpa_ms" in r else "- | - | - | -")
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['ours_ms']:.2f} | {r['ours_GBps']:.1f} | "
-                     f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {r['sdpa_ms']:.2f} | "
-                     f"{r['gather+sdpa_ms']:.2f} | {r['speedup_vs_sdpa']:.1f}x | {r['speedup_vs_gather_sdpa']:.1f}x |")
-    lines += ["", "| chunked prefill | dtype | ours ms | SDPA ms (explicit mask) | ours GFLOP/s | vs SDPA |",
-              "|---|---|---|---|---|---|"]
+                     f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {peers} |")
+    if prefill:
+        lines += ["", "| chunked prefill | dtype | ours ms | SDPA ms (explicit mask) | ours GFLOP/s | vs SDPA |",
+                  "|---|---|---|---|---|---|"]
     for r in prefill:
         lines.append(f"| {r['q_len']} queries over {r['prefix']} | {r['dtype']} | {r['ours_ms']:.1f} | "
                      f"{r['sdpa_ms']:.1f} | {r['ours_GFLOPs']:.0f} | {r['speedup_vs_sdpa']:.2f}x |")
@@ -192,6 +200,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--formats", default="int8,fp8_e4m3,int4", help="quantized formats compared with bf16")
     parser.add_argument("--skip-peers", action="store_true", help="only the quantized-format table")
+    parser.add_argument("--skip-sdpa", action="store_true",
+                        help="decode table without the SDPA columns (ours and the roof only; much faster)")
+    parser.add_argument("--contexts", help="comma-separated decode contexts (default 1k..128k)")
+    parser.add_argument("--batches", help="comma-separated decode batch sizes (default 1,16)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,6 +211,10 @@ def main() -> None:
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     contexts = [1024, 8192] if args.quick else [1024, 4096, 16384, 32768, 65536, 131072]
     batches = [1] if args.quick else [1, 16]
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     # batch x context <= 512k tokens: the pages, the dense copy and the gather buffer fit in 24 GiB
     configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
     probe = BandwidthProbe()
@@ -206,9 +222,10 @@ def main() -> None:
     decode, prefill = [], []
     if not args.skip_peers:
         for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
-            decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g))
-        prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
-                   for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
+            decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa))
+        if not args.skip_sdpa:
+            prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
+                       for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
     fmt_configs = [(f, 1, c) for f in args.formats.split(",") if f for c in ([1024] if args.quick else [1024, 32768])]
     formats = [format_row(f, b, c, args.rounds, probe, g) for f, b, c in tqdm(fmt_configs, desc="formats", unit="config")]
     table = markdown(info, decode, prefill, formats)
