@@ -11,6 +11,7 @@ import torch
 
 import kvcache
 import kvcache.formats
+import kvcache.kivi
 import kvcache.layout
 import kvcache.ops
 import kvcache.pool
@@ -18,7 +19,7 @@ import kvcache.quant
 
 
 @pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant,
-                                    kvcache.pool, kvcache.hf, kvcache.engine],
+                                    kvcache.pool, kvcache.kivi, kvcache.hf, kvcache.engine],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

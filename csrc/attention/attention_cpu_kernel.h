@@ -722,6 +722,12 @@ inline __m256 hsum8x8(const __m256 v[8]) {
 template <class Read>
 struct ScoreAvx2 {
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    if (a.k_rot) {  // Hadamard-rotated keys: the query is rotated (and scaled) like them
+      float q[kMaxRotatedDim];
+      load_query_f32(a, base, q);
+      for (int64_t d = 0; d < a.layout.head_dim; ++d) q_row[storage_index8<Read>(d)] = q[d];
+      return;
+    }
     for (int64_t d = 0; d < a.layout.head_dim; ++d) {
       q_row[storage_index8<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
     }

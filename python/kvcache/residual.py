@@ -242,8 +242,11 @@ def attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, query: torch
         cu = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
         s_out, s_lse = sealed.attention(query.index_select(0, rows), plan.sealed_tables, plan.sealed_lens, cu, scale,
                                         softcap=softcap, return_lse=True)
-        full_out = torch.zeros_like(out).index_copy_(0, rows, s_out.to(out.dtype))
-        full_lse = torch.full_like(lse, float("-inf")).index_copy_(0, rows, s_lse)
+        if rows.numel() == out.shape[0]:  # every query sees sealed pages (decode): rows are 0 .. n - 1
+            full_out, full_lse = s_out.to(out.dtype), s_lse
+        else:
+            full_out = torch.zeros_like(out).index_copy_(0, rows, s_out.to(out.dtype))
+            full_lse = torch.full_like(lse, float("-inf")).index_copy_(0, rows, s_lse)
         out, lse = ops.merge_states(out, lse, full_out, full_lse)
     return (out, lse) if return_lse else out
 
