@@ -259,9 +259,20 @@ struct Offsets : IdArray<int64_t> {
   int64_t batch() const { return size() - 1; }
 };
 
-std::string_view namespace_key(py::handle ns) {
+/// The tree's key of a namespace argument: a str is the key itself; an instance of `ns_type`
+/// (kvcache.Namespace, if given) has it as `.key`; None is `default_key`. Resolving it here spares
+/// the Python wrapper a frame per call.
+std::string_view namespace_key(py::handle ns, PyObject* ns_type, PyObject* key_name, PyObject* default_key) {
+  PyObject* key = ns.ptr();
+  if (key == Py_None && default_key) {
+    key = default_key;
+  } else if (!PyUnicode_Check(key) && ns_type && PyObject_TypeCheck(key, reinterpret_cast<PyTypeObject*>(ns_type))) {
+    key = PyObject_GetAttr(key, key_name);  // borrowed below: the Namespace (frozen) keeps its key alive
+    if (!key) throw py::error_already_set();
+    Py_DECREF(key);
+  }
   Py_ssize_t n = 0;
-  const char* s = PyUnicode_Check(ns.ptr()) ? PyUnicode_AsUTF8AndSize(ns.ptr(), &n) : nullptr;
+  const char* s = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : nullptr;
   if (!s) {
     PyErr_Clear();
     throw py::type_error(cat("namespace must be a kvcache.Namespace or a str, got ", Py_TYPE(ns.ptr())->tp_name));
@@ -284,85 +295,108 @@ PyTypeObject* result_type(py::handle cls, const char* what, Py_ssize_t arity) {
   return type;
 }
 
-/// `items` as an instance of `type` (or as they are, for null): tuple.__new__(type, items), called
-/// in C; a NamedTuple's own __new__ is Python code (~150 ns, a tenth of a match).
-py::object as_result(PyTypeObject* type, py::tuple items) {
-  if (!type) return std::move(items);
-  const py::tuple args = py::make_tuple(std::move(items));
-  PyObject* r = PyTuple_Type.tp_new(type, args.ptr(), nullptr);
-  if (!r) throw py::error_already_set();
+/// (items...) as an instance of `type`, or a plain tuple for null. Filled in place, as tuple.__new__
+/// does for a subclass, without the argument tuples of a call: a NamedTuple's own __new__ is Python
+/// code (~150 ns, a tenth of a match).
+template <class... Items>
+py::object as_result(PyTypeObject* type, Items&&... items) {
+  PyObject* objs[] = {py::object(std::forward<Items>(items)).release().ptr()...};
+  constexpr Py_ssize_t n = sizeof...(Items);
+  PyObject* r = type ? type->tp_alloc(type, n) : PyTuple_New(n);
+  if (!r) {
+    for (PyObject* o : objs) Py_DECREF(o);
+    throw py::error_already_set();
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(r, i, objs[i]);  // steals the references
   return py::reinterpret_steal<py::object>(r);
 }
+
+/// Calls up to this many tokens run with the GIL held when the tree is free (try_match_*): releasing
+/// and retaking it costs about as much as matching a few thousand tokens. Longer calls release it.
+constexpr int64_t kShortCall = int64_t{1} << 16;
 
 // ---- the fast path --------------------------------------------------------------------------------
 
 class PrefixTree {
  public:
-  PrefixTree(int64_t id, py::handle match_type, py::handle insert_type, py::handle ragged_type)
+  PrefixTree(int64_t id, py::handle match_type, py::handle insert_type, py::handle ragged_type, py::handle ns_type,
+             py::handle default_ns)
       : match_type_(result_type(match_type, "match_type", 3)),
         insert_type_(result_type(insert_type, "insert_type", 2)),
-        ragged_type_(result_type(ragged_type, "ragged_match_type", 4)) {
+        ragged_type_(result_type(ragged_type, "ragged_match_type", 4)),
+        key_name_(py::reinterpret_steal<py::object>(PyUnicode_InternFromString("key"))) {
     Registry& r = registry();
-    std::lock_guard<std::mutex> g(r.mu);
-    auto it = r.trees.find(id);
-    if (it != r.trees.end()) tree_ = it->second.lock();
+    {
+      std::lock_guard<std::mutex> g(r.mu);
+      auto it = r.trees.find(id);
+      if (it != r.trees.end()) tree_ = it->second.lock();
+    }
     if (!tree_) throw py::value_error(cat("core_id = ", id, " names no live torch.classes.kvcache.PrefixCache"));
+    if (!ns_type.is_none()) {
+      if (!PyType_Check(ns_type.ptr())) throw py::type_error("namespace_type must be a class, or None");
+      ns_type_ = py::reinterpret_borrow<py::object>(ns_type);
+    }
+    if (!default_ns.is_none()) {
+      default_key_ = py::reinterpret_borrow<py::object>(default_ns);
+      namespace_key(default_ns, ns_type_.ptr(), key_name_.ptr(), nullptr);  // checked once, here
+      if (!PyUnicode_Check(default_key_.ptr())) default_key_ = default_ns.attr("key");
+    }
   }
 
   // -> (matched tokens, blocks [ceil(length / page_size)] int32 tensor, node handle)
   py::object match(py::handle tokens, py::handle ns, bool lock) {
     const IdArray<int32_t> t(tokens, "tokens", "token ids");
-    const std::string_view key = namespace_key(ns);
+    const std::string_view key = resolve(ns);
     thread_local std::vector<int32_t> blocks;  // reused: no allocation per call
     blocks.clear();
-    int64_t length, node;
-    {
+    int64_t length = 0, node = 0;
+    if (t.size() > kShortCall || !tree_->try_match_into(key, t.data(), t.size(), lock, &blocks, &node, &length)) {
       py::gil_scoped_release nogil;
       length = tree_->match_into(key, t.data(), t.size(), lock, &blocks, &node);
     }
-    return as_result(match_type_, py::make_tuple(length, tensor_of(blocks), node));
+    return as_result(match_type_, py::int_(length), tensor_of(blocks), py::int_(node));
   }
 
   // -> (tokens that were already cached, node handle)
   py::object insert(py::handle tokens, py::handle blocks, py::handle ns, bool lock) {
     const IdArray<int32_t> t(tokens, "tokens", "token ids");
     const IdArray<int32_t> b(blocks, "blocks", "block ids");
-    const std::string_view key = namespace_key(ns);
+    const std::string_view key = resolve(ns);
     prefix::InsertResult r;
     {
       py::gil_scoped_release nogil;
       r = tree_->insert(key, t.data(), t.size(), b.data(), b.size(), lock);
     }
-    return as_result(insert_type_, py::make_tuple(r.prefix_length, r.node));
+    return as_result(insert_type_, py::int_(r.prefix_length), py::int_(r.node));
   }
 
   // -> (lengths [batch] int64, blocks [sum of pages] int32, cu_blocks [batch + 1] int64, nodes [batch] int64)
   py::object match_ragged(py::handle tokens, py::handle cu_lens, py::handle ns, bool lock) {
     const IdArray<int32_t> t(tokens, "tokens", "token ids");
     const Offsets cu(cu_lens, "cu_lens");
-    const std::string_view key = namespace_key(ns);
+    const std::string_view key = resolve(ns);
     at::TensorBase lengths = new_tensor<int64_t>(cu.batch()), cu_blocks = new_tensor<int64_t>(cu.batch() + 1);
     at::TensorBase nodes = new_tensor<int64_t>(cu.batch());
     thread_local std::vector<int32_t> blocks;
     blocks.clear();
-    {
+    const prefix::Ragged ragged{t.data(), t.size(), cu.data(), cu.batch()};
+    int64_t* out[] = {lengths.mutable_data_ptr<int64_t>(), cu_blocks.mutable_data_ptr<int64_t>(),
+                      nodes.mutable_data_ptr<int64_t>()};
+    if (t.size() > kShortCall || !tree_->try_match_ragged(key, ragged, lock, out[0], &blocks, out[1], out[2])) {
       py::gil_scoped_release nogil;
-      tree_->match_ragged(key, prefix::Ragged{t.data(), t.size(), cu.data(), cu.batch()}, lock,
-                          lengths.mutable_data_ptr<int64_t>(), &blocks, cu_blocks.mutable_data_ptr<int64_t>(),
-                          nodes.mutable_data_ptr<int64_t>());
+      tree_->match_ragged(key, ragged, lock, out[0], &blocks, out[1], out[2]);
     }
-    return as_result(ragged_type_,
-                     py::make_tuple(to_python(lengths), tensor_of(blocks), to_python(cu_blocks), to_python(nodes)));
+    return as_result(ragged_type_, to_python(lengths), tensor_of(blocks), to_python(cu_blocks), to_python(nodes));
   }
 
   // -> (prefix lengths [batch] int64, nodes [batch] int64); every sequence is checked before the first is inserted
-  py::tuple insert_ragged(py::handle tokens, py::handle cu_lens, py::handle blocks, py::handle cu_blocks, py::handle ns,
-                          bool lock) {
+  py::object insert_ragged(py::handle tokens, py::handle cu_lens, py::handle blocks, py::handle cu_blocks,
+                           py::handle ns, bool lock) {
     const IdArray<int32_t> t(tokens, "tokens", "token ids");
     const IdArray<int32_t> b(blocks, "blocks", "block ids");
     const Offsets cu(cu_lens, "cu_lens");
     const Offsets cub(cu_blocks, "cu_blocks");
-    const std::string_view key = namespace_key(ns);
+    const std::string_view key = resolve(ns);
     at::TensorBase prefix_lengths = new_tensor<int64_t>(cu.batch()), nodes = new_tensor<int64_t>(cu.batch());
     {
       py::gil_scoped_release nogil;
@@ -370,7 +404,7 @@ class PrefixTree {
                            prefix::Ragged{b.data(), b.size(), cub.data(), cub.batch()}, lock,
                            prefix_lengths.mutable_data_ptr<int64_t>(), nodes.mutable_data_ptr<int64_t>());
     }
-    return py::make_tuple(to_python(prefix_lengths), to_python(nodes));
+    return as_result(nullptr, to_python(prefix_lengths), to_python(nodes));
   }
 
   int64_t evict(int64_t num_blocks) {
@@ -387,7 +421,12 @@ class PrefixTree {
   }
 
  private:
+  std::string_view resolve(py::handle ns) const {
+    return namespace_key(ns, ns_type_.ptr(), key_name_.ptr(), default_key_.ptr());
+  }
+
   PyTypeObject *match_type_, *insert_type_, *ragged_type_;
+  py::object key_name_, ns_type_, default_key_;  // "key"; kvcache.Namespace and the default's key, or null
   std::shared_ptr<prefix::RadixTree> tree_;
 };
 
@@ -410,12 +449,18 @@ void register_prefix_pybind(py::module_& m) {
   look_up_torch_objects();
   py::class_<PrefixTree>(m, "_PrefixTree",
                          "Fast path of a torch.classes.kvcache.PrefixCache's tree (use kvcache.PrefixCache)")
-      .def(py::init<int64_t, py::handle, py::handle, py::handle>(), py::arg("core_id"), py::arg("match_type") = py::none(),
-           py::arg("insert_type") = py::none(), py::arg("ragged_match_type") = py::none())
-      .def("match", &PrefixTree::match)
-      .def("insert", &PrefixTree::insert)
-      .def("match_ragged", &PrefixTree::match_ragged)
-      .def("insert_ragged", &PrefixTree::insert_ragged)
+      .def(py::init<int64_t, py::handle, py::handle, py::handle, py::handle, py::handle>(), py::arg("core_id"),
+           py::arg("match_type") = py::none(), py::arg("insert_type") = py::none(),
+           py::arg("ragged_match_type") = py::none(), py::arg("namespace_type") = py::none(),
+           py::arg("default_namespace") = py::none())
+      // The signatures of kvcache.PrefixCache's methods, which are these when bound to an instance.
+      .def("match", &PrefixTree::match, py::arg("tokens"), py::arg("namespace") = py::none(), py::arg("lock") = false)
+      .def("insert", &PrefixTree::insert, py::arg("tokens"), py::arg("blocks"), py::arg("namespace") = py::none(),
+           py::arg("lock") = false)
+      .def("match_ragged", &PrefixTree::match_ragged, py::arg("tokens"), py::arg("cu_lens"),
+           py::arg("namespace") = py::none(), py::arg("lock") = false)
+      .def("insert_ragged", &PrefixTree::insert_ragged, py::arg("tokens"), py::arg("cu_lens"), py::arg("blocks"),
+           py::arg("cu_blocks"), py::arg("namespace") = py::none(), py::arg("lock") = false)
       .def("evict", &PrefixTree::evict)
       .def("lock", &PrefixTree::lock)
       .def("unlock", &PrefixTree::unlock)

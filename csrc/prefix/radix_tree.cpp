@@ -326,11 +326,33 @@ int64_t RadixTree::match_into(std::string_view ns, const int32_t* tokens, int64_
   return match_locked(root_of(ns), tokens, n, lock, blocks, node);
 }
 
+bool RadixTree::try_match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock,
+                               std::vector<int32_t>* blocks, int64_t* node, int64_t* length) {
+  if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock() || host_) return false;
+  *length = match_locked(root_of(ns), tokens, n, lock, blocks, node);
+  return true;
+}
+
 void RadixTree::match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths,
                              std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
   check_ragged(tokens, "cu_lens", "len(tokens)");
   std::lock_guard<std::mutex> g(mu_);
-  const int32_t root = root_of(ns);
+  match_ragged_locked(root_of(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
+}
+
+bool RadixTree::try_match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths,
+                                 std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
+  check_ragged(tokens, "cu_lens", "len(tokens)");
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock() || host_) return false;
+  match_ragged_locked(root_of(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
+  return true;
+}
+
+void RadixTree::match_ragged_locked(int32_t root, const Ragged& tokens, bool lock, int64_t* lengths,
+                                    std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
   const size_t base = blocks->size();
   cu_blocks[0] = 0;
   for (int64_t i = 0; i < tokens.batch; ++i) {

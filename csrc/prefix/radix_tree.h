@@ -117,6 +117,15 @@ class RadixTree : public Reclaimer {
   /// nodes[batch] and cu_blocks[batch + 1] (offsets of each sequence's blocks in what it appends to *blocks).
   void match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths, std::vector<int32_t>* blocks,
                     int64_t* cu_blocks, int64_t* nodes);
+  /// match_into() / match_ragged() only if they can run at once: they return false, having done
+  /// nothing, when another thread holds the tree or a host tier could make the call long (a load
+  /// copies KV). For callers that hold a lock of their own, Python's GIL: holding it through a short
+  /// call saves releasing and retaking it, and on false they release it and call the waiting form,
+  /// so they never wait for the tree while holding it.
+  bool try_match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
+                      int64_t* node, int64_t* length);
+  bool try_match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths,
+                        std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes);
   /// Caches tokens[0, n), whose KV is in `blocks` (ceil(n / page_size) ids the caller holds).
   InsertResult insert(std::string_view ns, const int32_t* tokens, int64_t n, const int32_t* blocks,
                       int64_t num_blocks, bool lock = false);
@@ -191,6 +200,8 @@ class RadixTree : public Reclaimer {
   // Everything below expects mu_ held.
   int64_t match_locked(int32_t root, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,
                        int64_t* node);
+  void match_ragged_locked(int32_t root, const Ragged& tokens, bool lock, int64_t* lengths, std::vector<int32_t>* blocks,
+                           int64_t* cu_blocks, int64_t* nodes);
   InsertResult insert_locked(int32_t root, const int32_t* tokens, int64_t n, const int32_t* blocks, bool lock);
   int32_t root_of(std::string_view ns);
   int32_t new_node();
