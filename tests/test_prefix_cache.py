@@ -438,6 +438,27 @@ def test_the_fast_path_and_the_torch_class_share_one_tree():
     assert length == 0 and blocks.tolist() == []
 
 
+def test_bound_lookups_equal_the_documented_methods():
+    """cache.match / cache.match_ragged are the C++ methods bound to the instance (no Python frame);
+    they answer as the class's documented methods do, for every form of namespace."""
+    _, cache = cached()
+    flat, cu = torch.tensor([t for q in QUERIES for t in q]), torch.tensor([0, 6, 11, 14, 15, 15])
+    ns = kvcache.Namespace(model="m")
+    cache.insert(QUERIES[0], cache.allocator.allocate(2), ns)
+    cache.insert(QUERIES[1], cache.allocator.allocate(2))            # the default namespace
+    for namespace in ("a", ns, ns.key, kvcache.prefix.DEFAULT_NAMESPACE, None):
+        for q in QUERIES:
+            bound, documented = cache.match(q, namespace), kvcache.PrefixCache.match(cache, q, namespace)
+            assert (bound.length, bound.blocks.tolist(), bound.node) == (
+                documented.length, documented.blocks.tolist(), documented.node)
+        bound, documented = cache.match_ragged(flat, cu, namespace), kvcache.PrefixCache.match_ragged(
+            cache, flat, cu, namespace)
+        assert [t.tolist() for t in bound] == [t.tolist() for t in documented]
+    assert cache.match(QUERIES[1]).length == len(QUERIES[1]) == cache.match(QUERIES[1], None).length
+    assert cache.match(QUERIES[0], ns).length == len(QUERIES[0]) and cache.match(QUERIES[0], "a").length == 5
+    assert isinstance(cache.match(QUERIES[0], ns, lock=True), kvcache.prefix.Match)
+
+
 def test_results_made_through_numpy_are_the_same():
     """The fallback for a torch without torch._C._wrap_tensor_impl: numpy arrays and torch.from_numpy."""
     _, cache = cached()

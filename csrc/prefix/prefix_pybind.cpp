@@ -17,7 +17,10 @@
 // torch lack that function). Making the result tensors is most of the cost of a call.
 //
 // The GIL is released around the tree's work (other Python threads run meanwhile; the tree locks
-// internally). Errors have the messages and Python types of the torch class's: TypeError (dtypes),
+// internally), except in a short match: when the tree's mutex is free it runs at once with the GIL
+// held (try_match_*), since releasing and retaking the GIL costs about as much as the match; when
+// not, the GIL is released before waiting, so nobody waits for the tree while holding the GIL.
+// Namespaces arrive as a str, a kvcache.Namespace (its .key) or None (the default namespace). Errors have the messages and Python types of the torch class's: TypeError (dtypes),
 // ValueError (shapes, bad values), IndexError (unknown ids, stale handles), RuntimeError "out of blocks".
 #include "prefix/prefix_pybind.h"
 

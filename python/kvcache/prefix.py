@@ -324,7 +324,7 @@ class PrefixCache:
 
     def match(self, tokens, namespace: Namespace | str = DEFAULT_NAMESPACE, *, lock: bool = False) -> Match:
         """The longest cached prefix of ``tokens`` (a 1-D int32/int64 CPU tensor or numpy array, or a
-        sequence of ints).
+        sequence of ints). ``namespace`` may also be the key string of a Namespace, or None for the default.
 
         With a host tier, a prefix found there is copied back first. ``lock=True`` locks the returned
         node in the same step (no other thread can evict it in between)."""
