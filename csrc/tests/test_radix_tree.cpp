@@ -362,6 +362,32 @@ TEST(RadixTree, HostTierKeepsEvictedPrefixesAndLoadsThemBack) {
   f.expect_ok();
 }
 
+TEST(RadixTree, TryMatchRunsAtOnceOrNotAtAll) {
+  Fixture f(16, 4);
+  f.put(seq(0, 8));
+  const std::vector<int32_t> q = {0, 1, 2, 3, 4, 9};
+  std::vector<int32_t> blocks = {-7};  // appended to, like match_into
+  int64_t node = 0, length = 0;
+  ASSERT_TRUE(f.tree->try_match_into("m", q.data(), 6, false, &blocks, &node, &length));
+  const MatchResult m = f.get(q);
+  EXPECT_EQ(length, m.length);
+  EXPECT_EQ(node, m.node);
+  EXPECT_EQ(std::vector<int32_t>(blocks.begin() + 1, blocks.end()), m.blocks);
+
+  // A host tier could turn a match into copies: the try form leaves those calls to the waiting form.
+  HostFixture h(8, 8, 4);
+  h.put_tagged(seq(0, 8), 1);
+  const int64_t lookups = h.tree->stats().lookups;
+  blocks.clear();
+  EXPECT_FALSE(h.tree->try_match_into("m", q.data(), 6, false, &blocks, &node, &length));
+  std::vector<int64_t> lengths(1), cu_blocks(2), nodes(1);
+  const std::vector<int64_t> cu = {0, 6};
+  EXPECT_FALSE(h.tree->try_match_ragged("m", Ragged{q.data(), 6, cu.data(), 1}, false, lengths.data(), &blocks,
+                                        cu_blocks.data(), nodes.data()));
+  EXPECT_TRUE(blocks.empty());
+  EXPECT_EQ(h.tree->stats().lookups, lookups);
+}
+
 TEST(RadixTree, HostTierDropsItsOldestLeavesWhenFull) {
   HostFixture f(4, 2, 4);
   f.put_tagged(seq(0, 8), 1);
