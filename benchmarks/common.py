@@ -75,3 +75,12 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: Path) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out_dir / f"{name}.md").write_text(markdown)
+
+
+def no_fp8_backend() -> str | None:
+    """Why HF's "fp8" QuantizedCache backend cannot run here (it came with transformers 5), or None."""
+    from transformers import cache_utils
+
+    if hasattr(cache_utils, "Fp8QuantizedLayer"):
+        return None
+    return "this transformers has no fp8 QuantizedCache backend"

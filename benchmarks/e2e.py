@@ -56,7 +56,7 @@ from tqdm import tqdm
 import kvcache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # noqa: E402  (run as a script or imported)
-from common import BandwidthProbe, machine, write_results  # noqa: E402
+from common import BandwidthProbe, machine, no_fp8_backend, write_results  # noqa: E402
 
 CONTEXTS = (1024, 4096, 8192)
 # Done-when gates of the Hugging Face issue, at the longest context.
@@ -83,7 +83,7 @@ class CacheVariant:
         module = {"hqq": "hqq", "quanto": "optimum.quanto"}.get(self.backend or "")
         if module and importlib.util.find_spec(module.split(".")[0]) is None:
             return f"{module} is not installed"
-        return None
+        return no_fp8_backend() if self.backend == "fp8" else None
 
     def make(self, config, max_len: int):
         from transformers import DynamicCache, QuantizedCache, StaticCache

@@ -53,7 +53,7 @@ from tqdm import tqdm
 import kvcache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # noqa: E402  (run as a script or imported)
-from common import machine, write_results  # noqa: E402
+from common import machine, no_fp8_backend, write_results  # noqa: E402
 
 PREFILL, CHUNK = 128, 64
 
@@ -82,6 +82,8 @@ class Variant:
         module = {"hqq": "hqq", "quanto": "optimum"}.get(self.backend or "")
         if module and importlib.util.find_spec(module) is None:
             return f"{'optimum-quanto' if module == 'optimum' else module} is not installed"
+        if self.backend == "fp8":
+            return no_fp8_backend()
         if self.kind == "paged" and self.kv_format is not None:
             try:
                 kvcache.KVPool.allocate(1, 16, 1, 64, self.kv_format)

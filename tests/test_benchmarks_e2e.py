@@ -34,7 +34,8 @@ def _ids(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-DECODE = [v for v in e2e.DECODE_VARIANTS if v.backend in (None, "fp8")]  # the HF fp8 backend needs no peer
+# the HF fp8 backend needs no peer package (but transformers 5: 4.57 reports it missing)
+DECODE = [v for v in e2e.DECODE_VARIANTS if v.backend in (None, "fp8") and not v.missing()]
 
 
 def test_decode_rows_and_tables(tiny_model, tmp_path):
@@ -120,7 +121,11 @@ def test_perplexity_rows(tiny_model):
         assert all(r["kl"] >= -1e-6 and 0 <= r["top1_agreement"] <= 1 for r in rows if r["text"] == text)
     gate_rows = perplexity.gates(rows, variants)
     assert any(g["gate"] == "PagedCache int8: perplexity increase" for g in gate_rows)
-    assert any(g["gate"] == "PagedCache int8 vs QuantizedCache fp8: perplexity increase" for g in gate_rows)
+    fp8 = next(v for v in variants if v.backend == "fp8")
+    if fp8.missing():  # transformers 4.57: the row is said to be missing, not silently dropped
+        assert any(n.startswith("QuantizedCache fp8: not run") for n in notes)
+    else:
+        assert any(g["gate"] == "PagedCache int8 vs QuantizedCache fp8: perplexity increase" for g in gate_rows)
     setup = {"model": "tiny", "dtype": "float32", "tokens": 80, "prefill": 32, "chunk": 16}
     table = perplexity.markdown(machine() | {"transformers": transformers.__version__}, rows, gate_rows, notes, setup)
     assert "| PagedCache int8 |" in table and "a: ppl" in table
