@@ -370,6 +370,20 @@ inline void load_query_f32(const AttentionArgs& a, int64_t base, float* q) {
   for (int64_t d = 0; d < D; ++d) q[d] *= a.scale;
 }
 
+/// The query row as load_query_f32 makes it, stored at q_row[index(d)] (a score policy's K order).
+inline void load_query_scattered(const AttentionArgs& a, int64_t base, float* q_row, int64_t (*index)(int64_t)) {
+  const int64_t D = a.layout.head_dim;
+  if (a.k_rot) {  // Hadamard-rotated keys: rotated (and scaled) like them
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);
+    for (int64_t d = 0; d < D; ++d) q_row[index(d)] = q[d];
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    q_row[index(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+  }
+}
+
 /// Per-row bookkeeping of a task.
 struct RowState {
   int64_t pos;   // position of the query (-1: padding row, sees nothing)
@@ -457,15 +471,7 @@ inline void quads_to_rows(const vf quad[4], vf rows[4]) {
 template <class Read>
 struct ScoreFma {
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
-    if (a.k_rot) {
-      float q[kMaxRotatedDim];
-      load_query_f32(a, base, q);
-      for (int64_t d = 0; d < a.layout.head_dim; ++d) q_row[storage_index<Read>(d)] = q[d];
-      return;
-    }
-    for (int64_t d = 0; d < a.layout.head_dim; ++d) {
-      q_row[storage_index<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
-    }
+    load_query_scattered(a, base, q_row, storage_index<Read>);
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
                      const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
@@ -722,15 +728,7 @@ inline __m256 hsum8x8(const __m256 v[8]) {
 template <class Read>
 struct ScoreAvx2 {
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
-    if (a.k_rot) {  // Hadamard-rotated keys: the query is rotated (and scaled) like them
-      float q[kMaxRotatedDim];
-      load_query_f32(a, base, q);
-      for (int64_t d = 0; d < a.layout.head_dim; ++d) q_row[storage_index8<Read>(d)] = q[d];
-      return;
-    }
-    for (int64_t d = 0; d < a.layout.head_dim; ++d) {
-      q_row[storage_index8<Read>(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
-    }
+    load_query_scattered(a, base, q_row, storage_index8<Read>);
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
                      const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
