@@ -81,13 +81,14 @@ def test_gather_dequantizes_exactly(fmt, device):
     assert torch.equal(kr[:40].cpu(), k_ref[0, :, :40].transpose(0, 1))
 
 
+@pytest.mark.parametrize("q_heads", [8, 6, 4, 2])  # groups of 4, 3, 2, 1: every row-block size of the AVX2 kernel
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_reads_codes_in_registers(isa, fmt, q_dtype):
+def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
     # decode + chunked prefill + window, checked against float64 attention on the dequantized values
     pool, table, lens, _, _ = filled_pool(fmt, [300, 45], 16, 2, 128, torch.bfloat16)
     q_lens = [1, 20]
-    q = torch.randn(sum(q_lens), 8, 128).to(q_dtype)
+    q = torch.randn(sum(q_lens), q_heads, 128).to(q_dtype)
     cu = torch.tensor([0, 1, 21], dtype=torch.int32)
     deq = [ref.dequantize_pool(t, s, format_id(f)) for t, s, f in
            ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]

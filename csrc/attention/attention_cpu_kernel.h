@@ -46,6 +46,9 @@ using vh = _Float16 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 constexpr int kTile = 16;  // keys per tile: one vector of scores per row
 constexpr int kRows = 4;   // query rows processed together
+// Tiles ahead that the P.V loop prefetches: one tile of decode is ~1 us on Zen 1, not always enough
+// for a page that is a TLB and DRAM miss away.
+constexpr int64_t kPrefetchTiles = 2;
 
 inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -470,6 +473,7 @@ inline void quads_to_rows(const vf quad[4], vf rows[4]) {
 /// fp32 FMAs on K widened by `Read`; queries pre-scaled, in Read's storage order.
 template <class Read>
 struct ScoreFma {
+  static constexpr int kRows = 4;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     load_query_scattered(a, base, q_row, storage_index<Read>);
   }
@@ -516,6 +520,7 @@ struct Bf16Chunks {
 /// needs no widening at all. The query stays unscaled (its bf16 values exact); scores are scaled after.
 template <class KRead = ReadBF16>
 struct ScoreDp {
+  static constexpr int kRows = 4;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits, natural order, in the fp32 buffer
     for (int64_t d = 0; d < a.layout.head_dim; ++d) qb[d] = static_cast<const uint16_t*>(a.query)[base + d * a.q_strides[2]];
@@ -550,6 +555,7 @@ struct ScoreDp {
 /// FMA dependency chains short.
 template <class Read>
 struct PvFma {
+  static constexpr int kRows = 4;
   static int64_t storage(int64_t d) { return storage_index<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
                          const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
@@ -595,6 +601,7 @@ struct PvFma {
 /// second dim 8L + 4 + i.
 template <class VRead = ReadBF16>
 struct PvDp {
+  static constexpr int kRows = 4;
   static int64_t storage(int64_t d) {
     const int64_t c = d / 32, j = d % 32, lane = j / 8, w = j % 8;
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
@@ -724,18 +731,21 @@ inline __m256 hsum8x8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-/// q.k with fp32 FMAs: two rows' queries stay in registers while four keys stream past them.
-template <class Read>
+/// q.k with fp32 FMAs: R (1-4) rows' queries stay in registers while two keys stream past them.
+/// R < 4 serves GQA groups of 1-3 (a decode step of MHA, or of 3 query heads per KV head, would
+/// otherwise spend 25-75% of its FMAs on padding rows).
+template <class Read, int R = 4>
 struct ScoreAvx2 {
+  static constexpr int kRows = R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     load_query_scattered(a, base, q_row, storage_index8<Read>);
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
-                     const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
-    // 4 rows x 2 keys per pass: each key chunk is widened once and feeds all four rows
+                     const uint16_t* const* kmeta, float /*scale*/, vf rows[R]) {
+    // R rows x 2 keys per pass: each key chunk is widened once and feeds all the rows
     __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
     for (int k = 0; k < kTile / 2; ++k) {
-      __m256 acc[8];  // acc[2 r + t]: row r, key 2 k + t
+      __m256 acc[8];  // acc[2 r + t]: row r, key 2 k + t (rows >= R stay 0)
       for (auto& v : acc) v = _mm256_setzero_ps();
       const typename Read::Elem* k0 = krow[2 * k];
       const typename Read::Elem* k1 = krow[2 * k + 1];
@@ -743,8 +753,12 @@ struct ScoreAvx2 {
         __m256 k0a, k0b, k1a, k1b;
         Row8<Read>::load16(k0, kmeta[2 * k], g, k0a, k0b);
         Row8<Read>::load16(k1, kmeta[2 * k + 1], g, k1a, k1b);
-        for (int r = 0; r < kRows; ++r) {
-          const __m256 qa = _mm256_loadu_ps(q + r * D + 16 * g), qb = _mm256_loadu_ps(q + r * D + 16 * g + 8);
+        for (int r = 0; r < R; ++r) {
+          __m256 qa = _mm256_loadu_ps(q + r * D + 16 * g), qb = _mm256_loadu_ps(q + r * D + 16 * g + 8);
+          // NOTE: in registers, each feeding two FMAs: left to itself GCC folds the load into both
+          // FMAs, and the loop then issues more loads than FMAs (the limit on Zen 1: one 256-bit load
+          // per cycle).
+          __asm__("" : "+x"(qa), "+x"(qb));
           acc[2 * r] = _mm256_fmadd_ps(qa, k0a, acc[2 * r]);
           acc[2 * r + 1] = _mm256_fmadd_ps(qa, k1a, acc[2 * r + 1]);
           acc[2 * r] = _mm256_fmadd_ps(qb, k0b, acc[2 * r]);
@@ -760,14 +774,15 @@ struct ScoreAvx2 {
       const __m256d r0 = _mm256_permute2f128_pd(t0, t2, 0x20), r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
       const __m256d r2 = _mm256_permute2f128_pd(t0, t2, 0x31), r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
       const __m256d out[4] = {r0, r1, r2, r3};
-      for (int r = 0; r < kRows; ++r) std::memcpy(reinterpret_cast<char*>(&rows[r]) + 32 * half, &out[r], 32);
+      for (int r = 0; r < R; ++r) std::memcpy(reinterpret_cast<char*>(&rows[r]) + 32 * half, &out[r], 32);
     }
   }
 };
 
-/// o += p.V with fp32 FMAs: four rows x 16 dims of output in registers while the keys stream past.
-template <class Read>
+/// o += p.V with fp32 FMAs: R rows x 16 dims of output in registers while the keys stream past.
+template <class Read, int R = 4>
 struct PvAvx2 {
+  static constexpr int kRows = R;
   static int64_t storage(int64_t d) { return storage_index8<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
                          const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
@@ -821,6 +836,8 @@ constexpr float read_factor() {
 
 template <class ReadK, class ReadV, class Score, class Pv>
 void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
+  static_assert(Score::kRows == Pv::kRows, "the score and P.V policies must agree on rows per block");
+  constexpr int kRows = Score::kRows;  // query rows per block (1-4)
   using KElem = typename ReadK::Elem;
   using VElem = typename ReadV::Elem;
   const PagedLayout& L = a.layout;
@@ -909,8 +926,9 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
       for (int64_t hb = 0; hb < tr.heads; ++hb) {
         const int64_t h = t.head_begin + hb;
         Prefetcher pf;
-        if (tile_in_page && t0 + kTile < range[1]) {
-          const int64_t next = L.token_offset(table[(t0 + kTile) >> L.page_shift], h, t0 + kTile);
+        if (tile_in_page && t0 + kPrefetchTiles * kTile < range[1]) {
+          const int64_t ahead = t0 + kPrefetchTiles * kTile;
+          const int64_t next = L.token_offset(table[ahead >> L.page_shift], h, ahead);
           // (K and V rows have the same width, so one line count serves both)
           pf = {reinterpret_cast<const char*>(kc + next / kdiv), reinterpret_cast<const char*>(vc + next / vdiv),
                 kTile * row_bytes / 64};
@@ -1063,6 +1081,27 @@ void with_kivi_readers(KVKind k, KVKind v, Fn&& fn) {
   fn(ReadKivi<2, true>{}, ReadKivi<2, false>{});
 }
 
+#ifdef KVC_AVX2_POLICIES
+/// Query rows per register block for a task with `rows` rows per KV head: the least padding (ties
+/// to the larger block). A decode step has rows = the GQA group, often 1-3; prefill rows are many.
+inline int rows_per_block(int64_t rows) {
+  if (rows <= 4) return static_cast<int>(std::max<int64_t>(rows, 1));
+  const int64_t pad4 = (4 - rows % 4) % 4, pad3 = (3 - rows % 3) % 3;
+  return pad3 < pad4 ? 3 : 4;
+}
+
+/// Calls fn(std::integral_constant<int, R>{}) for rows per block R in 1-4.
+template <class Fn>
+void with_rows(int rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+#endif
+
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
 inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial) {
   thread_local Scratch scratch;
@@ -1073,18 +1112,20 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
     });
   }
 #ifdef KVC_AVX2_POLICIES
-  if (a.k_kind != KVKind::kFull) {
-    return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
-      with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
-        run_task_vec<RK, RV, ScoreAvx2<RK>, PvAvx2<RV>>(a, t, partial, scratch);
+  return with_rows(rows_per_block(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
+    if (a.k_kind != KVKind::kFull) {
+      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
+        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+          run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
+        });
       });
-    });
-  }
-  switch (a.kv_dtype) {
-    case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreAvx2<ReadF32>, PvAvx2<ReadF32>>(a, t, partial, scratch);
-    case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreAvx2<ReadF16>, PvAvx2<ReadF16>>(a, t, partial, scratch);
-    default: return run_task_vec<ReadBF16, ReadBF16, ScoreAvx2<ReadBF16>, PvAvx2<ReadBF16>>(a, t, partial, scratch);
-  }
+    }
+    switch (a.kv_dtype) {
+      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreAvx2<ReadF32, R>, PvAvx2<ReadF32, R>>(a, t, partial, scratch);
+      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreAvx2<ReadF16, R>, PvAvx2<ReadF16, R>>(a, t, partial, scratch);
+      default: return run_task_vec<ReadBF16, ReadBF16, ScoreAvx2<ReadBF16, R>, PvAvx2<ReadBF16, R>>(a, t, partial, scratch);
+    }
+  });
 #endif
   if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
     return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {

@@ -47,7 +47,13 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
     if (host.q_lens[b] > 0 && host.q_lens[b] * G <= opt.decode_rows) decode_units += H;
   }
   const int64_t want = opt.tasks_per_worker * opt.parallelism;
-  const int64_t want_splits = decode_units > 0 ? std::max<int64_t>(1, (want + decode_units - 1) / decode_units) : 1;
+  int64_t want_splits = decode_units > 0 ? std::max<int64_t>(1, (want + decode_units - 1) / decode_units) : 1;
+  // A task count that the workers divide evenly: 3 KV heads x 3 splits on 2 cores would leave one
+  // core idle for a ninth of the call; 3 x 4 does not.
+  while (decode_units > 0 && (decode_units * want_splits) % opt.parallelism != 0 &&
+         want_splits < want + opt.parallelism) {
+    ++want_splits;
+  }
   std::vector<std::pair<int64_t, AttentionTask>> costed;
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t q_len = host.q_lens[b], kv_len = host.kv_lens[b];

@@ -75,6 +75,21 @@ TEST(AttentionPlan, SplitsOnlyDecodeAndRecordsTheSlots) {
   EXPECT_EQ(slots_seen, 16);
 }
 
+TEST(AttentionPlan, DecodeTaskCountIsAMultipleOfTheWorkers) {
+  // 3 KV heads on 2 workers: 4 tasks per worker asks for 8, which 3 heads reach with 3 splits (9
+  // equal tasks: one worker would wait a ninth of the call); the planner takes 4 splits (12 tasks).
+  const AttentionArgs a = args_for(1, 3, 3);
+  AttentionHostInfo host{{8192}, {1}};
+  PlanOptions opt;
+  opt.parallelism = 2;
+  const AttentionPlan plan = make_attention_plan(a, host, opt);
+  EXPECT_EQ(plan.tasks.size(), 12u);
+  for (const AttentionTask& t : plan.tasks) EXPECT_EQ(t.kv_end - t.kv_begin, 2048);
+  // when the keys are too few to split that far, the count follows the keys, not the workers
+  AttentionHostInfo short_host{{1024}, {1}};
+  EXPECT_EQ(make_attention_plan(a, short_host, opt).tasks.size(), 6u);  // 1024 / 512 keys: 2 splits per head
+}
+
 TEST(SoftmaxState, MergeIsLogAddExpAndHandlesEmptyStates) {
   const MergeWeights w = merge_weights(std::log(3.f), std::log(1.f));
   EXPECT_NEAR(w.lse, std::log(4.f), 1e-6);
