@@ -84,6 +84,17 @@ def test_sliding_window_and_sinks(isa, dtype, window_left, sink_tokens):
     run_and_check(pb, q, cu_from(q_lens), window_left=window_left, sink_tokens=sink_tokens)
 
 
+@pytest.mark.parametrize("window_left, sink_tokens", [(-1, 0), (150, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunked_prefill(isa, dtype, window_left, sink_tokens):
+    # prefill over prefixes of several hundred keys: the CPU kernel's BLAS path takes keys 128 at a
+    # time, so the online softmax carries each row's state from block to block
+    kv_lens, q_lens = [700, 300], [40, 300]
+    pb = make_paged_batch(kv_lens, 16, 2, 128, dtype)
+    q = torch.randn(sum(q_lens), 8, 128).to(dtype)
+    run_and_check(pb, q, cu_from(q_lens), window_left=window_left, sink_tokens=sink_tokens)
+
+
 @pytest.mark.parametrize("softcap", [5.0, 30.0])
 def test_softcap(isa, softcap):
     pb = make_paged_batch([90, 33], 16, 2, 64, torch.float32)

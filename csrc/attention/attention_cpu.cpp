@@ -17,11 +17,29 @@
 #include "core/check.h"
 #include "core/softmax_state.h"
 
+// The Fortran BLAS sgemm that the PyTorch x86 wheels export (MKL, LP64). Weak: a torch built
+// without it leaves this null, and prefill takes the register kernel instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
 namespace kvcache {
 namespace cpu {
 namespace {
 
 std::atomic<int> g_isa{-1};  // -1: not chosen yet
+
+/// GemmF32 on BLAS. Column-major BLAS sees row-major X as X^T, so it computes C^T = op(B)^T . A^T.
+void blas_gemm_f32(bool b_transposed, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char ta = b_transposed ? 'T' : 'N', tb = 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+  const float one = 1.f;
+  sgemm_(&ta, &tb, &M, &N, &K, &one, b, &LDA, a, &LDB, &beta, c, &LDC);
+}
+
+GemmF32 cpu_gemm() { return sgemm_ != nullptr ? blas_gemm_f32 : nullptr; }
 
 int best_isa() {
   __builtin_cpu_init();
@@ -71,11 +89,13 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, con
                                             k_scale, v_scale, k_format, v_format);
   PlanOptions opt;
   opt.parallelism = at::get_num_threads();
+  opt.prefill_rows = 128;  // prefill goes through BLAS (attention_cpu_kernel.h): larger products
   const AttentionPlan plan = make_attention_plan(a, host, opt);
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
-  run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial); });
+  const GemmF32 gemm = cpu_gemm();
+  run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial, gemm); });
 
   // Merge the split states of each (sequence, kv head) into the output.
   const int64_t D = a.layout.head_dim, G = a.group;

@@ -2,14 +2,16 @@
 #pragma once
 
 #include "attention/attention_args.h"
+#include "attention/attention_cpu_gemm.h"
 
 namespace kvcache::cpu {
 
-using AttentionTaskFn = void (*)(const AttentionArgs&, const AttentionTask&, const PartialStates&);
+/// Runs one task; `gemm` may be null (then no task takes the GEMM path).
+using AttentionTaskFn = void (*)(const AttentionArgs&, const AttentionTask&, const PartialStates&, GemmF32 gemm);
 
-void run_attention_task_avx512bf16(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p);
-void run_attention_task_avx512(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p);
-void run_attention_task_avx2(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p);
-void run_attention_task_generic(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p);
+void run_attention_task_avx512bf16(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, GemmF32 gemm);
+void run_attention_task_avx512(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, GemmF32 gemm);
+void run_attention_task_avx2(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, GemmF32 gemm);
+void run_attention_task_generic(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, GemmF32 gemm);
 
 }  // namespace kvcache::cpu
