@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kvcache
-from common import GiB, BandwidthProbe, best, machine, time_call, write_results
+from common import GiB, BandwidthProbe, ComputeProbe, best, machine, time_call, write_results
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -56,7 +56,7 @@ def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, genera
 
 
 def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator,
-               peers: bool = True) -> dict:
+               peers: bool = True, compute: ComputeProbe | None = None) -> dict:
     layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
     cu = torch.arange(batch + 1, dtype=torch.int32)
@@ -84,10 +84,12 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
     assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
 
     names = ("ours", "sdpa", "gather+sdpa") if peers else ("ours",)
-    times = {"probe": [], **{name: [] for name in names}}
+    times = {"probe": [], "compute": [], **{name: [] for name in names}}
     ours()  # warm-up (thread pool, allocator)
     for _ in range(rounds):
         times["probe"].append(probe.buffer.nbytes / probe.measure())
+        if compute is not None:
+            times["compute"].append(compute.flops / compute.measure())
         times["ours"].append(time_call(ours) / len(layers))
         if peers:
             times["sdpa"].append(time_call(sdpa) / len(layers))
@@ -100,6 +102,11 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
         row[f"{name}_ms"] = t * 1e3
         row[f"{name}_GBps"] = per_layer / t / 1e9
         row[f"{name}_roof_fraction"] = per_layer / t / roof
+    if compute is not None:  # fp32 multiply-adds of the step: q.k and p.v for every (query head, key)
+        flops = 4 * batch * Q_HEADS * ctx * HEAD_DIM
+        row["fma_roof_GFLOPs"] = compute.flops / best(times["compute"]) / 1e9
+        row["ours_GFLOPs"] = flops / best(times["ours"]) / 1e9
+        row["ours_fma_fraction"] = row["ours_GFLOPs"] / row["fma_roof_GFLOPs"]
     row["ours_ms_all"] = [t * 1e3 for t in times["ours"]]  # every round: the spread on a shared machine
     row["read_roof_GBps_all"] = [probe.buffer.nbytes / t / 1e9 for t in times["probe"]]
     if peers:
@@ -141,7 +148,8 @@ def format_row(fmt: str, batch: int, ctx: int, rounds: int, probe: BandwidthProb
             "step_vs_bf16": t_q / t_b, "pool_bytes": nbytes, "GBps": nbytes / t_q / 1e9}
 
 
-def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: torch.Generator) -> dict:
+def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: torch.Generator,
+                compute: ComputeProbe | None = None) -> dict:
     """Chunked prefill: q_len new tokens attend to a cached prefix and causally to each other."""
     ctx = prefix + q_len
     layers, table, lens, _ = make_layers(1, ctx, dtype, 0, g)
@@ -155,34 +163,48 @@ def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: tor
                                                   attn_mask=mask, enable_gqa=True)
     max_err = (ours().float() - sdpa().float().squeeze(0).transpose(0, 1)).abs().max().item()
     assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
-    t_ours = best([time_call(ours) for _ in range(rounds)])
-    t_sdpa = best([time_call(sdpa) for _ in range(rounds)])
+    times = {"ours": [], "sdpa": [], "compute": []}
+    for _ in range(rounds):  # interleaved, like the decode rows
+        times["ours"].append(time_call(ours))
+        times["sdpa"].append(time_call(sdpa))
+        if compute is not None:
+            times["compute"].append(compute.flops / compute.measure())
+    t_ours, t_sdpa = best(times["ours"]), best(times["sdpa"])
     flops = 4 * Q_HEADS * HEAD_DIM * q_len * (prefix + (q_len + 1) / 2)  # QK and PV over visible keys
-    return {"q_len": q_len, "prefix": prefix, "dtype": str(dtype).removeprefix("torch."),
-            "ours_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ours_GFLOPs": flops / t_ours / 1e9,
-            "sdpa_GFLOPs": flops / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t_ours, "max_abs_diff_vs_sdpa": max_err}
+    row = {"q_len": q_len, "prefix": prefix, "dtype": str(dtype).removeprefix("torch."),
+           "ours_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ours_GFLOPs": flops / t_ours / 1e9,
+           "sdpa_GFLOPs": flops / t_sdpa / 1e9, "speedup_vs_sdpa": t_sdpa / t_ours, "max_abs_diff_vs_sdpa": max_err}
+    if compute is not None:
+        row["fma_roof_GFLOPs"] = compute.flops / best(times["compute"]) / 1e9
+    return row
 
 
 def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[dict]) -> str:
     lines = [
         f"Measured {info['date']} on {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
         f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q / 8 kv heads, d 128, "
-        "page 16); bandwidth = K+V bytes / time; roof = streaming read of 1 GiB measured in the same rounds.",
+        "page 16); bandwidth = K+V bytes / time; read roof = streaming read of 1 GiB, FMA roof = an fp32 "
+        "1024^3 matrix product (GFLOP/s), both measured in the same rounds; a step does 4 x 32 x context x 128 "
+        "fp32 FLOPs per sequence.",
         "",
-        "| dtype | batch | context | ours ms | ours GB/s | % of roof | SDPA ms | gather+SDPA ms | vs SDPA | vs gather+SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | batch | context | ours ms | ours GB/s | % of read roof | % of FMA roof | SDPA ms | gather+SDPA ms "
+        "| vs SDPA | vs gather+SDPA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
         peers = (f"{r['sdpa_ms']:.2f} | {r['gather+sdpa_ms']:.2f} | {r['speedup_vs_sdpa']:.1f}x | "
                  f"{r['speedup_vs_gather_sdpa']:.1f}x" if "sdpa_ms" in r else "- | - | - | -")
+        fma = (f"{100 * r['ours_fma_fraction']:.0f}% of {r['fma_roof_GFLOPs']:.0f}" if "ours_fma_fraction" in r
+               else "-")
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['ours_ms']:.2f} | {r['ours_GBps']:.1f} | "
-                     f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {peers} |")
+                     f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {fma} | {peers} |")
     if prefill:
-        lines += ["", "| chunked prefill | dtype | ours ms | SDPA ms (explicit mask) | ours GFLOP/s | vs SDPA |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| chunked prefill | dtype | ours ms | SDPA ms (explicit mask) | ours GFLOP/s | % of FMA roof "
+                  "| vs SDPA |", "|---|---|---|---|---|---|---|"]
     for r in prefill:
+        fma = f"{100 * r['ours_GFLOPs'] / r['fma_roof_GFLOPs']:.0f}%" if "fma_roof_GFLOPs" in r else "-"
         lines.append(f"| {r['q_len']} queries over {r['prefix']} | {r['dtype']} | {r['ours_ms']:.1f} | "
-                     f"{r['sdpa_ms']:.1f} | {r['ours_GFLOPs']:.0f} | {r['speedup_vs_sdpa']:.2f}x |")
+                     f"{r['sdpa_ms']:.1f} | {r['ours_GFLOPs']:.0f} | {fma} | {r['speedup_vs_sdpa']:.2f}x |")
     if formats:
         lines += ["", "| quantized decode (bf16 queries) | batch | context | ms | bf16 ms | step / bf16 step | pool GB/s |",
                   "|---|---|---|---|---|---|---|"]
@@ -217,14 +239,15 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
     # batch x context <= 512k tokens: the pages, the dense copy and the gather buffer fit in 24 GiB
     configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
-    probe = BandwidthProbe()
+    probe, compute = BandwidthProbe(), ComputeProbe()
     info = machine()
     decode, prefill = [], []
     if not args.skip_peers:
         for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
-            decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa))
+            decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa,
+                                     compute=compute))
         if not args.skip_sdpa:
-            prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g)
+            prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g, compute)
                        for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
     fmt_configs = [(f, 1, c) for f in args.formats.split(",") if f for c in ([1024] if args.quick else [1024, 32768])]
     formats = [format_row(f, b, c, args.rounds, probe, g) for f, b, c in tqdm(fmt_configs, desc="formats", unit="config")]

@@ -57,6 +57,23 @@ class BandwidthProbe:
         return self.buffer.nbytes / (time.perf_counter() - start)
 
 
+class ComputeProbe:
+    """An fp32 matrix product (BLAS, all threads): the machine's FMA roof, in FLOP/s. Attention does
+    the same fp32 multiply-adds, so a kernel that is compute-bound on a core with little FMA throughput
+    (Zen 1: one 256-bit FMA per cycle) shows it here rather than against the read roof."""
+
+    def __init__(self, n: int = 1024):
+        self.a, self.b = torch.rand(n, n), torch.rand(n, n)
+        self.out = torch.empty(n, n)
+        self.flops = 2 * n ** 3
+
+    def measure(self) -> float:
+        """FLOP per second of one product."""
+        start = time.perf_counter()
+        torch.mm(self.a, self.b, out=self.out)
+        return self.flops / (time.perf_counter() - start)
+
+
 def time_call(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()

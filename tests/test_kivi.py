@@ -86,12 +86,13 @@ def test_gather_dequantizes_exactly(fmt, device):
     assert torch.equal(kr[:48].cpu(), k_ref[0, :, :48].transpose(0, 1))
 
 
+@pytest.mark.parametrize("q_heads", [8, 6, 2])  # groups of 4, 3, 1: row blocks of 4, 3 and 1 rows on AVX2
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_reads_codes_in_registers(isa, fmt, q_dtype):
+def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
     pool, table, lens, _, _ = kivi_pool(fmt, [19, 3], 16, 2, 128, torch.bfloat16)
     q_lens = [1, 20]
-    q = torch.randn(sum(q_lens), 8, 128).to(q_dtype)
+    q = torch.randn(sum(q_lens), q_heads, 128).to(q_dtype)
     cu = torch.tensor([0, 1, 21], dtype=torch.int32)
     deq = dequantized(pool)
     out, lse = pool.attention(q, table, lens, cu, return_lse=True)

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -303,8 +304,8 @@ struct ReadI4 {
 
 /// KIVI rows (4 or 2 bits, planar codes: dims 0-15 and 16-31 of a chunk unpack in natural order).
 /// Keys (kKey): `meta` is the page's per-channel metadata, per chunk 32 fp16 scales then 32 zeros;
-/// values: `meta` is the row's (scale, zero) fp16 pair per chunk, as int4. Plain loops: the codes are
-/// few bytes and the speed of KIVI decode is not tuned yet.
+/// values: `meta` is the row's (scale, zero) fp16 pair per chunk, as int4. Plain loops: AVX2 builds
+/// read these rows through Row8 below; this serves the generic and AVX-512 builds.
 template <int kBits, bool kKey>
 struct ReadKivi {
   using Elem = uint8_t;
@@ -410,9 +411,25 @@ struct Prefetcher {
   }
 };
 
+/// A cache-line-aligned allocator. NOTE: BLAS may pick its code path by the alignment of its
+/// operands, so the buffers the GEMM path hands it are always 64-byte aligned: the same call gives
+/// the same bits whatever addresses the heap returns.
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+using FloatBuffer = std::vector<float, Aligned64<float>>;
+
 /// Scratch memory of one thread, reused across its tasks.
 struct Scratch {
-  std::vector<float> q, o;
+  FloatBuffer q, o;
   std::vector<RowState> rows;
 };
 
@@ -710,6 +727,47 @@ struct Row8<ReadI4> {
     const __m256 scale = _mm256_broadcastss_ps(sz), zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), scale, zero);
     b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), scale, zero);
+  }
+};
+
+/// KIVI rows, natural order. Codes are planar per 32-dim chunk c: at 4 bits, byte j holds dim j (low
+/// nibble) and dim j + 16 (high); at 2 bits, byte j (< 8) holds dims j, j + 8, j + 16, j + 24 in bit
+/// pairs 0-1, 2-3, 4-5, 6-7. Keys dequantize with their page's per-channel (scale, zero), values
+/// with their row's pair per chunk (as int4).
+template <int kBits, bool kKey>
+struct Row8<ReadKivi<kBits, kKey>> {
+  static constexpr bool kEvenOdd = false;
+  static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
+    const int64_t c = g / 2, half = g % 2;  // dims [16 g, 16 g + 16) = half `half` of chunk c
+    const __m256i mask = _mm256_set1_epi32((1 << kBits) - 1);
+    __m256i ca, cb;
+    if constexpr (kBits == 4) {
+      const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * c)));
+      const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * c + 8)));
+      const __m128i shift = _mm_cvtsi32_si128(int(4 * half));
+      ca = _mm256_and_si256(_mm256_srl_epi32(lo, shift), mask);  // dims 16 half + 0..7
+      cb = _mm256_and_si256(_mm256_srl_epi32(hi, shift), mask);  // dims 16 half + 8..15
+    } else {
+      const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)));
+      ca = _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half))), mask);
+      cb = _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half + 2))), mask);
+    }
+    if constexpr (kKey) {  // per chunk: 32 fp16 scales, then 32 zeros
+      const uint16_t* m = meta + 64 * c + 16 * half;
+      const __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
+      const __m256 sb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8)));
+      const __m256 za = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 32)));
+      const __m256 zb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 40)));
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ca), sa, za);
+      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), sb, zb);
+    } else {
+      int32_t pair;
+      std::memcpy(&pair, meta + 2 * c, 4);
+      const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+      const __m256 scale = _mm256_broadcastss_ps(sz), zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ca), scale, zero);
+      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), scale, zero);
+    }
   }
 };
 
@@ -1208,7 +1266,7 @@ void run_task_gemm(const AttentionArgs& a, const AttentionTask& t, const Partial
   s.q.assign(tr.heads * n * D, 0.f);
   s.o.assign(tr.heads * n * D, 0.f);
   s.rows.resize(tr.heads * n);
-  thread_local std::vector<float> kbuf, vbuf, sbuf;
+  thread_local FloatBuffer kbuf, vbuf, sbuf;
   kbuf.resize(kGemmKeys * D);
   vbuf.resize(kGemmKeys * D);
   sbuf.resize(n * kGemmKeys);
@@ -1287,13 +1345,13 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
   (void)gemm;
 #endif
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
-  if (is_kivi(a.k_kind)) {
-    return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
-      run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
-    });
-  }
 #ifdef KVC_AVX2_POLICIES
   return with_rows(rows_per_block(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
+    if (is_kivi(a.k_kind)) {
+      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+        run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
+      });
+    }
     if (a.k_kind != KVKind::kFull) {
       return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
         with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
@@ -1308,6 +1366,11 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
     }
   });
 #endif
+  if (is_kivi(a.k_kind)) {
+    return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+      run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
+    });
+  }
   if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
     return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
       with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
