@@ -1178,7 +1178,14 @@ inline void widen_row(const typename Read::Elem* row, int64_t D, float* out) {
   if constexpr (std::is_same_v<Read, ReadF32>) {
     std::memcpy(out, row, static_cast<size_t>(D) * sizeof(float));
   } else if constexpr (std::is_same_v<Read, ReadBF16>) {
-    for (int64_t d = 0; d < D; ++d) {
+    int64_t d = 0;
+#if defined(__AVX2__)
+    for (; d + 8 <= D; d += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm256_slli_epi32(w, 16));
+    }
+#endif
+    for (; d < D; ++d) {
       const uint32_t bits = uint32_t(row[d]) << 16;
       std::memcpy(&out[d], &bits, 4);
     }
@@ -1199,6 +1206,11 @@ inline void widen_row(const typename Read::Elem* row, int64_t D, float* out) {
 #if defined(__AVX2__)
 /// Keys outside [lo, hi) -> -inf, soft-cap the rest; returns the row's max.
 inline float mask_and_max(float* row, int64_t n, float lo, float hi, float softcap) {
+  if (lo == 0.f && hi == float(n) && n % 8 == 0 && softcap <= 0.f) {  // every key visible: only the max
+    __m256 mx = _mm256_loadu_ps(row);
+    for (int64_t c = 8; c < n; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + c));
+    return hmax8(mx);
+  }
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lo8 = _mm256_set1_ps(lo), hi8 = _mm256_set1_ps(hi);
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 mx = ninf;
