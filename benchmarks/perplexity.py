@@ -166,11 +166,13 @@ def evaluate(model, ids: torch.Tensor, variant: Variant, reference: torch.Tensor
     ``[tokens - 1, vocab]`` the mean KL divergence and top-1 agreement. ``keep`` returns the log-probs."""
     targets = ids[0, 1:]
     nll = kl = agree = 0.0
-    kept = []
+    kept, token_nll = [], []
     start_time = time.perf_counter()
     for start, logp in chunked_logprobs(model, ids, variant, prefill, chunk):
         n = logp.shape[0]
-        nll += -logp.gather(1, targets[start:start + n, None]).sum().item()
+        per_token = -logp.gather(1, targets[start:start + n, None])[:, 0]
+        nll += per_token.sum().item()
+        token_nll.append(per_token.double())
         if reference is not None:
             ref = reference[start:start + n]
             kl += (ref.exp() * (ref - logp)).sum().item()
@@ -186,7 +188,15 @@ def evaluate(model, ids: torch.Tensor, variant: Variant, reference: torch.Tensor
         out["top1_agreement"] = agree / count
     if keep:
         out["logprobs"] = torch.cat(kept)
+    out["token_nll"] = torch.cat(token_nll)  # for paired standard errors; not written out
     return out
+
+
+def paired_se(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Standard error of mean(a - b) over tokens: the noise of a log-perplexity difference between two
+    caches scored on the same tokens (exp of it is the perplexity ratio; for small values, +-SE ~ +-SE%)."""
+    d = a - b
+    return float(d.std(unbiased=True) / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
 
 
 def perplexity_rows(model, texts: dict[str, torch.Tensor], variants=VARIANTS, *, prefill: int = PREFILL,
@@ -218,6 +228,7 @@ def perplexity_rows(model, texts: dict[str, torch.Tensor], variants=VARIANTS, *,
             if "text" not in row:
                 row["text"] = text
                 row["increase"] = row["perplexity"] / ref["perplexity"] - 1
+                row["increase_se"] = paired_se(row["token_nll"], ref["token_nll"])
         del logprobs
     bar.close()
     return rows, notes
@@ -239,9 +250,11 @@ def gates(rows: list[dict], variants=VARIANTS) -> list[dict]:
                         "required": v.gate, "pass": r["increase"] <= v.gate})
             for hf in at:
                 if hf["kind"] == "quantized" and hf["bits"] == v.bits:
+                    # the difference's own noise: both caches scored on the same tokens (paired)
+                    se = paired_se(r["token_nll"], hf["token_nll"]) if "token_nll" in r and "token_nll" in hf else None
                     out.append({"text": text, "gate": f"{v.name} vs {hf['variant']}: perplexity increase",
                                 "measured": r["increase"], "required": hf["increase"],
-                                "pass": r["increase"] <= hf["increase"]})
+                                "pass": r["increase"] <= hf["increase"], "difference_se": se})
     return out
 
 
@@ -264,7 +277,9 @@ def markdown(info: dict, rows: list[dict], gate_rows: list[dict], notes: list[st
             if r is None:
                 cells.append("— | — | — | —")
                 continue
-            cells.append(f"{r['perplexity']:.3f} | {r['increase']:+.2%} | {r['kl']:.2e} | {r['top1_agreement']:.1%}")
+            se = r.get("increase_se")
+            spread = f" ± {se:.2%}" if se is not None and se > 0 else ""
+            cells.append(f"{r['perplexity']:.3f} | {r['increase']:+.2%}{spread} | {r['kl']:.2e} | {r['top1_agreement']:.1%}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
     for t, sample in setup.get("texts", {}).items():
@@ -272,10 +287,16 @@ def markdown(info: dict, rows: list[dict], gate_rows: list[dict], notes: list[st
                      f"{sample['text_sha256'][:12]}...).")
     for note in notes:
         lines.append(f"- {note}")
+    if any(r.get("increase_se") for r in rows):
+        lines.append("- ± is one standard error of the increase, from the per-token log-likelihood differences "
+                     "against the reference (paired: same tokens). Against an HF row, *difference* is ours minus "
+                     "theirs with its own paired standard error; within ±2 SE the two are not told apart.")
     if gate_rows:
-        lines += ["", "| text | gate | measured | required | |", "|---|---|---|---|---|"]
+        lines += ["", "| text | gate | measured | required | difference (SE) | |", "|---|---|---|---|---|---|"]
         for g in gate_rows:
-            lines.append(f"| {g['text']} | {g['gate']} | {g['measured']:+.2%} | <= {g['required']:+.2%} | "
+            se = g.get("difference_se")
+            diff = f"{g['measured'] - g['required']:+.2%} ({se:.2%})" if se is not None else ""
+            lines.append(f"| {g['text']} | {g['gate']} | {g['measured']:+.2%} | <= {g['required']:+.2%} | {diff} | "
                          f"{'pass' if g['pass'] else 'FAIL'} |")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -334,6 +355,8 @@ def main(argv=None) -> None:
     info["peers"] = peer_versions()
     rows, notes = perplexity_rows(model, texts, variants, prefill=prefill, chunk=chunk)
     gate_rows = gates(rows, variants)
+    for row in rows:
+        row.pop("token_nll", None)
     setup = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "tokens": tokens, "prefill": prefill,
              "chunk": chunk, "texts": samples, "paged_attn": args.attn, "wall_s": time.perf_counter() - started}
     table = markdown(info, rows, gate_rows, notes, setup)

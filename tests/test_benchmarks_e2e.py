@@ -119,16 +119,27 @@ def test_perplexity_rows(tiny_model):
         assert ref["increase"] == 0 and ref["kl"] == 0 and ref["predictions"] == 79
         assert math.isclose(dyn["perplexity"], ref["perplexity"], rel_tol=1e-4) and dyn["kl"] < 1e-6
         assert all(r["kl"] >= -1e-6 and 0 <= r["top1_agreement"] <= 1 for r in rows if r["text"] == text)
+        assert dyn["increase_se"] < 1e-5  # the same predictions: no noise in the difference
+        int8 = by[(text, "PagedCache int8")]
+        assert int8["increase_se"] == perplexity.paired_se(int8["token_nll"], ref["token_nll"]) > 0
     gate_rows = perplexity.gates(rows, variants)
     assert any(g["gate"] == "PagedCache int8: perplexity increase" for g in gate_rows)
     fp8 = next(v for v in variants if v.backend == "fp8")
     if fp8.missing():  # transformers 4.57: the row is said to be missing, not silently dropped
         assert any(n.startswith("QuantizedCache fp8: not run") for n in notes)
     else:
-        assert any(g["gate"] == "PagedCache int8 vs QuantizedCache fp8: perplexity increase" for g in gate_rows)
+        vs = next(g for g in gate_rows if g["gate"] == "PagedCache int8 vs QuantizedCache fp8: perplexity increase")
+        assert vs["difference_se"] > 0
     setup = {"model": "tiny", "dtype": "float32", "tokens": 80, "prefill": 32, "chunk": 16}
     table = perplexity.markdown(machine() | {"transformers": transformers.__version__}, rows, gate_rows, notes, setup)
     assert "| PagedCache int8 |" in table and "a: ppl" in table
+
+
+def test_paired_se():
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    assert math.isclose(perplexity.paired_se(a, b), math.sqrt(5 / 3) / 2)  # sample std of 1..4 over sqrt(4)
+    assert perplexity.paired_se(a + 7, a) == 0  # a constant difference has no noise
+    assert math.isnan(perplexity.paired_se(a[:1], b[:1]))
 
 
 def test_chunks():
