@@ -1,12 +1,13 @@
-// CUDA kernels of the cache ops. They cannot be run on the development machines (no GPU), so they
-// stay as plain as possible: one thread per element, the same PagedLayout accessors as the CPU
-// kernels, integer math in int64, and every launch checked.
+// CUDA kernels of the cache ops. No GPU runs them where this is developed (the test suite runs them
+// on the CPU under csrc/cuda_emulation), so they stay as plain as possible: one thread per element,
+// the same PagedLayout accessors as the CPU kernels, integer math in int64, and every launch checked.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
 #include "cache/cache_cuda_launch.h"
+#include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
 #include "cache/rotation_cuda.cuh"
 #include "core/quant.h"
@@ -383,9 +384,9 @@ cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stre
   const int64_t tokens = a.batch * a.q_len;
   if (tokens == 0) return cudaSuccess;
   if (elem_bytes == 4) {
-    append_kernel<uint32_t><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(a);
+    KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint32_t>)(a);
   } else {
-    append_kernel<uint16_t><<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(a);
+    KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint16_t>)(a);
   }
   return cudaGetLastError();
 }
@@ -396,9 +397,9 @@ cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream
   const dim3 grid(static_cast<unsigned>(bh), grid_y(a.max_len));
   const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
   if (elem_bytes == 4) {
-    gather_padded_kernel<uint32_t><<<grid, threads, 0, stream>>>(a);
+    KVC_LAUNCH(grid, threads, stream, gather_padded_kernel<uint32_t>)(a);
   } else {
-    gather_padded_kernel<uint16_t><<<grid, threads, 0, stream>>>(a);
+    KVC_LAUNCH(grid, threads, stream, gather_padded_kernel<uint16_t>)(a);
   }
   return cudaGetLastError();
 }
@@ -410,9 +411,9 @@ cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream
   const dim3 grid(static_cast<unsigned>(bh), 64);
   const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
   if (elem_bytes == 4) {
-    gather_ragged_kernel<uint32_t><<<grid, threads, 0, stream>>>(a);
+    KVC_LAUNCH(grid, threads, stream, gather_ragged_kernel<uint32_t>)(a);
   } else {
-    gather_ragged_kernel<uint16_t><<<grid, threads, 0, stream>>>(a);
+    KVC_LAUNCH(grid, threads, stream, gather_ragged_kernel<uint16_t>)(a);
   }
   return cudaGetLastError();
 }
@@ -421,13 +422,13 @@ cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStr
   const int64_t rows = a.batch * a.q_len * a.layout.num_kv_heads;
   if (rows == 0) return cudaSuccess;
   const int warps_per_block = kThreads / 32;
-  append_quantized_kernel<<<static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), kThreads, 0, stream>>>(
-      a, elem_bytes);
+  const auto row_blocks = static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block);
+  KVC_LAUNCH(row_blocks, kThreads, stream, append_quantized_kernel)(a, elem_bytes);
   if (is_kivi(a.k_kind)) {
     const int64_t pages = a.batch * (a.q_len / a.layout.page_size) * a.layout.num_kv_heads;
     if (pages > 0) {
-      append_kivi_key_kernel<<<static_cast<unsigned>((pages + warps_per_block - 1) / warps_per_block), kThreads, 0,
-                               stream>>>(a);
+      const auto page_blocks = static_cast<unsigned>((pages + warps_per_block - 1) / warps_per_block);
+      KVC_LAUNCH(page_blocks, kThreads, stream, append_kivi_key_kernel)(a);
     }
   }
   return cudaGetLastError();
@@ -437,10 +438,10 @@ cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStre
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0) return cudaSuccess;
   if (a.k_rot || a.v_rot) {
-    gather_rotated_kernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(a, ragged);
+    KVC_LAUNCH(static_cast<unsigned>(bh), kThreads, stream, gather_rotated_kernel)(a, ragged);
     return cudaGetLastError();
   }
-  gather_dequantized_kernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(a, ragged);
+  KVC_LAUNCH(static_cast<unsigned>(bh), kThreads, stream, gather_dequantized_kernel)(a, ragged);
   return cudaGetLastError();
 }
 
@@ -449,9 +450,9 @@ cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
   const bool wide = a.block_bytes % 16 == 0 && aligned16(a.k_src) && aligned16(a.v_src) &&
                     aligned16(a.k_dst) && aligned16(a.v_dst);
   if (wide) {
-    copy_blocks_kernel<uint4><<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(a);
+    KVC_LAUNCH(static_cast<unsigned>(a.n), kThreads, stream, copy_blocks_kernel<uint4>)(a);
   } else {
-    copy_blocks_kernel<uint8_t><<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(a);
+    KVC_LAUNCH(static_cast<unsigned>(a.n), kThreads, stream, copy_blocks_kernel<uint8_t>)(a);
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,127 @@
+// A CPU emulator of the CUDA execution model, for testing the kernels of attention_kernels.cu and
+// cache_kernels.cu on machines without a GPU (test builds only: csrc/cuda_emulation/README.md).
+//
+// Every thread of a block is a fiber (ucontext) on the calling OS thread; blocks run one after
+// another. A fiber runs until it reaches a barrier (__syncthreads, __syncwarp, a warp shuffle) or
+// returns, and a barrier opens once every live thread it concerns has arrived. What the emulator
+// checks, and a GPU would not report: a __syncthreads() that some live threads never reach, a warp
+// shuffle or __syncwarp() over lanes that have exited or are waiting elsewhere (divergence), a
+// mask other than the full warp. Such a launch fails with cudaErrorLaunchFailure and a message.
+// What it does not model: memory races between threads (fibers interleave only at barriers), the
+// contents of uninitialized shared memory (zeros here), and fast-math intrinsics (__expf is expf).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+struct uint3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+
+using cudaError_t = int;
+constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidConfiguration = 9;
+constexpr cudaError_t cudaErrorLaunchFailure = 719;
+using cudaStream_t = struct CUstream_st*;
+
+namespace kvcache::emu {
+
+/// Runs body() as every thread of every block of the grid; returns cudaSuccess or an error (the
+/// message is kept for last_error_message()).
+cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body);
+
+const uint3& thread_idx();
+const uint3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+
+void sync_threads();
+void sync_warp(unsigned mask);
+/// Exchanges 8 bytes across the warp: returns what lane `src_lane` passed (or the caller's own value
+/// when src_lane is outside [0, 32) or names no thread, as CUDA does for shfl_down past the end).
+uint64_t shuffle(unsigned mask, uint64_t value, int src_lane);
+int lane_id();
+
+cudaError_t take_last_error();
+const std::string& last_error_message();
+
+template <class T>
+T shfl(unsigned mask, T v, int src_lane) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffles move up to 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  bits = shuffle(mask, bits, src_lane);
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+/// kernel<<<grid, block>>>(args...): the arguments are copied once, as CUDA copies them to the
+/// device, and every thread receives its own copy of each by-value parameter.
+template <class... P>
+struct Launch {
+  dim3 grid, block;
+  void (*kernel)(P...);
+  Launch(dim3 g, dim3 b, void (*k)(P...)) : grid(g), block(b), kernel(k) {}
+  template <class... A>
+  void operator()(A&&... args) const {
+    const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    run(grid, block, [&] { std::apply(kernel, params); });
+  }
+};
+template <class... P>
+Launch(dim3, dim3, void (*)(P...)) -> Launch<P...>;
+
+}  // namespace kvcache::emu
+
+// ---- the CUDA names the kernels use ----------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static  // blocks run one at a time, so one copy per kernel is enough
+#define threadIdx (::kvcache::emu::thread_idx())
+#define blockIdx (::kvcache::emu::block_idx())
+#define blockDim (::kvcache::emu::block_dim())
+#define gridDim (::kvcache::emu::grid_dim())
+#define KVC_LAUNCH(grid, block, stream, ...) ::kvcache::emu::Launch(dim3(grid), dim3(block), __VA_ARGS__)
+
+inline void __syncthreads() { ::kvcache::emu::sync_threads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::kvcache::emu::sync_warp(mask); }
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  const int lane = ::kvcache::emu::lane_id();
+  return ::kvcache::emu::shfl(mask, v, (lane & ~(width - 1)) | ((lane ^ lane_mask) & (width - 1)));
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  const int lane = ::kvcache::emu::lane_id();
+  const int src = (lane & (width - 1)) + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : -1;
+  return ::kvcache::emu::shfl(mask, v, src);
+}
+inline float __expf(float x) { return std::exp(x); }
+template <class T>
+inline T min(T a, T b) { return b < a ? b : a; }
+template <class T>
+inline T max(T a, T b) { return a < b ? b : a; }
+
+enum cudaMemcpyKind { cudaMemcpyDefault = 4 };
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  std::memcpy(dst, src, bytes);  // host and device memory are the same here
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetLastError() { return ::kvcache::emu::take_last_error(); }
+inline const char* cudaGetErrorString(cudaError_t) { return ::kvcache::emu::last_error_message().c_str(); }

@@ -1,0 +1,3 @@
+// Emulation stand-in for the CUDA runtime header (csrc/cuda_emulation/emulator.h).
+#pragma once
+#include "cuda_emulation/emulator.h"

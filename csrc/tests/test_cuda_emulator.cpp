@@ -1,0 +1,122 @@
+// The CPU emulator of the CUDA execution model (csrc/cuda_emulation), on small kernels written as CUDA:
+// barriers, shuffles, shared memory and launch parameters behave as on a GPU, and the misuses the
+// emulator promises to report (divergent barriers, shuffles over exited lanes, bad configurations)
+// fail the launch with a message.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda_emulation/emulator.h"
+
+namespace {
+
+__global__ void block_sum(const int* in, int* out, int n) {
+  __shared__ int partial[256];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  partial[threadIdx.x] = i < n ? in[i] : 0;
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = partial[0];
+}
+
+TEST(CudaEmulator, SharedMemoryReductionAcrossBarriers) {
+  std::vector<int> in(1000), out(4, -1);
+  for (int i = 0; i < 1000; ++i) in[i] = i;
+  KVC_LAUNCH(4, 256, nullptr, block_sum)(in.data(), out.data(), 1000);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int b = 0; b < 4; ++b) {
+    int expect = 0;
+    for (int i = 256 * b; i < std::min(1000, 256 * (b + 1)); ++i) expect += i;
+    EXPECT_EQ(out[b], expect) << "block " << b;
+  }
+}
+
+__global__ void warp_ops(float* sums, int* down, int* idx) {
+  const int t = threadIdx.x, lane = t % 32;
+  float x = static_cast<float>(t);
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  sums[t] = x;
+  down[t] = __shfl_down_sync(0xffffffffu, t, 5);
+  idx[t] = static_cast<int>(blockIdx.y * 1000 + threadIdx.y * 100) + lane;
+}
+
+TEST(CudaEmulator, WarpShufflesAndIndices) {
+  std::vector<float> sums(64);
+  std::vector<int> down(64), idx(64);
+  KVC_LAUNCH(1, 64, nullptr, warp_ops)(sums.data(), down.data(), idx.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int t = 0; t < 64; ++t) {
+    const int w = t / 32;
+    EXPECT_EQ(sums[t], static_cast<float>(32 * 32 * w + 31 * 32 / 2)) << t;  // every lane holds its warp's sum
+    EXPECT_EQ(down[t], t % 32 + 5 < 32 ? t + 5 : t) << t;                      // past the warp: its own value
+    EXPECT_EQ(idx[t], t % 32);
+  }
+}
+
+__global__ void grid_indices(int* out) {
+  const unsigned b = blockIdx.y * gridDim.x + blockIdx.x;
+  out[b * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x] = static_cast<int>(b);
+}
+
+TEST(CudaEmulator, TwoDimensionalGridsAndBlocks) {
+  std::vector<int> out(3 * 2 * 4 * 8, -1);
+  KVC_LAUNCH(dim3(3, 2), dim3(4, 8), nullptr, grid_indices)(out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], static_cast<int>(i / 32)) << i;
+}
+
+struct Params {
+  int value;
+};
+__global__ void own_copy(Params p, int* out) {
+  p.value += static_cast<int>(threadIdx.x);  // a by-value parameter is each thread's own
+  out[threadIdx.x] = p.value;
+}
+
+TEST(CudaEmulator, ByValueParametersAreCopiedPerThread) {
+  std::vector<int> out(32);
+  KVC_LAUNCH(1, 32, nullptr, own_copy)(Params{10}, out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int t = 0; t < 32; ++t) EXPECT_EQ(out[t], 10 + t);
+}
+
+__global__ void divergent_barrier() {
+  if (threadIdx.x == 0) {
+    __syncthreads();
+  } else {
+    __syncwarp();  // waits for lane 0, which waits for everyone at __syncthreads
+  }
+}
+
+__global__ void shuffle_after_exit(float* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+}
+
+__global__ void nothing() {}
+
+TEST(CudaEmulator, ReportsDivergenceExitedLanesAndBadConfigurations) {
+  KVC_LAUNCH(1, 64, nullptr, divergent_barrier)();
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
+  EXPECT_NE(std::string(cudaGetErrorString(cudaErrorLaunchFailure)).find("divergent"), std::string::npos)
+      << cudaGetErrorString(cudaErrorLaunchFailure);
+
+  std::vector<float> out(32);
+  KVC_LAUNCH(1, 32, nullptr, shuffle_after_exit)(out.data());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
+  EXPECT_NE(std::string(cudaGetErrorString(cudaErrorLaunchFailure)).find("lane 16, which has exited"),
+            std::string::npos)
+      << cudaGetErrorString(cudaErrorLaunchFailure);
+
+  KVC_LAUNCH(1, 2048, nullptr, nothing)();
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // reading the error clears it, as in CUDA
+
+  KVC_LAUNCH(2, 32, nullptr, nothing)();  // the emulator is usable after a failed launch
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
