@@ -15,6 +15,9 @@ CPU_VENV    ?= $(CACHE_ROOT)/venv-cpu-$(shell cat $(CPU_REQ) | sha256sum | cut -
 JOBS        ?= 2
 # The main environment must compile and link the CUDA kernels: fail rather than silently skip them.
 KVCACHE_ENABLE_CUDA ?= ON
+# ...and builds them once more as C++ against the CPU emulator of csrc/cuda_emulation, so that pytest
+# runs the kernel tests on them too (there is no GPU to run them on).
+KVCACHE_CUDA_EMULATION ?= ON
 
 export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
@@ -28,10 +31,10 @@ test: core-tests pytest
 
 pytest: install
 	$(PY) -c "import kvcache, torch; print('kvcache', kvcache.__version__, kvcache.build_info, 'torch', torch.__version__)"
-	$(PY) -m pytest -q
+	KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pytest -q
 
 install: env
-	KVCACHE_ENABLE_CUDA=$(KVCACHE_ENABLE_CUDA) $(PY) -m pip install --no-build-isolation --no-deps -v . 2>&1 \
+	KVCACHE_ENABLE_CUDA=$(KVCACHE_ENABLE_CUDA) KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pip install --no-build-isolation --no-deps -v . 2>&1 \
 	  | grep -E "kvcache:|Building|Linking|error|warning|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
 
 env: sysdeps $(VENV)/.ready

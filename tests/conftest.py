@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +21,46 @@ DEVICES = ("cpu", pytest.param("cuda", marks=[_cuda, pytest.mark.cuda]))
 ISA_ORDER = ("generic", "avx2", "avx512", "avx512bf16")
 SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
 
+# The CUDA kernels built as C++ against a CPU emulator of the CUDA execution model
+# (csrc/cuda_emulation; built when KVCACHE_CUDA_EMULATION=ON, as `make test` does): the same schemas
+# as torch.ops.kvcache, under torch.ops.kvcache_cuda_emulation.
+CUDA_EMULATION_LIBRARY = Path(kvcache.__file__).parent / "_cuda_emulation.so"
+if CUDA_EMULATION_LIBRARY.exists():
+    torch.ops.load_library(str(CUDA_EMULATION_LIBRARY))
+HAS_CUDA_EMULATION = CUDA_EMULATION_LIBRARY.exists()
+CUDA_EMULATED = "cuda-emulated"
 
-@pytest.fixture(params=SUPPORTED_ISAS)
+
+@contextmanager
+def ops_backend(name: str):
+    """Routes kvcache's op wrappers to the CUDA kernels under the emulator (CUDA_EMULATED) or leaves them
+    on torch.ops.kvcache."""
+    before = kvcache.ops._ops
+    if name == CUDA_EMULATED:
+        kvcache.ops._ops = torch.ops.kvcache_cuda_emulation
+    try:
+        yield
+    finally:
+        kvcache.ops._ops = before
+
+
+@pytest.fixture(params=("ops",) + ((CUDA_EMULATED,) if HAS_CUDA_EMULATION else ()))
+def backend(request):
+    """Runs a test of the storage ops on the registered kernels (torch.ops.kvcache, CPU here) and on the
+    CUDA kernels under the emulator."""
+    with ops_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=SUPPORTED_ISAS + ((CUDA_EMULATED,) if HAS_CUDA_EMULATION else ()))
 def isa(request):
-    """Runs a test once per CPU attention-kernel build this machine supports."""
+    """Runs a test once per CPU attention-kernel build this machine supports, and once on the CUDA
+    kernels under the emulator (every op of the test then runs there)."""
     before = kvcache._C.cpu_isa()
-    kvcache._C.set_cpu_isa(request.param)
-    yield request.param
+    if request.param != CUDA_EMULATED:
+        kvcache._C.set_cpu_isa(request.param)
+    with ops_backend(request.param):
+        yield request.param
     kvcache._C.set_cpu_isa(before)
 
 

@@ -66,8 +66,10 @@ def test_page_boundaries(isa, dtype, page_size):
 
 
 # groups of 1, 2, 3, 4, 6 and 8 (MQA): the AVX2 kernel blocks a task's rows (query tokens x group) by
-# 1-4 rows, whichever pads least, so every block size is reached by a decode step or a prefill chunk
-@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (6, 3), (9, 3), (8, 2), (16, 2), (12, 2), (8, 1), (12, 3)])
+# 1-4 rows, whichever pads least, so every block size is reached by a decode step or a prefill chunk;
+# a group of 32 is wider than the 16 rows of a CUDA CTA's pass over the keys
+@pytest.mark.parametrize("q_heads, kv_heads",
+                         [(4, 4), (6, 3), (9, 3), (8, 2), (16, 2), (12, 2), (8, 1), (12, 3), (32, 1)])
 def test_gqa_and_mqa(isa, q_heads, kv_heads):
     kv_lens, q_lens = [130, 40], [1, 17]
     pb = make_paged_batch(kv_lens, 16, kv_heads, 128, torch.bfloat16)

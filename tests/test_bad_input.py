@@ -36,7 +36,7 @@ def kv(batch=1, heads=2, q_len=3, dim=8, dtype=F16):
 
 
 # ---- append -----------------------------------------------------------------------------------
-def test_append_slot_out_of_range_writes_nothing(pools):
+def test_append_slot_out_of_range_writes_nothing(backend, pools):
     key, value = kv()
     # slots 0 and 1 are valid: a half-applying kernel would write them before reaching 16.
     for bad, match in [(16, r"slot_mapping\[0, 2\]|slot_mapping\[2\] = 16 .*\[0, 16\)"),
@@ -45,7 +45,7 @@ def test_append_slot_out_of_range_writes_nothing(pools):
         expect_rejected(pools, IndexError, match, lambda: kvcache.append(key, value, *pools, slots))
 
 
-def test_append_duplicate_slot(pools):
+def test_append_duplicate_slot(backend, pools):
     key, value = kv()
     slots = torch.tensor([[3, 5, 3]])
     expect_rejected(pools, IndexError, r"writes slot 3 twice \(positions 0 and 2\)",
@@ -62,7 +62,7 @@ def test_append_duplicate_slot(pools):
     ("head_dim", ValueError, r"key.shape\[3\] = 16 must equal head_dim of the cache = 8"),
     ("key_3d", ValueError, r"key must be a 4-D tensor but has shape \[2, 3, 8\]"),
 ])
-def test_append_bad_arguments(pools, case, exc, match):
+def test_append_bad_arguments(backend, pools, case, exc, match):
     key, value = kv()
     slots = torch.tensor([[0, 1, 2]])
     if case == "slots_int32":
@@ -135,12 +135,12 @@ def gather_call(pools, table, lens, max_len=8):
     ([[0, 1]], [9], 12, r"seq_lens\[0\] = 9 needs 3 blocks but block_tables has 2 columns \(page_size 4\)"),
     ([[0, 1], [2, 3]], [4, 8], 6, r"seq_lens\[1\] = 8 exceeds k_out.shape\[2\] \(max_len\) = 6"),
 ])
-def test_gather_bad_indices_write_nothing(pools, table, lens, max_len, match):
+def test_gather_bad_indices_write_nothing(backend, pools, table, lens, max_len, match):
     outs, call = gather_call(pools, table, lens, max_len)
     expect_rejected(list(outs), IndexError, match, call)
 
 
-def test_gather_bad_arguments(pools):
+def test_gather_bad_arguments(backend, pools):
     table = torch.tensor([[0, 1]], dtype=torch.int32)
     lens = torch.tensor([5], dtype=torch.int32)
     ok = torch.zeros(1, 2, 8, 8, dtype=F16)
@@ -167,7 +167,7 @@ def test_gather_bad_arguments(pools):
     ([0, 5], 6, r"cu_seq_lens\[1\] = 5 must equal k_out.shape\[0\] \(total tokens\) = 6"),
     ([0, 9], 9, r"sequence lengths\[0\] = 9 needs 3 blocks but block_tables has 2 columns"),
 ])
-def test_gather_ragged_bad_offsets_write_nothing(pools, cu, total, match):
+def test_gather_ragged_bad_offsets_write_nothing(backend, pools, cu, total, match):
     k_out = torch.full((total, 2, 8), 5.0, dtype=F16)
     v_out = torch.full_like(k_out, 5.0)
     table = torch.tensor([[0, 1]] * (len(cu) - 1), dtype=torch.int32)
@@ -182,19 +182,19 @@ def test_gather_ragged_bad_offsets_write_nothing(pools, cu, total, match):
     ([[0, 3], [1, 3]], r"writes destination block 3 twice \(rows 0 and 1\)"),
     ([[0, 1], [1, 2]], r"reads block 1 \(row 1\) that it also writes \(row 0\)"),
 ])
-def test_copy_blocks_bad_mapping_writes_nothing(pools, mapping, match):
+def test_copy_blocks_bad_mapping_writes_nothing(backend, pools, mapping, match):
     pools[0].normal_(), pools[1].normal_()
     expect_rejected(pools, IndexError, match, lambda: kvcache.copy_blocks(*pools, torch.tensor(mapping)))
 
 
-def test_copy_blocks_bad_mapping_tensor(pools):
+def test_copy_blocks_bad_mapping_tensor(backend, pools):
     with pytest.raises(TypeError, match=r"block_mapping must have dtype Long but has Int"):
         kvcache.copy_blocks(*pools, torch.tensor([[0, 1]], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"block_mapping.shape\[1\] = 3 must equal 2 \(\(src, dst\) pairs\)"):
         kvcache.copy_blocks(*pools, torch.tensor([[0, 1, 2]]))
 
 
-def test_swap_blocks_bad_input(pools):
+def test_swap_blocks_bad_input(backend, pools):
     host = kvcache.PageLayout(6, 4, 2, 8, F16).allocate(fill=1.0)
     expect_rejected(list(host), IndexError, r"block_mapping\[0, 1\] = 6 is not a destination block id in \[0, 6\)",
                     lambda: kvcache.swap_blocks(*pools, *host, torch.tensor([[0, 6]])))

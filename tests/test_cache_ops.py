@@ -5,6 +5,7 @@ Data movement is exact: every comparison is bitwise.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 import kvcache
 from kvcache import reference as ref
 
-from conftest import DEVICES, DTYPES, PAGE_SIZES, make_paged_batch
+from conftest import CUDA_EMULATION_LIBRARY, DEVICES, DTYPES, HAS_CUDA_EMULATION, PAGE_SIZES, make_paged_batch
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ def hf_style(batch: int, heads: int, q_len: int, dim: int, dtype: torch.dtype, d
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_append_matches_reference(dtype, page_size, device):
+def test_append_matches_reference(backend, dtype, page_size, device):
     rng = random.Random(page_size)
     batch, heads, q_len, dim = rng.randint(1, 3), rng.choice([2, 4]), rng.randint(2, 9), rng.choice([8, 64])
     layout = kvcache.PageLayout(-(-batch * q_len // page_size) + 2, page_size, heads, dim, dtype)
@@ -62,7 +63,7 @@ def test_append_matches_reference(dtype, page_size, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_append_honours_arbitrary_strides(device):
+def test_append_honours_arbitrary_strides(backend, device):
     # Every dimension strided, including head_dim (stride 2): the kernel may not assume contiguity.
     base_k = torch.randn(2, 6, 3, 32, device=device)
     base_v = torch.randn(2, 6, 3, 32, device=device)
@@ -81,7 +82,7 @@ def test_append_honours_arbitrary_strides(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_append_of_nothing_is_a_no_op(device):
+def test_append_of_nothing_is_a_no_op(backend, device):
     layout = kvcache.PageLayout(2, 4, 2, 8, torch.float16)
     k_cache, v_cache = layout.allocate(device, fill=1.0)
     empty = torch.empty(0, 2, 3, 8, dtype=torch.float16, device=device)
@@ -118,7 +119,7 @@ def random_lens(rng: random.Random, page_size: int) -> list[int]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_gather_matches_reference(dtype, page_size, device):
+def test_paged_gather_matches_reference(backend, dtype, page_size, device):
     rng = random.Random(page_size * 7 + DTYPES.index(dtype))
     pb = make_paged_batch(random_lens(rng, page_size), page_size, rng.choice([1, 2, 4]), rng.choice([8, 64]),
                           dtype, device)
@@ -134,7 +135,7 @@ def test_paged_gather_matches_reference(dtype, page_size, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_gather_ragged_matches_reference(dtype, page_size, device):
+def test_paged_gather_ragged_matches_reference(backend, dtype, page_size, device):
     rng = random.Random(page_size * 11 + DTYPES.index(dtype))
     pb = make_paged_batch(random_lens(rng, page_size), page_size, rng.choice([1, 3]), rng.choice([16, 128]),
                           dtype, device)
@@ -148,7 +149,7 @@ def test_paged_gather_ragged_matches_reference(dtype, page_size, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_append_then_gather_round_trips(device):
+def test_append_then_gather_round_trips(backend, device):
     # The path a cache takes: prefill 9 tokens, decode 3 one at a time, gather everything back.
     layout = kvcache.PageLayout(8, 4, 2, 16, torch.bfloat16)
     k_cache, v_cache = layout.allocate(device, fill=float("nan"))
@@ -197,7 +198,7 @@ def random_mapping(num_src: int, num_dst: int, n: int, disjoint: bool) -> torch.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_copy_blocks_matches_reference(dtype, page_size, device):
+def test_copy_blocks_matches_reference(backend, dtype, page_size, device):
     layout = kvcache.PageLayout(12, page_size, 2, 24, dtype)
     k_cache, v_cache = (torch.randn(layout.shape, device=device).to(dtype) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -211,7 +212,7 @@ def test_copy_blocks_matches_reference(dtype, page_size, device):
 
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_blocks_host_to_host(dtype, page_size):
+def test_swap_blocks_host_to_host(backend, dtype, page_size):
     src = kvcache.PageLayout(10, page_size, 2, 8, dtype)
     dst = kvcache.PageLayout(6, page_size, 2, 8, dtype)  # pools may differ in block count
     k_src, v_src = (torch.randn(src.shape).to(dtype) for _ in range(2))
@@ -282,6 +283,20 @@ def test_every_op_has_cpu_and_cuda_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"), name
         if kvcache.build_info["cuda"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"), name
+
+
+def test_cuda_emulation_is_built_when_asked_for_and_has_every_op():
+    # `make test` builds and tests the CUDA kernels under the CPU emulator: a missing library there
+    # must fail, not quietly drop the emulated half of the kernel tests.
+    if os.environ.get("KVCACHE_CUDA_EMULATION") == "ON":
+        assert HAS_CUDA_EMULATION, f"{CUDA_EMULATION_LIBRARY} was not built"
+    if not HAS_CUDA_EMULATION:
+        pytest.skip("built without KVCACHE_CUDA_EMULATION=ON")
+    for name in OP_NAMES:
+        ours, emulated = getattr(torch.ops.kvcache, name).default, getattr(torch.ops.kvcache_cuda_emulation, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(emulated.name(), "CPU"), name
+        # the same schema (op_schemas.h), but for the namespace
+        assert str(emulated._schema).split("::", 1)[1] == str(ours._schema).split("::", 1)[1], name
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -55,7 +55,7 @@ def dequantized(pool):
 @pytest.mark.parametrize("page", [16, 32])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
+def test_append_codes_bit_identical_to_reference(backend, fmt, in_dtype, page, device):
     pool, table, lens, keys, values = kivi_pool(fmt, [3, 1], page, 2, 64, in_dtype, device)
     expect = kvcache.KVPool.allocate(pool.num_blocks, page, 2, 64, fmt)
     for b, n in enumerate(lens.tolist()):
@@ -69,7 +69,7 @@ def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gather_dequantizes_exactly(fmt, device):
+def test_gather_dequantizes_exactly(backend, fmt, device):
     pool, table, lens, keys, values = kivi_pool(fmt, [3, 2], 16, 2, 64, torch.float32, device)
     k, v = pool.gather(table, lens, max_len=50)
     deq_k, deq_v = dequantized(pool)
@@ -130,7 +130,7 @@ def test_opcheck_kivi(device):
                            kw["k_format"], kw["v_format"]))
 
 
-def test_bad_kivi_arguments_write_nothing():
+def test_bad_kivi_arguments_write_nothing(backend):
     pool = kvcache.KVPool.allocate(4, 16, 2, 64, "kivi4")
     assert pool.k.shape == (4, 2, 16, 32) and pool.k_scale.shape == (4, 2, 2, 2, 32)
     assert pool.v_scale.shape == (4, 2, 16, 2, 2)

@@ -43,7 +43,7 @@ def filled_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int, in_d
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
+def test_append_codes_bit_identical_to_reference(backend, fmt, in_dtype, page, device):
     pool, table, lens, keys, values = filled_pool(fmt, [37, 5], page, 2, 64, in_dtype, device)
     expect = kvcache.KVPool.allocate(pool.num_blocks, page, 2, 64, fmt)
     for t_exp, t_got in ((expect.k_scale, pool.k_scale), (expect.v_scale, pool.v_scale)):
@@ -63,7 +63,7 @@ def test_append_codes_bit_identical_to_reference(fmt, in_dtype, page, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gather_dequantizes_exactly(fmt, device):
+def test_gather_dequantizes_exactly(backend, fmt, device):
     pool, table, lens, keys, values = filled_pool(fmt, [40, 17], 16, 2, 64, torch.float32, device)
     k, v = pool.gather(table, lens, max_len=42)
     deq_k = ref.dequantize_pool(pool.k.cpu(), None if pool.k_scale is None else pool.k_scale.cpu(), format_id(pool.format.k))
@@ -139,7 +139,7 @@ def test_opcheck_quantized(fmt, device):
 
 
 # ---- bad input -----------------------------------------------------------------------------------------
-def test_bad_quantized_arguments_write_nothing():
+def test_bad_quantized_arguments_write_nothing(backend):
     pool = kvcache.KVPool.allocate(4, 16, 2, 64, "int8")
     key = torch.randn(1, 2, 3, 64)
     slots = torch.tensor([[0, 1, 2]])

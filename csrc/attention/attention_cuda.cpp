@@ -45,30 +45,13 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
                                             k_scale, v_scale, k_format, v_format);
   TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
-  PlanOptions opt;
-  opt.parallelism = multiprocessors(k_cache.device());
-  opt.tasks_per_worker = 2;
-  opt.prefill_rows = cuda::prefill_rows_per_task();
-  opt.min_split_keys = 256;
-  const AttentionPlan plan = make_attention_plan(a, host, opt);
-  std::vector<AttentionTask> decode, prefill;
-  for (const AttentionTask& t : plan.tasks) {
-    // The prefill kernel keeps at most prefill_rows_per_task() rows in registers; decode tasks, and
-    // tasks with more rows (a GQA group wider than that, e.g. MQA with 32 query heads), go to the
-    // decode kernel, whose warps loop over any number of rows.
-    const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
-    const bool is_decode = rows <= opt.decode_rows && t.tok_begin == 0 && t.tok_end == host.q_lens[t.seq];
-    (is_decode || rows > cuda::prefill_rows_per_task() ? decode : prefill).push_back(t);
-  }
+  const AttentionPlan plan = cuda::plan_cuda_attention(a, host, multiprocessors(k_cache.device()));
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
-  const at::Tensor d_decode = to_device(decode, k_cache.device());
-  const at::Tensor d_prefill = to_device(prefill, k_cache.device());
+  const at::Tensor d_tasks = to_device(plan.tasks, k_cache.device());
   const at::Tensor d_splits = to_device(plan.splits, k_cache.device());
-  check_launch(cuda::launch_attention(a, reinterpret_cast<const AttentionTask*>(d_decode.data_ptr()),
-                                      static_cast<int64_t>(decode.size()),
-                                      reinterpret_cast<const AttentionTask*>(d_prefill.data_ptr()),
-                                      static_cast<int64_t>(prefill.size()),
+  check_launch(cuda::launch_attention(a, reinterpret_cast<const AttentionTask*>(d_tasks.data_ptr()),
+                                      static_cast<int64_t>(plan.tasks.size()),
                                       reinterpret_cast<const AttentionPlan::Split*>(d_splits.data_ptr()),
                                       static_cast<int64_t>(plan.splits.size()), partial,
                                       c10::cuda::getCurrentCUDAStream()),

@@ -8,14 +8,15 @@
 
 namespace kvcache::cuda {
 
-/// Query rows a prefill task may hold (rows kept in registers by the CTA's warps).
-int64_t prefill_rows_per_task();
 /// Largest head_dim the kernels support.
 int64_t max_head_dim();
 
-/// Runs the decode and prefill tasks (device arrays), then merges the split states.
-cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* decode_tasks, int64_t num_decode,
-                             const AttentionTask* prefill_tasks, int64_t num_prefill,
+/// The plan of a paged_attention call on a device with `multiprocessors` SMs (host code: the CUDA
+/// registration and the emulation tests share it).
+AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors);
+
+/// Runs a plan's tasks (a device array), then merges the split states.
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
                              const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
                              cudaStream_t stream);
 

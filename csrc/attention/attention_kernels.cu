@@ -1,14 +1,15 @@
 // CUDA kernels of paged_attention and merge_states.
 //
-// No GPU is available where this is developed: these kernels are compiled and linked in every CI run
-// but have never been executed. They are kept deliberately plain: a warp owns a query row (its lanes
-// split head_dim), scores are warp-reduced dot products, and the online-softmax and merge math is the
-// same as the CPU kernel's (core/softmax_state.h). Work is cut into the same AttentionTasks as on the
-// CPU (attention_plan.h):
-//   - decode tasks (few rows, a range of keys, split-K): each warp streams its row's keys straight
-//     from the pages;
-//   - prefill tasks (up to kWarps * kRowsPerWarp rows of one KV head): the CTA stages tiles of
-//     kTile keys in shared memory as fp32 and every warp reuses them for its rows.
+// No GPU is available where this is developed: these kernels are compiled and linked in every CI run,
+// and the test suite runs them on the CPU under csrc/cuda_emulation (never yet on a GPU). They are
+// kept deliberately plain: a warp owns query rows (its lanes split head_dim), scores are warp-reduced
+// dot products, and the online-softmax and merge math is the same as the CPU kernel's
+// (core/softmax_state.h). Work is cut into the same AttentionTasks as on the CPU (attention_plan.h),
+// each of one KV head: decode tasks (a few rows, a range of keys: split-K) and prefill tasks (a block
+// of query rows, all their keys). One kernel serves both: the CTA stages tiles of kTile keys of its KV
+// head in shared memory, dequantized to fp32, and every warp reuses them for its rows, so each page is
+// read once per KV head and task, not once per query head. A task holds at most kRowsPerCta rows per
+// pass; a wider GQA group (e.g. MQA with 32 query heads) takes several passes over the keys.
 // Split tasks write partial states that merge_partials_kernel folds into the output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,6 +19,7 @@
 
 #include "attention/attention_cuda_launch.h"
 #include "cache/rotation_cuda.cuh"
+#include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
 #include "core/quant.h"
 #include "core/softmax_state.h"
@@ -28,7 +30,8 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxPerLane = 8;   // head_dim <= 256: each lane holds at most 8 dims
-constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers in the prefill kernel
+constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers
+constexpr int kRowsPerCta = kWarps * kRowsPerWarp;  // rows of one pass over the keys
 constexpr int kTile = 16;        // keys per shared-memory tile
 
 // Element types of the pools. Quantized codes widen to their code value; the scale is applied per key
@@ -189,51 +192,12 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
   }
 }
 
-/// Decode tasks: one warp per row; keys read straight from the pages.
+/// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys.
+/// Rows are dealt to the warps in turn (row i * kWarps + warp of the pass), so that a decode step of a
+/// GQA group of 4 keeps all four warps busy.
 template <typename KT, typename VT>
-__global__ void __launch_bounds__(kThreads) decode_kernel(AttentionArgs a, const AttentionTask* tasks,
-                                                          PartialStates partial) {
-  const AttentionTask t = tasks[blockIdx.x];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const PagedLayout L = a.layout;
-  const int64_t D = L.head_dim;
-  const KT* kc = static_cast<const KT*>(a.k_cache);
-  const VT* vc = static_cast<const VT*>(a.v_cache);
-  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4
-  const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
-  const int32_t* table = a.block_tables + t.seq * a.table_stride;
-  const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * a.group;
-  const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
-  for (int64_t r = warp; r < rows; r += kWarps) {
-    Row row;
-    init_row(a, t, r, lane, row);
-    const int64_t h = t.head_begin + r / per_head;
-    const int64_t end = min(int64_t(t.kv_end), row.pos + 1);
-    for (int64_t j = t.kv_begin; j < end; ++j) {
-      if (!key_visible(a, row, j)) {
-        if (j >= a.sink_tokens && j < row.lo) j = row.lo - 1;  // jump to the window
-        continue;
-      }
-      const int64_t block = table[j >> L.page_shift], pos = j & (L.page_size - 1);
-      const int64_t off = L.offset(block, h, pos);
-      float s = 0.f;
-#pragma unroll
-      for (int k = 0; k < kMaxPerLane; ++k) {
-        const int64_t d = lane + 32 * k;
-        if (d < D) s += row.q[k] * kv_at(kc, k_meta, L, off + d);
-      }
-      s = warp_sum(s) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-      const float vs = token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-      absorb(a, row, s, lane, [&](int64_t d) { return kv_at(vc, v_meta, L, off + d) * vs; });
-    }
-    finish_row(a, t, partial, row, r, lane);
-  }
-}
-
-/// Prefill tasks (one KV head, at most kWarps * kRowsPerWarp rows): K/V tiles staged in shared memory.
-template <typename KT, typename VT>
-__global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, const AttentionTask* tasks,
-                                                           PartialStates partial) {
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, const AttentionTask* tasks,
+                                                             PartialStates partial) {
   __shared__ float ks[kTile][kMaxPerLane * 32];
   __shared__ float vs[kTile][kMaxPerLane * 32];
   const AttentionTask t = tasks[blockIdx.x];
@@ -243,56 +207,59 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionArgs a, cons
   const int64_t h = t.head_begin;
   const KT* kc = static_cast<const KT*>(a.k_cache);
   const VT* vc = static_cast<const VT*>(a.v_cache);
-  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4
+  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
   const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
-
-  Row rows[kRowsPerWarp];
-  int64_t last = -1;  // the last key any row of this warp sees
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    init_row(a, t, warp * kRowsPerWarp + i, lane, rows[i]);
-    last = max(last, rows[i].pos);
-  }
-  // Every warp walks the same tiles (the CTA's union of keys) so that __syncthreads() is uniform.
+  const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
   const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
-  const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
-  const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
-  for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
-    __syncthreads();  // the previous tile is no longer read
-    for (int64_t idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
-      const int64_t jj = idx / D, d = idx % D, key = t0 + jj;
-      float kv = 0.f, vv = 0.f;
-      if (key < end) {  // staged dequantized: scales applied here, once per element
-        const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
-        const int64_t off = L.offset(block, h, pos);
-        kv = kv_at(kc, k_meta, L, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-        vv = kv_at(vc, v_meta, L, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-      }
-      ks[jj][d] = kv;
-      vs[jj][d] = vv;
+
+  for (int64_t first = 0; first < rows; first += kRowsPerCta) {
+    Row rw[kRowsPerWarp];
+    int64_t last = -1;  // the last key any row of this warp sees
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      init_row(a, t, first + i * kWarps + warp, lane, rw[i]);
+      last = max(last, rw[i].pos);
     }
-    __syncthreads();
-    if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
-    for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
-      const int64_t key = t0 + jj;
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        Row& row = rows[i];
-        if (!row.valid || !key_visible(a, row, key)) continue;  // uniform across the warp
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < kMaxPerLane; ++k) {
-          const int64_t d = lane + 32 * k;
-          if (d < D) s += row.q[k] * ks[jj][d];
+    // Every warp walks the same tiles (the union of the task's keys) so that __syncthreads() is uniform.
+    const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
+    const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
+    for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
+      __syncthreads();  // the previous tile is no longer read
+      for (int64_t idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
+        const int64_t jj = idx / D, d = idx % D, key = t0 + jj;
+        float kv = 0.f, vv = 0.f;
+        if (key < end) {  // staged dequantized: scales applied here, once per element
+          const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
+          const int64_t off = L.offset(block, h, pos);
+          kv = kv_at(kc, k_meta, L, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+          vv = kv_at(vc, v_meta, L, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
         }
-        s = warp_sum(s);
-        absorb(a, row, s, lane, [&](int64_t d) { return vs[jj][d]; });
+        ks[jj][d] = kv;
+        vs[jj][d] = vv;
+      }
+      __syncthreads();
+      if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
+      for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
+        const int64_t key = t0 + jj;
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) {
+          Row& row = rw[i];
+          if (!row.valid || !key_visible(a, row, key)) continue;  // uniform across the warp
+          float s = 0.f;
+#pragma unroll
+          for (int k = 0; k < kMaxPerLane; ++k) {
+            const int64_t d = lane + 32 * k;
+            if (d < D) s += row.q[k] * ks[jj][d];
+          }
+          s = warp_sum(s);
+          absorb(a, row, s, lane, [&](int64_t d) { return vs[jj][d]; });
+        }
       }
     }
-  }
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) finish_row(a, t, partial, rows[i], warp * kRowsPerWarp + i, lane);
+    for (int i = 0; i < kRowsPerWarp; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
+  }
 }
 
 /// Folds the partial states of each split (sequence, head range) into out/lse. One CTA per split.
@@ -390,33 +357,33 @@ cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int
 }
 
 template <typename KT, typename VT>
-struct Decode {
+struct Attention {
   static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
-    decode_kernel<KT, VT><<<grid, kThreads, 0, s>>>(a, t, p);
-  }
-};
-template <typename KT, typename VT>
-struct Prefill {
-  static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
-    prefill_kernel<KT, VT><<<grid, kThreads, 0, s>>>(a, t, p);
+    KVC_LAUNCH(grid, kThreads, s, attention_kernel<KT, VT>)(a, t, p);
   }
 };
 
 }  // namespace
 
-int64_t prefill_rows_per_task() { return kWarps * kRowsPerWarp; }
 int64_t max_head_dim() { return kMaxPerLane * 32; }
 
-cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* decode_tasks, int64_t num_decode,
-                             const AttentionTask* prefill_tasks, int64_t num_prefill,
+AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors) {
+  PlanOptions opt;
+  opt.parallelism = multiprocessors;
+  opt.tasks_per_worker = 2;
+  opt.decode_rows = kRowsPerCta;   // a decode task's rows fit one pass
+  opt.prefill_rows = kRowsPerCta;  // a prefill task's rows too, unless one token's GQA group is wider
+  opt.min_split_keys = 256;
+  return make_attention_plan(a, host, opt);
+}
+
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
                              const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
                              cudaStream_t stream) {
-  cudaError_t err = launch_by_kv<Decode>(a, decode_tasks, num_decode, partial, stream);
-  if (err != cudaSuccess) return err;
-  err = launch_by_kv<Prefill>(a, prefill_tasks, num_prefill, partial, stream);
+  cudaError_t err = launch_by_kv<Attention>(a, tasks, num_tasks, partial, stream);
   if (err != cudaSuccess) return err;
   if (num_splits > 0) {
-    merge_partials_kernel<<<static_cast<unsigned>(num_splits), kThreads, 0, stream>>>(a, splits, partial);
+    KVC_LAUNCH(static_cast<unsigned>(num_splits), kThreads, stream, merge_partials_kernel)(a, splits, partial);
     err = cudaGetLastError();
   }
   return err;
@@ -427,7 +394,7 @@ cudaError_t launch_merge_states(const void* v_a, const float* lse_a, const void*
   const int64_t n = rows * head_dim;
   if (n == 0) return cudaSuccess;
   const int threads = 256;
-  merge_states_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+  KVC_LAUNCH(static_cast<unsigned>((n + threads - 1) / threads), threads, stream, merge_states_kernel)(
       v_a, lse_a, v_b, lse_b, v_out, lse_out, rows, head_dim, dtype);
   return cudaGetLastError();
 }
