@@ -22,7 +22,7 @@ KVCACHE_CUDA_EMULATION ?= ON
 export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
-.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build bench clean
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench clean
 
 demo: install
 	$(PY) -m kvcache.demo
@@ -58,6 +58,18 @@ core-tests: sysdeps
 	cmake -S csrc/tests -B build/core-tests -G Ninja -DCMAKE_BUILD_TYPE=Debug > /dev/null
 	cmake --build build/core-tests
 	ctest --test-dir build/core-tests --output-on-failure
+
+# The CUDA kernels under the emulator once more, built with AddressSanitizer: every load and store of
+# every kernel in the tests is checked against the tensors' allocations (libasan, and libstdc++ for its
+# exception interceptor, preloaded into Python).
+ASAN_PRELOAD = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so)
+test-cuda-asan: install
+	KVCACHE_ENABLE_CUDA=OFF KVCACHE_CUDA_EMULATION=ON KVCACHE_CUDA_EMULATION_ASAN=ON \
+	  cmake -S . -B build/cuda-asan -G Ninja -DPython_EXECUTABLE=$(PY) > /dev/null
+	cmake --build build/cuda-asan --target _cuda_emulation
+	KVCACHE_CUDA_EMULATION_LIBRARY=$(CURDIR)/build/cuda-asan/_cuda_emulation.so ASAN_OPTIONS=detect_leaks=0 \
+	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest -q -k cuda-emulated tests/test_attention.py \
+	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py
 
 # A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
 # and the test suite passes there too.

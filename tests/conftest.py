@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ SUPPORTED_ISAS = ISA_ORDER[: ISA_ORDER.index(kvcache._C.best_cpu_isa()) + 1]
 
 # The CUDA kernels built as C++ against a CPU emulator of the CUDA execution model
 # (csrc/cuda_emulation; built when KVCACHE_CUDA_EMULATION=ON, as `make test` does): the same schemas
-# as torch.ops.kvcache, under torch.ops.kvcache_cuda_emulation.
-CUDA_EMULATION_LIBRARY = Path(kvcache.__file__).parent / "_cuda_emulation.so"
+# as torch.ops.kvcache, under torch.ops.kvcache_cuda_emulation. KVCACHE_CUDA_EMULATION_LIBRARY names
+# another build of it (`make test-cuda-asan`: with AddressSanitizer).
+CUDA_EMULATION_LIBRARY = Path(os.environ.get("KVCACHE_CUDA_EMULATION_LIBRARY",
+                                             Path(kvcache.__file__).parent / "_cuda_emulation.so"))
 if CUDA_EMULATION_LIBRARY.exists():
     torch.ops.load_library(str(CUDA_EMULATION_LIBRARY))
 HAS_CUDA_EMULATION = CUDA_EMULATION_LIBRARY.exists()
