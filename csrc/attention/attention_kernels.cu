@@ -198,8 +198,8 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
 template <typename KT, typename VT>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, const AttentionTask* tasks,
                                                              PartialStates partial) {
-  __shared__ float ks[kTile][kMaxPerLane * 32];
-  __shared__ float vs[kTile][kMaxPerLane * 32];
+  KVC_SHARED(float, ks, [kTile][kMaxPerLane * 32]);
+  KVC_SHARED(float, vs, [kTile][kMaxPerLane * 32]);
   const AttentionTask t = tasks[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PagedLayout L = a.layout;

@@ -119,7 +119,7 @@ __device__ __forceinline__ float warp_max(float x) {
 /// Quantizing append: one warp per (token, kv head) row; lanes stride over head_dim. A full-precision
 /// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
 __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
-  __shared__ float rotated[kThreads / 32][kMaxPerLane * 32];  // one row buffer per warp
+  KVC_SHARED(float, rotated, [kThreads / 32][kMaxPerLane * 32]);  // one row buffer per warp
   const PagedLayout L = a.layout;
   const int64_t H = L.num_kv_heads, D = L.head_dim;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;

@@ -90,6 +90,11 @@ struct Grid {
 };
 
 thread_local Grid* active = nullptr;
+
+std::vector<std::pair<void*, size_t>>& shared_arrays() {
+  static std::vector<std::pair<void*, size_t>> arrays;
+  return arrays;
+}
 thread_local cudaError_t pending_error = cudaSuccess;
 thread_local std::string pending_message;
 
@@ -195,6 +200,7 @@ std::string describe_deadlock(const Grid& L) {
 }
 
 void run_block(Grid& L) {
+  for (const auto& [array, bytes] : shared_arrays()) std::memset(array, 0xff, bytes);
   const int n = static_cast<int>(L.fibers.size());
   for (int i = 0; i < n; ++i) {
     Fiber& f = L.fibers[i];
@@ -296,6 +302,12 @@ uint64_t shuffle(unsigned mask, uint64_t value, int src_lane) {
   sync_warp(mask);
   if (src_lane < 0 || src_lane >= kWarp || base + src_lane >= static_cast<int>(active->fibers.size())) return value;
   return active->slots[g % 2][base + src_lane];
+}
+
+bool poison_per_block(void* array, size_t bytes) {
+  shared_arrays().emplace_back(array, bytes);
+  std::memset(array, 0xff, bytes);
+  return true;
 }
 
 cudaError_t take_last_error() {

@@ -7,8 +7,8 @@
 // checks, and a GPU would not report: a __syncthreads() that some live threads never reach, a warp
 // shuffle or __syncwarp() over lanes that have exited or are waiting elsewhere (divergence), a
 // mask other than the full warp. Such a launch fails with cudaErrorLaunchFailure and a message.
-// What it does not model: memory races between threads (fibers interleave only at barriers), the
-// contents of uninitialized shared memory (zeros here), and fast-math intrinsics (__expf is expf).
+// What it does not model: memory races between threads (fibers interleave only at barriers) and
+// fast-math intrinsics (__expf is expf). Shared arrays start every block filled with NaN bytes.
 #pragma once
 
 #include <cmath>
@@ -54,6 +54,9 @@ void sync_warp(unsigned mask);
 uint64_t shuffle(unsigned mask, uint64_t value, int src_lane);
 int lane_id();
 
+/// Registers a shared array (KVC_SHARED) to be filled with 0xff bytes before every block; fills it now.
+bool poison_per_block(void* array, size_t bytes);
+
 cudaError_t take_last_error();
 const std::string& last_error_message();
 
@@ -93,6 +96,12 @@ Launch(dim3, dim3, void (*)(P...)) -> Launch<P...>;
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static  // blocks run one at a time, so one copy per kernel is enough
+// Shared arrays declared with KVC_SHARED (core/cuda_launch.cuh) are filled with 0xff bytes (NaN as
+// floats) before every block: a kernel that reads shared memory it has not written in this block gets
+// NaN, not a convenient zero or the previous block's data.
+#define KVC_SHARED(type, name, dims) \
+  static type name dims;             \
+  [[maybe_unused]] static const bool name##_is_poisoned_per_block = ::kvcache::emu::poison_per_block(name, sizeof(name))
 #define threadIdx (::kvcache::emu::thread_idx())
 #define blockIdx (::kvcache::emu::block_idx())
 #define blockDim (::kvcache::emu::block_dim())

@@ -12,7 +12,7 @@
 namespace {
 
 __global__ void block_sum(const int* in, int* out, int n) {
-  __shared__ int partial[256];
+  KVC_SHARED(int, partial, [256]);
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   partial[threadIdx.x] = i < n ? in[i] : 0;
   for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
@@ -81,6 +81,28 @@ TEST(CudaEmulator, ByValueParametersAreCopiedPerThread) {
   KVC_LAUNCH(1, 32, nullptr, own_copy)(Params{10}, out.data());
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   for (int t = 0; t < 32; ++t) EXPECT_EQ(out[t], 10 + t);
+}
+
+__global__ void reads_unwritten_shared(float* out) {
+  KVC_SHARED(float, tile, [64]);
+  if (threadIdx.x < 32) tile[threadIdx.x] = 1.f;  // the upper half is never written
+  __syncthreads();
+  out[blockIdx.x * 64 + threadIdx.x] = tile[threadIdx.x];
+  __syncthreads();
+  tile[threadIdx.x] = 2.f;  // ...in this block: the next block starts from NaN again
+}
+
+TEST(CudaEmulator, SharedMemoryStartsEveryBlockAsNaN) {
+  std::vector<float> out(2 * 64);
+  KVC_LAUNCH(2, 64, nullptr, reads_unwritten_shared)(out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int i = 0; i < 2 * 64; ++i) {
+    if (i % 64 < 32) {
+      EXPECT_EQ(out[i], 1.f) << i;
+    } else {
+      EXPECT_TRUE(std::isnan(out[i])) << i << ": " << out[i];
+    }
+  }
 }
 
 __global__ void divergent_barrier() {
