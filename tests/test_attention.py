@@ -14,7 +14,7 @@ import torch
 import kvcache
 from kvcache import reference as ref
 
-from conftest import DEVICES, DTYPES, make_paged_batch
+from conftest import DEVICES, DTYPES, HAS_CUDA_EMULATION, make_paged_batch
 
 def cu_from(q_lens: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
@@ -191,6 +191,22 @@ def test_opcheck_paged_attention(dtype, with_lse, device):
     torch.library.opcheck(torch.ops.kvcache.paged_attention.default,
                           (q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, cu_from([1, 9], device),
                            0.125, -1, 0, 0.0, out, lse))
+
+
+@pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="built without KVCACHE_CUDA_EMULATION=ON")
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_opcheck_cuda_emulated(with_lse):
+    # the CUDA host code and kernels honour the schemas: they write nothing but out, lse and v_out/lse_out
+    ops = torch.ops.kvcache_cuda_emulation
+    pb = make_paged_batch([300, 9], 16, 2, 64, torch.bfloat16)
+    q = torch.randn(1 + 9, 8, 64).to(torch.bfloat16)
+    lse = torch.empty(10, 8) if with_lse else None
+    torch.library.opcheck(ops.paged_attention.default, (q, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens,
+                                                        cu_from([1, 9]), 0.125, -1, 0, 0.0, torch.empty_like(q), lse))
+    v_a, v_b = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    lse_a, lse_b = torch.randn(4, 2), torch.randn(4, 2)
+    torch.library.opcheck(ops.merge_states.default,
+                          (v_a, lse_a, v_b, lse_b, torch.empty_like(v_a), torch.empty_like(lse_a)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

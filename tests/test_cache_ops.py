@@ -244,7 +244,7 @@ def test_swap_blocks_with_device(direction):
 
 
 # ---- opcheck and torch.compile ----------------------------------------------------------------
-def _sample_calls(device: str, dtype: torch.dtype):
+def _sample_calls(device: str, dtype: torch.dtype, ops=torch.ops.kvcache):
     pb = make_paged_batch([5, 0, 9], 4, 2, 8, dtype, device)
     pb.k_cache.nan_to_num_(0.0), pb.v_cache.nan_to_num_(0.0)  # opcheck compares outputs with NaN != NaN
     key, value = hf_style(2, 2, 3, 8, dtype, device), hf_style(2, 2, 3, 8, dtype, device)
@@ -253,7 +253,6 @@ def _sample_calls(device: str, dtype: torch.dtype):
     ragged = torch.empty(14, 2, 8, dtype=dtype, device=device)
     mapping = torch.tensor([[0, 3], [1, 4]], device=device)
     other = [torch.zeros(5, 2, 4, 8, dtype=dtype) for _ in range(2)]
-    ops = torch.ops.kvcache
     return {
         "append": (ops.append.default, (key, value, pb.k_cache, pb.v_cache, slots)),
         "paged_gather": (ops.paged_gather.default,
@@ -274,6 +273,15 @@ OP_NAMES = ("append", "paged_gather", "paged_gather_ragged", "copy_blocks", "swa
 @pytest.mark.parametrize("name", OP_NAMES[:5])  # the attention ops: tests/test_attention.py
 def test_opcheck(name, dtype, device):
     op, args = _sample_calls(device, dtype)[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="built without KVCACHE_CUDA_EMULATION=ON")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OP_NAMES[:5])
+def test_opcheck_cuda_emulated(name, dtype):
+    # the CUDA host code and kernels honour the schema: they write nothing but the (x!) arguments
+    op, args = _sample_calls("cpu", dtype, torch.ops.kvcache_cuda_emulation)[name]
     torch.library.opcheck(op, args)
 
 
