@@ -95,15 +95,7 @@ void swap_blocks_cuda(const at::Tensor& k_src, const at::Tensor& v_src, at::Tens
   const at::Device cuda_device = k_dst.is_cuda() ? k_dst.device() : k_src.device();
   const c10::cuda::CUDAGuard guard(cuda_device);
   const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, block_mapping);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (int64_t i = 0; i < a.n; ++i) {
-    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
-    for (int kv = 0; kv < 2; ++kv) {
-      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * a.block_bytes;
-      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * a.block_bytes;
-      check_launch(cudaMemcpyAsync(to, from, a.block_bytes, cudaMemcpyDefault, stream), "swap_blocks");
-    }
-  }
+  check_launch(cuda::launch_swap_blocks(a, c10::cuda::getCurrentCUDAStream()), "swap_blocks");
 }
 
 }  // namespace

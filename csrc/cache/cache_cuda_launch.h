@@ -16,5 +16,7 @@ cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStr
 cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStream_t stream);
 /// `a.pairs` must point to device memory here.
 cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream);
+/// One cudaMemcpyAsync per (block, K/V) between pools on any devices; `a.pairs` is host memory here.
+cudaError_t launch_swap_blocks(const BlockCopyArgs& a, cudaStream_t stream);
 
 }  // namespace kvcache::cuda

@@ -445,6 +445,19 @@ cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStre
   return cudaGetLastError();
 }
 
+cudaError_t launch_swap_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * a.block_bytes;
+      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * a.block_bytes;
+      const cudaError_t err = cudaMemcpyAsync(to, from, a.block_bytes, cudaMemcpyDefault, stream);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
   if (a.n == 0 || a.block_bytes == 0) return cudaSuccess;
   const bool wide = a.block_bytes % 16 == 0 && aligned16(a.k_src) && aligned16(a.v_src) &&

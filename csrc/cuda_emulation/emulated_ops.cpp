@@ -1,8 +1,8 @@
 // torch.ops.kvcache_cuda_emulation: the ops of torch.ops.kvcache (same schemas, op_schemas.h) on CPU
 // tensors, run by the CUDA kernels under the emulator. The host side is that of the CUDA registrations
 // (cache_cuda.cpp, attention_cuda.cpp) without device guards and streams: the same validation
-// (cache_prepare, attention_prepare), the same plan, the same launchers (swap_blocks: the same
-// cudaMemcpyAsync calls, memcpy here).
+// (cache_prepare, attention_prepare), the same plan, the same launchers (swap_blocks' cudaMemcpyAsync
+// calls are memcpy here).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -66,14 +66,7 @@ void copy_blocks(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& blo
 void swap_blocks(const at::Tensor& k_src, const at::Tensor& v_src, at::Tensor& k_dst, at::Tensor& v_dst,
                  const at::Tensor& block_mapping) {
   const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, block_mapping);
-  for (int64_t i = 0; i < a.n; ++i) {
-    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
-    for (int kv = 0; kv < 2; ++kv) {
-      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * a.block_bytes;
-      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * a.block_bytes;
-      check_launch(cudaMemcpyAsync(to, from, a.block_bytes, cudaMemcpyDefault, nullptr), "swap_blocks");
-    }
-  }
+  check_launch(cuda::launch_swap_blocks(a, nullptr), "swap_blocks");
 }
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
