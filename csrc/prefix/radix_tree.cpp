@@ -2,28 +2,14 @@
 #include "prefix/radix_tree.h"
 
 #include <algorithm>
-#include <cstring>
 #include <sstream>
 
 namespace kvcache {
 namespace prefix {
 namespace {
 
-
 uint64_t edge_key(int32_t parent, int32_t token) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
-}
-
-/// Length of the common prefix of a[0, n) and b[0, n).
-int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
-  // NOTE: most edges match whole (a shared system prompt is one edge of thousands of tokens), and
-  // libc's memcmp streams through them at tens of GB/s; only a mismatching edge is scanned in chunks.
-  if (std::memcmp(a, b, static_cast<size_t>(n) * sizeof(int32_t)) == 0) return n;
-  constexpr int64_t kChunk = 64;
-  int64_t i = 0;
-  while (i + kChunk <= n && std::memcmp(a + i, b + i, kChunk * sizeof(int32_t)) == 0) i += kChunk;
-  while (a[i] == b[i]) ++i;  // stops before n: a[0, n) and b[0, n) differ somewhere
-  return i;
 }
 
 }  // namespace
@@ -253,8 +239,8 @@ int32_t RadixTree::split(int32_t id, int64_t k) {
   const int64_t first = lo.start / page_;
   const int64_t upper_pages = pages_for(s) - first;
   const int64_t lower_skip = s / page_ - first;  // pages entirely above s
-  u.tokens.assign(lo.tokens.begin(), lo.tokens.begin() + k);
-  lo.tokens.erase(lo.tokens.begin(), lo.tokens.begin() + k);
+  u.tokens.assign_prefix(lo.tokens, k);
+  lo.tokens.erase_prefix(k);
   u.blocks.assign(lo.blocks.begin(), lo.blocks.begin() + upper_pages);
   lo.blocks.erase(lo.blocks.begin(), lo.blocks.begin() + lower_skip);
   // A split inside a page leaves that page in both halves: one reference each.
@@ -381,8 +367,8 @@ int64_t RadixTree::match_locked(int32_t root, const int32_t* tokens, int64_t n, 
     const int32_t child = edges_.find(edge_key(id, tokens[pos]));
     if (child < 0) break;
     const Node& nd = nodes_[child];
-    const int64_t len = static_cast<int64_t>(nd.tokens.size());
-    const int64_t k = common_prefix(nd.tokens.data(), tokens + pos, std::min(len, n - pos));
+    const int64_t len = nd.tokens.size();
+    const int64_t k = nd.tokens.common_prefix(tokens + pos, std::min(len, n - pos));
     path_.push_back(child);
     pos += k;
     if (k < len) break;
@@ -472,8 +458,8 @@ InsertResult RadixTree::insert_locked(int32_t root, const int32_t* tokens, int64
   while (pos < n) {
     int32_t child = edges_.find(edge_key(id, tokens[pos]));
     if (child < 0) break;
-    const int64_t len = static_cast<int64_t>(nodes_[child].tokens.size());
-    const int64_t k = common_prefix(nodes_[child].tokens.data(), tokens + pos, std::min(len, n - pos));
+    const int64_t len = nodes_[child].tokens.size();
+    const int64_t k = nodes_[child].tokens.common_prefix(tokens + pos, std::min(len, n - pos));
     // Split where the sequence leaves the edge (a new branch goes there), or where it ends inside a
     // host node (whose covered part is adopted below). Ending inside a device node needs no split.
     if (k < len && (pos + k < n || nodes_[child].on_host)) child = split(child, k);
@@ -639,7 +625,7 @@ TreeStats RadixTree::stats() const {
     ++s.nodes;
     s.locked_nodes += nd.lock > 0;
     s.evictable_leaves += !nd.on_host && evictable(static_cast<int32_t>(&nd - nodes_.data()));
-    const int64_t tokens = static_cast<int64_t>(nd.tokens.size());
+    const int64_t tokens = nd.tokens.size();
     const int64_t blocks = static_cast<int64_t>(nd.blocks.size());
     if (nd.on_host) {
       ++s.host_nodes;

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "prefix/block_allocator.h"
+#include "prefix/edge_tokens.h"
 
 namespace kvcache {
 namespace prefix {
@@ -151,7 +152,7 @@ class RadixTree : public Reclaimer {
 
  private:
   struct Node {
-    std::vector<int32_t> tokens;    // the edge from the parent
+    EdgeTokens tokens;              // the edge from the parent
     std::vector<int32_t> blocks;    // one per page touched by [start, end)
     std::vector<int32_t> children;
     int64_t start = 0;              // sequence position of tokens[0]

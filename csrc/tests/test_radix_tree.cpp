@@ -89,6 +89,33 @@ TEST(RadixTree, MatchesWholePagesAndEndsInsideAPage) {
   f.expect_ok();
 }
 
+TEST(RadixTree, TokenIdsBeyond16BitsMatchExactly) {
+  // Edges whose ids all fit in 16 bits are stored narrow, others wide (EdgeTokens); an id that
+  // differs from a narrow edge's only above bit 15 must not match, and splits keep each width.
+  Fixture f(64, 4);
+  const std::vector<int32_t> narrow = seq(65500, 36);  // 65500 .. 65535
+  const std::vector<int32_t> wide = seq(65520, 40);    // crosses 65536
+  f.put(narrow);
+  f.put(wide);
+  EXPECT_EQ(f.get(narrow).length, 36);
+  EXPECT_EQ(f.get(wide).length, 40);
+  for (const int64_t at : {0, 5, 17, 35}) {
+    std::vector<int32_t> b = narrow;
+    b[static_cast<size_t>(at)] += 65536;
+    EXPECT_EQ(f.get(b).length, at) << at;
+    b = wide;
+    b[static_cast<size_t>(at)] -= 65536;
+    EXPECT_EQ(f.get(b).length, at) << at;
+  }
+  std::vector<int32_t> branch = seq(65520, 10);  // splits the wide edge after 10 tokens
+  branch.insert(branch.end(), {1, 2, 3});
+  f.put(branch);
+  EXPECT_EQ(f.get(branch).length, 13);
+  EXPECT_EQ(f.get(wide).length, 40);
+  EXPECT_EQ(f.get(narrow).length, 36);
+  f.expect_ok();
+}
+
 TEST(RadixTree, NamespacesNeverMatchEachOther) {
   Fixture f(16, 4);
   f.put(seq(0, 8), "llama-3|bf16");
