@@ -185,6 +185,7 @@ class RadixTree : public Reclaimer {
   class EdgeMap {
    public:
     int32_t find(uint64_t key) const;  // -1 if absent
+    void prefetch(uint64_t key) const;  // the lines find(key) reads first
     void set(uint64_t key, int32_t child);
     void erase(uint64_t key);
     size_t size() const { return size_; }
