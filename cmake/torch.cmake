@@ -26,12 +26,18 @@ message(STATUS "kvcache: torch ${TORCH_VERSION} at ${TORCH_LIBRARY_DIR} (CUDA '$
 # NO_CACHE: a build tree reused with another environment must not keep the old torch's libraries.
 find_library(_kvc_c10 c10 PATHS "${TORCH_LIBRARY_DIR}" NO_DEFAULT_PATH NO_CACHE REQUIRED)
 find_library(_kvc_torch_cpu torch_cpu PATHS "${TORCH_LIBRARY_DIR}" NO_DEFAULT_PATH NO_CACHE REQUIRED)
+find_library(_kvc_torch_python torch_python PATHS "${TORCH_LIBRARY_DIR}" NO_DEFAULT_PATH NO_CACHE REQUIRED)
 
 add_library(kvcache_torch INTERFACE)
 target_include_directories(kvcache_torch SYSTEM INTERFACE
   "${TORCH_INCLUDE_DIR}" "${TORCH_INCLUDE_DIR}/torch/csrc/api/include")
 target_compile_definitions(kvcache_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI})
 target_link_libraries(kvcache_torch INTERFACE "${_kvc_c10}" "${_kvc_torch_cpu}")
+
+# Tensors handed to Python without a round trip through Python code (THPVariable_Wrap): only the
+# prefix cache's fast path (prefix_pybind.cpp) needs it.
+add_library(kvcache_torch_python INTERFACE)
+target_link_libraries(kvcache_torch_python INTERFACE "${_kvc_torch_python}")
 
 if(TORCH_CUDA_VERSION)
   add_library(kvcache_torch_cuda INTERFACE)

@@ -12,9 +12,11 @@ shared, or a copy that went wrong all show up as a wrong value.
 from __future__ import annotations
 
 import array
+import gc
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -459,28 +461,25 @@ def test_bound_lookups_equal_the_documented_methods():
     assert isinstance(cache.match(QUERIES[0], ns, lock=True), kvcache.prefix.Match)
 
 
-def test_results_made_through_numpy_are_the_same():
-    """The fallback for a torch without torch._C._wrap_tensor_impl: numpy arrays and torch.from_numpy."""
+def test_result_tensors_are_the_callers_own():
+    """Results are fresh tensors: writing into one changes no later result, they outlive the cache,
+    and nothing else holds them (dropping a result frees it)."""
     _, cache = cached()
     flat, cu = torch.tensor([t for q in QUERIES for t in q]), torch.tensor([0, 6, 11, 14, 15, 15])
-
-    def results():
-        return [cache.match(q, "a") for q in QUERIES], cache.match_ragged(flat, cu, "a")
-
-    def plain(rs):
-        singles, ragged = rs
-        return [(m.length, m.blocks.dtype, m.blocks.tolist(), m.node) for m in singles], [
-            (t.dtype, t.tolist()) for t in ragged]
-
-    want = plain(results())
-    kvcache._C._PrefixTree._results_through_numpy(True)
-    try:
-        got = results()
-    finally:
-        kvcache._C._PrefixTree._results_through_numpy(False)
-    assert plain(got) == want
-    got[0][0].blocks[0] = 1000
-    assert cache.match(QUERIES[0], "a").blocks[0] != 1000
+    single, ragged = cache.match(QUERIES[0], "a"), cache.match_ragged(flat, cu, "a")
+    want = single.blocks.tolist(), [t.tolist() for t in ragged]
+    assert want[0] and want[1][1]  # something to overwrite
+    assert all(t.device.type == "cpu" and t.is_contiguous() and t.dim() == 1 for t in (single.blocks, *ragged))
+    single.blocks[0] = 1000
+    ragged.blocks[0] = 1000
+    assert cache.match(QUERIES[0], "a").blocks.tolist() == want[0]
+    assert [t.tolist() for t in cache.match_ragged(flat, cu, "a")] == want[1]
+    refs = [weakref.ref(t) for t in (single.blocks, *ragged)]
+    del cache
+    gc.collect()
+    assert single.blocks.tolist() == [1000] + want[0][1:]
+    del single, ragged
+    assert all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize("case, exc, match", [

@@ -11,10 +11,8 @@
 // 32- or 64-bit integers (numpy arrays, array.array) or sequences of ints. Reading a tensor needs
 // only the layout of torch's Python tensor object (THPVariable, header-only).
 //
-// Results go out as CPU tensors made here. This module does not link libtorch_python, so it hands a
-// tensor to Python through torch._C._wrap_tensor_impl (the TensorImpl in a capsule): ~0.4 us per
-// tensor, where a numpy array passed through torch.from_numpy costs ~0.75 us (the fallback, should a
-// torch lack that function). Making the result tensors is most of the cost of a call.
+// Results go out as CPU tensors made here and wrapped by THPVariable_Wrap, as torch's own bindings
+// do. Making them is most of the cost of a call.
 //
 // The GIL is released around the tree's work (other Python threads run meanwhile; the tree locks
 // internally), except in a short match: when the tree's mutex is free it runs at once with the GIL
@@ -25,7 +23,6 @@
 #include "prefix/prefix_pybind.h"
 
 #include <ATen/EmptyTensor.h>
-#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -64,21 +61,11 @@ Registry& registry() {
 
 /// Looked up once, when the module is imported (not lazily: a first call racing another thread
 /// through an import could deadlock on the GIL); kept for good, like the module.
-struct TorchObjects {
-  PyTypeObject* tensor_type = nullptr;   // torch._C.TensorBase: every tensor is laid out as a THPVariable
-  PyObject* wrap_tensor_impl = nullptr;  // torch._C._wrap_tensor_impl, if this torch has it
-  PyObject* from_numpy = nullptr;        // the fallback
-  bool force_numpy = false;              // tests of the fallback
-};
-TorchObjects* torch_objects = nullptr;
+PyTypeObject* tensor_type = nullptr;  // torch._C.TensorBase: every tensor is laid out as a THPVariable
 
 void look_up_torch_objects() {
-  auto* t = new TorchObjects();
   const py::module_ c = py::module_::import("torch._C");
-  t->tensor_type = reinterpret_cast<PyTypeObject*>(py::object(c.attr("TensorBase")).release().ptr());
-  if (py::hasattr(c, "_wrap_tensor_impl")) t->wrap_tensor_impl = py::object(c.attr("_wrap_tensor_impl")).release().ptr();
-  t->from_numpy = py::object(py::module_::import("torch").attr("from_numpy")).release().ptr();
-  torch_objects = t;
+  tensor_type = reinterpret_cast<PyTypeObject*>(py::object(c.attr("TensorBase")).release().ptr());
 }
 
 /// A new CPU tensor for the tree to fill (no GIL needed).
@@ -87,27 +74,9 @@ at::TensorBase new_tensor(int64_t n) {
   return at::detail::empty_cpu({n}, c10::CppTypeToScalarType<T>::value);
 }
 
-template <class T>
-py::array numpy_copy(const at::TensorBase& t) {
-  py::array_t<T> a(t.numel());
-  if (t.numel()) std::memcpy(a.mutable_data(), t.const_data_ptr(), static_cast<size_t>(t.numel()) * sizeof(T));
-  return a;
-}
-
-/// The Python tensor of `t` (same storage; a copy on the fallback path).
+/// The Python tensor of `t` (same storage).
 py::object to_python(const at::TensorBase& t) {
-  const TorchObjects& w = *torch_objects;
-  PyObject* r;
-  if (w.wrap_tensor_impl && !w.force_numpy) {
-    // _wrap_tensor_impl takes its own reference on the TensorImpl (unsafe_reclaim_from_nonowning).
-    PyObject* capsule = PyCapsule_New(t.unsafeGetTensorImpl(), nullptr, nullptr);
-    if (!capsule) throw py::error_already_set();
-    r = PyObject_CallOneArg(w.wrap_tensor_impl, capsule);
-    Py_DECREF(capsule);
-  } else {
-    const py::array a = t.scalar_type() == at::kInt ? numpy_copy<int32_t>(t) : numpy_copy<int64_t>(t);
-    r = PyObject_CallOneArg(w.from_numpy, a.ptr());
-  }
+  PyObject* r = THPVariable_Wrap(t);
   if (!r) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(r);
 }
@@ -128,7 +97,7 @@ template <class T>
 class IdArray {
  public:
   IdArray(py::handle obj, const char* name, const char* what) : name_(name), what_(what) {
-    if (PyObject_TypeCheck(obj.ptr(), torch_objects->tensor_type)) {
+    if (PyObject_TypeCheck(obj.ptr(), tensor_type)) {
       from_tensor(THPVariable_Unpack(obj.ptr()));
     } else if (PyObject_CheckBuffer(obj.ptr()) && PyObject_GetBuffer(obj.ptr(), &buffer_.view, PyBUF_RECORDS_RO) == 0) {
       from_buffer(buffer_.view);
@@ -466,9 +435,7 @@ void register_prefix_pybind(py::module_& m) {
            py::arg("cu_blocks"), py::arg("namespace") = py::none(), py::arg("lock") = false)
       .def("evict", &PrefixTree::evict)
       .def("lock", &PrefixTree::lock)
-      .def("unlock", &PrefixTree::unlock)
-      .def_static("_results_through_numpy", [](bool on) { torch_objects->force_numpy = on; },
-                  "Tests only: make result tensors by the fallback path (numpy + torch.from_numpy)");
+      .def("unlock", &PrefixTree::unlock);
 }
 
 }  // namespace kvcache
