@@ -68,6 +68,7 @@ test-cuda-asan: install
 	  cmake -S . -B build/cuda-asan -G Ninja -DPython_EXECUTABLE=$(PY) > /dev/null
 	cmake --build build/cuda-asan --target _cuda_emulation
 	KVCACHE_CUDA_EMULATION_LIBRARY=$(CURDIR)/build/cuda-asan/_cuda_emulation.so ASAN_OPTIONS=detect_leaks=0 \
+	  KVCACHE_CUDA_EMULATION_THREAD_ORDER=reverse \
 	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest -q -k cuda-emulated tests/test_attention.py \
 	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py
 

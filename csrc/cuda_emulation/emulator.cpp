@@ -5,6 +5,9 @@
 #include <ucontext.h>
 #endif
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -86,7 +89,7 @@ struct Grid {
   // the next shuffle writes the other buffer, so no lane can overwrite a value still to be read).
   std::vector<uint64_t> slots[2];
   std::vector<int> generation;   // per warp: shuffles completed
-  std::vector<int> warp_size;    // threads of each warp (the last warp of a block may be partial)
+  bool reverse = false;          // ThreadOrder::kReverse
 };
 
 thread_local Grid* active = nullptr;
@@ -99,6 +102,16 @@ thread_local cudaError_t pending_error = cudaSuccess;
 thread_local std::string pending_message;
 
 Fiber& self() { return active->fibers[active->current]; }
+
+ThreadOrder order_from_environment() {
+  const char* v = std::getenv("KVCACHE_CUDA_EMULATION_THREAD_ORDER");
+  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "forward") == 0) return ThreadOrder::kForward;
+  if (std::strcmp(v, "reverse") == 0) return ThreadOrder::kReverse;
+  throw std::invalid_argument(std::string("KVCACHE_CUDA_EMULATION_THREAD_ORDER = '") + v +
+                              "'; must be 'forward' or 'reverse'");
+}
+
+std::atomic<int> chosen_order{-1};  // a ThreadOrder, or -1 until set or read from the environment
 
 void fail(const std::string& what) {
   if (active->error.empty()) {
@@ -210,7 +223,8 @@ void run_block(Grid& L) {
   std::fill(L.generation.begin(), L.generation.end(), 0);
   for (;;) {
     bool ran = false;
-    for (int i = 0; i < n && L.error.empty(); ++i) {
+    for (int k = 0; k < n && L.error.empty(); ++k) {
+      const int i = L.reverse ? n - 1 - k : k;
       if (L.fibers[i].wait != Wait::kNone) continue;
       L.current = i;
       switch_context(L.scheduler, L.fibers[i].ctx);
@@ -242,6 +256,7 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
     return pending_error;
   }
   Grid L;
+  L.reverse = thread_order() == ThreadOrder::kReverse;  // may throw: before anything is set up
   L.grid = grid;
   L.block = block;
   L.body = &body;
@@ -273,6 +288,13 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
     pending_message = L.error;
   }
   return L.error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
+}
+
+void set_thread_order(ThreadOrder order) { chosen_order = static_cast<int>(order); }
+
+ThreadOrder thread_order() {
+  if (chosen_order < 0) chosen_order = static_cast<int>(order_from_environment());
+  return static_cast<ThreadOrder>(chosen_order.load());
 }
 
 const uint3& thread_idx() { return self().tid; }

@@ -7,8 +7,10 @@
 // checks, and a GPU would not report: a __syncthreads() that some live threads never reach, a warp
 // shuffle or __syncwarp() over lanes that have exited or are waiting elsewhere (divergence), a
 // mask other than the full warp. Such a launch fails with cudaErrorLaunchFailure and a message.
-// What it does not model: memory races between threads (fibers interleave only at barriers) and
-// fast-math intrinsics (__expf is expf). Shared arrays start every block filled with NaN bytes.
+// Shared arrays start every block filled with NaN bytes. Races: fibers interleave only at barriers,
+// so a thread sees what the threads scheduled before it wrote since the last barrier; running a test
+// in both thread orders (ThreadOrder) turns a read of another thread's unsynchronized write into a
+// stale or NaN value in one of them. Not modelled: fast-math intrinsics (__expf is expf).
 #pragma once
 
 #include <cmath>
@@ -53,6 +55,13 @@ void sync_warp(unsigned mask);
 /// when src_lane is outside [0, 32) or names no thread, as CUDA does for shfl_down past the end).
 uint64_t shuffle(unsigned mask, uint64_t value, int src_lane);
 int lane_id();
+
+/// The order in which a block's threads run between two barriers: by index, or the reverse. A kernel
+/// without races gives the same result in both. The default comes from the environment variable
+/// KVCACHE_CUDA_EMULATION_THREAD_ORDER ("forward", the default, or "reverse"), read at the first launch.
+enum class ThreadOrder { kForward, kReverse };
+void set_thread_order(ThreadOrder order);
+ThreadOrder thread_order();
 
 /// Registers a shared array (KVC_SHARED) to be filled with 0xff bytes before every block; fills it now.
 bool poison_per_block(void* array, size_t bytes);

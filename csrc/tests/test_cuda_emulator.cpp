@@ -105,6 +105,36 @@ TEST(CudaEmulator, SharedMemoryStartsEveryBlockAsNaN) {
   }
 }
 
+// Reads the value its left neighbour writes, with and without the barrier that makes it safe.
+__global__ void neighbour_read(float* out, bool sync) {
+  KVC_SHARED(float, row, [64]);
+  const int i = static_cast<int>(threadIdx.x);
+  row[i] = static_cast<float>(i);
+  if (sync) __syncthreads();
+  out[i] = i > 0 ? row[i - 1] : -1.f;
+}
+
+TEST(CudaEmulator, ReversedThreadOrderExposesAnUnsynchronizedRead) {
+  const auto run = [](kvcache::emu::ThreadOrder order, bool sync) {
+    kvcache::emu::set_thread_order(order);
+    std::vector<float> out(64, 0.f);
+    KVC_LAUNCH(1, 64, nullptr, neighbour_read)(out.data(), sync);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    return out;
+  };
+  using kvcache::emu::ThreadOrder;
+  const ThreadOrder before = kvcache::emu::thread_order();
+  const std::vector<float> forward = run(ThreadOrder::kForward, false), reverse = run(ThreadOrder::kReverse, false);
+  const std::vector<float> forward_sync = run(ThreadOrder::kForward, true), reverse_sync = run(ThreadOrder::kReverse, true);
+  kvcache::emu::set_thread_order(before);
+  for (int i = 1; i < 64; ++i) {
+    EXPECT_EQ(forward[i], i - 1.f) << i;  // forward order hides the race: the neighbour ran first
+    EXPECT_TRUE(std::isnan(reverse[i])) << i << ": " << reverse[i];  // reversed, it reads the NaN fill
+    EXPECT_EQ(forward_sync[i], i - 1.f) << i;
+    EXPECT_EQ(reverse_sync[i], i - 1.f) << i;  // with the barrier, both orders agree
+  }
+}
+
 __global__ void divergent_barrier() {
   if (threadIdx.x == 0) {
     __syncthreads();
