@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import gc
+import random
 import sys
 import threading
 import time
@@ -195,6 +196,46 @@ def test_ragged_calls_equal_single_calls():
         cache.insert_ragged(tokens, cu, blocks, torch.tensor([0, 2, 4, 6, 7]), "a")
     with pytest.raises(IndexError, match=r"cu_lens\[-1\] = 21 must equal len\(tokens\) = 22"):
         cache.match_ragged(tokens, torch.tensor([0, 21]), "a")
+
+
+@pytest.mark.parametrize("vocab", [50, 60_000, 1 << 20], ids=["small", "16-bit", "beyond-16-bit"])
+def test_match_length_is_the_longest_common_prefix_with_anything_cached(vocab):
+    """Long sequences of random ids (edges of hundreds of tokens, compared 16 at a time; ids above
+    65535 make an edge 4-byte), and queries that leave them anywhere, including by an id that differs
+    only above bit 15: every match length, single and batched, equals a brute-force longest common prefix."""
+    rng = random.Random(vocab)
+    page = 16
+    alloc = kvcache.BlockAllocator(2048, page)
+    cache = kvcache.PrefixCache(alloc)
+    tok = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    base, seqs = tok(400), []
+    for _ in range(30):
+        s = base[:rng.randrange(len(base) + 1)] + tok(rng.randrange(200))
+        blocks = alloc.allocate(-(-len(s) // page))
+        cache.insert(torch.tensor(s, dtype=torch.int32), blocks)
+        alloc.free(blocks)
+        seqs.append(s)
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    queries = []
+    for _ in range(150):
+        q = list(rng.choice(seqs))[:rng.randrange(450)] + tok(rng.randrange(3))
+        if q and rng.random() < 0.7:
+            i = rng.randrange(len(q))
+            q[i] = q[i] + rng.choice([1, 65536, -65536 if q[i] >= 65536 else 65536 * 2])
+        queries.append(q)
+    want = [max(lcp(s, q) for s in seqs) for q in queries]
+    assert [cache.match(torch.tensor(q, dtype=torch.int32)).length for q in queries] == want
+    flat = torch.tensor([t for q in queries for t in q], dtype=torch.int32)
+    cu = torch.tensor([0] + [len(q) for q in queries]).cumsum(0)
+    assert cache.match_ragged(flat, cu).lengths.tolist() == want
+    assert sum(w >= 16 for w in want) > 50 and sum(0 < w < lcp_max for w, lcp_max in zip(want, map(len, queries))) > 50
+    cache.check()
 
 
 @pytest.mark.parametrize("case, exc, match", [
