@@ -348,6 +348,18 @@ void RadixTree::match_ragged_locked(int32_t root, const Ragged& tokens, bool loc
                                     std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
   const size_t base = blocks->size();
   cu_blocks[0] = 0;
+  // With a host tier, a match may evict device nodes to load what it found; it must not evict what
+  // this call returned for an earlier sequence, whose caller has had no chance to lock it yet. So
+  // every sequence's path stays locked until the batch is done.
+  const bool hold = host_ != nullptr && !lock;
+  struct Held {  // unlocked when the call returns or throws
+    RadixTree& tree;
+    std::vector<int32_t> ids;
+    ~Held() {
+      for (int32_t id : ids) tree.lock_path(id, -1);
+    }
+  } held{*this, {}};
+
   // A match waits on a chain of cache misses (edge map slot -> node -> its tokens and blocks), and
   // between two waves of requests the tree has usually left the caches. The first edge of each
   // sequence is fetched a step at a time ahead of its match, so the chain overlaps earlier matches:
@@ -381,8 +393,9 @@ void RadixTree::match_ragged_locked(int32_t root, const Ragged& tokens, bool loc
       constexpr int64_t kLine = 64 / sizeof(int32_t), kMax = 4096;  // beyond: the hardware prefetcher has it
       for (int64_t t = 0; t < std::min(tokens.length(i + 1), kMax); t += kLine) __builtin_prefetch(tokens.at(i + 1) + t);
     }
-    lengths[i] = match_locked(root, tokens.at(i), tokens.length(i), lock, blocks, &nodes[i]);
+    lengths[i] = match_locked(root, tokens.at(i), tokens.length(i), lock || hold, blocks, &nodes[i]);
     cu_blocks[i + 1] = static_cast<int64_t>(blocks->size() - base);
+    if (hold) held.ids.push_back(resolve(nodes[i]));
   }
 }
 

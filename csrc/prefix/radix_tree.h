@@ -116,6 +116,8 @@ class RadixTree : public Reclaimer {
                      int64_t* node);
   /// match_into() of every sequence of a batch, in order, under one lock: writes lengths[batch],
   /// nodes[batch] and cu_blocks[batch + 1] (offsets of each sequence's blocks in what it appends to *blocks).
+  /// Every result holds when the call returns: with a host tier, loading a later sequence's prefix
+  /// never evicts an earlier one's (it loads less instead).
   void match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths, std::vector<int32_t>* blocks,
                     int64_t* cu_blocks, int64_t* nodes);
   /// match_into() / match_ragged() only if they can run at once: they return false, having done

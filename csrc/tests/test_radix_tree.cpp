@@ -426,6 +426,42 @@ TEST(RadixTree, HostTierDropsItsOldestLeavesWhenFull) {
   f.expect_ok();
 }
 
+TEST(RadixTree, RaggedMatchWhoseLoadsEvictAndDropNodesFetchedAhead) {
+  // match_ragged looks up each sequence's first node a few sequences ahead; loading an earlier
+  // sequence from the host can demote, or drop, those nodes meanwhile. Every sequence must still
+  // get exactly what is cached when its turn comes, with its own data.
+  HostFixture f(4, 4, 4);  // room for 2 prefixes of 8 tokens on the device, 2 on the host
+  f.put_tagged(seq(100, 8), 1);
+  f.put_tagged(seq(0, 8), 0);
+  f.tree->evict(4);  // both to the host, tag 1 the older
+  f.put_tagged(seq(200, 8), 2);
+  f.put_tagged(seq(300, 8), 3);  // the device is full again
+  // Loading tag 0 demotes tag 2 (the device's oldest), which drops tag 1 from the full host while
+  // its node is already looked up for the third sequence; loading tag 2 back demotes tag 3, which
+  // then cannot come back: the device holds this call's two earlier results, which it must not evict.
+  const std::vector<int32_t> tags = {0, 2, 1, 3};
+  std::vector<int32_t> flat;
+  std::vector<int64_t> cu{0};
+  for (int32_t tag : tags) {
+    const std::vector<int32_t> q = seq(100 * tag, 8);
+    flat.insert(flat.end(), q.begin(), q.end());
+    cu.push_back(static_cast<int64_t>(flat.size()));
+  }
+  std::vector<int64_t> lengths(4), cu_blocks(5), handles(4);
+  std::vector<int32_t> blocks;
+  f.tree->match_ragged("m", Ragged{flat.data(), static_cast<int64_t>(flat.size()), cu.data(), 4}, false,
+                       lengths.data(), &blocks, cu_blocks.data(), handles.data());
+  EXPECT_EQ(lengths, (std::vector<int64_t>{8, 8, 0, 0}));
+  for (size_t i = 0; i < tags.size(); ++i) {
+    for (int64_t b = cu_blocks[i]; b < cu_blocks[i + 1]; ++b) {
+      EXPECT_EQ(f.device_pages[blocks[static_cast<size_t>(b)]], 1000 * tags[i] + (b - cu_blocks[i])) << i;
+    }
+  }
+  EXPECT_EQ(f.tree->stats().loaded_nodes, 2);
+  EXPECT_EQ(f.tree->stats().locked_nodes, 0);  // the call's own locks are gone
+  f.expect_ok();
+}
+
 TEST(RadixTree, HostTierMatchLoadsAChainAndEvictsOthersForRoom) {
   HostFixture f(5, 8, 4);
   std::vector<int32_t> a = seq(0, 8), ab = seq(0, 16);

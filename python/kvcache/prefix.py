@@ -345,7 +345,9 @@ class PrefixCache:
     def match_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, namespace: Namespace | str = DEFAULT_NAMESPACE,
                      *, lock: bool = False) -> RaggedMatch:
         """:meth:`match` of a batch in one call: sequence ``i`` is ``tokens[cu_lens[i]:cu_lens[i + 1]]``
-        (``cu_lens``: ``[batch + 1]`` int32/int64 offsets; either may also be a numpy array or a list)."""
+        (``cu_lens``: ``[batch + 1]`` int32/int64 offsets; either may also be a numpy array or a list).
+        Every result holds when the call returns: with a host tier, loading a later sequence's prefix
+        never evicts the blocks returned for an earlier one (it loads less instead)."""
         return self._match_ragged(tokens, cu_lens, namespace, lock)
 
     def insert_ragged(self, tokens: torch.Tensor, cu_lens: torch.Tensor, blocks: torch.Tensor, cu_blocks: torch.Tensor,
