@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "prefix/edge_tokens.h"
@@ -82,6 +83,35 @@ TEST(EdgeTokens, CommonPrefixMatchesAPlainLoopAtEveryMismatch) {
           ASSERT_EQ(e.common_prefix(b.data(), n), plain_common_prefix(a, b, n))
               << "n = " << n << ", mismatch at " << at << ", " << t << " vs " << other;
           ASSERT_EQ(e.common_prefix(b.data(), at), at);  // a shorter compare stops before it
+        }
+      }
+    }
+  }
+}
+
+// Each compiled implementation of the narrow compare, not only the one this CPU picks.
+TEST(EdgeTokens, EveryNarrowCompareMatchesAPlainLoop) {
+  using Compare = int64_t (*)(const uint16_t*, const int32_t*, int64_t);
+  std::vector<std::pair<const char*, Compare>> impls = {{"sse2", &EdgeTokens::common_prefix_narrow_sse2}};
+#if KVCACHE_EDGE_AVX2
+  if (EdgeTokens::has_avx2()) impls.emplace_back("avx2", &EdgeTokens::common_prefix_narrow_avx2);
+#endif
+  std::mt19937 rng(11);
+  for (const auto& [name, compare] : impls) {
+    for (const int64_t n : {0, 1, 7, 8, 9, 31, 32, 33, 40, 63, 64, 65, 100, 257}) {
+      std::vector<int32_t> a(static_cast<size_t>(n));
+      for (int32_t& t : a) t = static_cast<int32_t>(rng() % 65536u);
+      std::vector<uint16_t> edge(a.begin(), a.end());
+      ASSERT_EQ(compare(edge.data(), a.data(), n), n) << name;
+      for (int64_t at = 0; at < n; ++at) {
+        const int32_t t = a[static_cast<size_t>(at)];
+        for (const int32_t other : {t + 1, t + 65536, t - 65536, -1, t ^ (1 << 16),
+                                   static_cast<int32_t>(static_cast<uint32_t>(t) | 0x80000000u)}) {
+          std::vector<int32_t> b = a;
+          b[static_cast<size_t>(at)] = other;
+          ASSERT_EQ(compare(edge.data(), b.data(), n), plain_common_prefix(a, b, n))
+              << name << ": n = " << n << ", mismatch at " << at << ", " << t << " vs " << other;
+          ASSERT_EQ(compare(edge.data(), b.data(), at), at) << name;  // a shorter compare stops before it
         }
       }
     }
