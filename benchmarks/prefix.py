@@ -17,8 +17,10 @@ the tree). Each cache first answers an empty lookup and insert, untimed (a first
 costs: ~30 us for ours, a third of a wave's match). The configurations take turns, replay by
 replay, so a noisy neighbour slows all of them alike; each keeps its best replay.
 
-Ours runs with pages of 16 tokens, both one request per call (``match`` / ``insert``) and one wave
-per call (``match_ragged`` / ``insert_ragged``). SGLang runs with page_size=1 (token-exact, like
+Ours runs with pages of 16 tokens in three forms: one request per call (``match`` / ``insert``); one
+request per call with ``match_into`` writing the blocks into the request's row of a block table (made
+untimed as the wave arrives, as a server keeps one), which spares the result tensor; and one wave per
+call (``match_ragged`` / ``insert_ragged``). SGLang runs with page_size=1 (token-exact, like
 ours at any page size: its match lengths must equal ours) and page_size=16 (it truncates keys to
 whole pages: its lengths must equal ours rounded down to a page).
 
@@ -93,7 +95,9 @@ def ragged(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(seqs), torch.tensor([0] + [len(x) for x in seqs]).cumsum(0)
 
 
-def run_ours(trace: list[Request], batched: bool, evict_all: bool = False) -> dict:
+def run_ours(trace: list[Request], form: str, evict_all: bool = False) -> dict:
+    """form: "call" (match / insert), "into" (match_into a block-table row / insert) or "batched"."""
+    batched = form == "batched"
     pages = lambda n: -(-n // PAGE)  # noqa: E731
     alloc = kvcache.BlockAllocator(sum(pages(len(r.cached)) for r in trace), PAGE)
     cache = kvcache.PrefixCache(alloc)
@@ -101,11 +105,14 @@ def run_ours(trace: list[Request], batched: bool, evict_all: bool = False) -> di
     all_prompts = [torch.tensor(r.prompt, dtype=torch.int32) for r in trace]
     all_cached = [torch.tensor(r.cached, dtype=torch.int32) for r in trace]
     match, insert, match_ragged, insert_ragged = cache.match, cache.insert, cache.match_ragged, cache.insert_ragged
+    match_into = cache.match_into
+    width = max(pages(len(r.prompt)) for r in trace)
+    table_rows = lambda n: torch.empty(n, width, dtype=torch.int32).unbind(0)  # noqa: E731  (one row a request)
     none, zero = torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     if batched:  # the warm-up: an empty batch, which caches nothing
         match_ragged(none, zero, ns), insert_ragged(none, zero, none, zero, ns)
     else:
-        match(none, ns), insert(none, none, ns)
+        match(none, ns), match_into(none, none, ns), insert(none, none, ns)
     lengths, tables, t_match, t_insert = [], [], 0.0, 0.0
     kept = []  # every wave's results, so that a wave's assignment frees nothing inside the clock
     for wave in waves(list(range(len(trace)))):
@@ -124,8 +131,12 @@ def run_ours(trace: list[Request], batched: bool, evict_all: bool = False) -> di
             kept.append(ms)
         else:
             prompts, cached = [all_prompts[i].clone() for i in wave], [all_cached[i].clone() for i in wave]
+            rows = table_rows(len(wave))
             t0 = time.perf_counter()
-            ms = [match(p, ns) for p in prompts]
+            if form == "into":
+                ms = [match_into(p, row, ns) for p, row in zip(prompts, rows)]
+            else:
+                ms = [match(p, ns) for p in prompts]
             t1 = time.perf_counter()
             for c, b in zip(cached, blocks):
                 insert(c, b, ns)
@@ -141,6 +152,12 @@ def run_ours(trace: list[Request], batched: bool, evict_all: bool = False) -> di
         warm = match_ragged(*everything, ns)
         t_warm = time.perf_counter() - t0
         warm = warm.lengths.tolist()
+    elif form == "into":
+        rows = table_rows(len(prompts))
+        t0 = time.perf_counter()
+        warm = [match_into(p, row, ns) for p, row in zip(prompts, rows)]
+        t_warm = time.perf_counter() - t0
+        warm = [m.length for m in warm]
     else:
         t0 = time.perf_counter()
         warm = [match(p, ns) for p in prompts]
@@ -306,22 +323,24 @@ def markdown(info: dict, rows: list[dict], sgl_version: str | None) -> str:
              f"Best of {rows[0]['repeats']} replays, the configurations taking turns; each wave's inputs are built "
              f"(untimed) as it arrives. Microseconds per request (match, insert) or per 2176 tokens "
              f"evicted (each cache counting its own tokens). Ours: pages of {PAGE}; *per call* = one request per "
-             f"call (`match` / `insert`), *batched* = one call per wave of {WAVE} requests (`match_ragged` / "
+             f"call (`match` / `insert`), *into a row* = the same with `match_into` writing each request's blocks "
+             f"into its row of a block table (no result tensor; insert and evict as per call), "
+             f"*batched* = one call per wave of {WAVE} requests (`match_ragged` / "
              f"`insert_ragged`; warm match: the whole trace in one call; evict is one call either way). "
              f"Speed-ups are SGLang time / ours.", ""]
-    head, sep = "| workload | op | ours per call | ours batched |", "|---|---|---|---|"
+    forms = ("ours", "ours_into", "ours_batched")
+    head, sep = "| workload | op | ours per call | ours into a row | ours batched |", "|---|---|---|---|---|"
     if sgl_version:
-        head += " SGLang p=16 | SGLang p=1 | per call vs p=16 / p=1 | batched vs p=16 / p=1 |"
-        sep += "---|---|---|---|"
+        head += " SGLang p=16 | SGLang p=1 | per call vs p=16 / p=1 | into a row vs p=16 / p=1 | batched vs p=16 / p=1 |"
+        sep += "---|---|---|---|---|"
     lines += [head, sep]
     for r in rows:
         for op in OPS:
-            ours, batched = per_unit(r, r["ours"], op), per_unit(r, r["ours_batched"], op)
-            line = f"| {r['workload']} | {op} | {ours:.2f} | {batched:.2f} |"
+            ours = [per_unit(r, r[form], op) for form in forms]
+            line = f"| {r['workload']} | {op} | " + " | ".join(f"{t:.2f}" for t in ours) + " |"
             if sgl_version:
                 s16, s1 = per_unit(r, r["sglang_p16"], op), per_unit(r, r["sglang_p1"], op)
-                line += (f" {s16:.2f} | {s1:.2f} | {s16 / ours:.1f}x / {s1 / ours:.1f}x |"
-                         f" {s16 / batched:.1f}x / {s1 / batched:.1f}x |")
+                line += f" {s16:.2f} | {s1:.2f} |" + "".join(f" {s16 / t:.1f}x / {s1 / t:.1f}x |" for t in ours)
             lines.append(line)
     lines += ["", "| workload | requests | tokens looked up | hit rate (ours) | cached tokens (ours / SGLang p=1) "
                   "| match lengths |", "|---|---|---|---|---|---|"]
@@ -348,14 +367,16 @@ def main() -> None:
     for name, requests in trace.items():
         row = {"workload": name, "requests": len(requests), "repeats": repeats,
                "lookup_tokens": sum(len(r.prompt) for r in requests)}
-        configs = {"ours": lambda **kw: run_ours(requests, batched=False, **kw),
-                   "ours_batched": lambda **kw: run_ours(requests, batched=True, **kw)}
+        configs = {"ours": lambda **kw: run_ours(requests, "call", **kw),
+                   "ours_into": lambda **kw: run_ours(requests, "into", **kw),
+                   "ours_batched": lambda **kw: run_ours(requests, "batched", **kw)}
         if sgl:
             configs["sglang_p1"] = lambda **kw: run_sglang(sgl, requests, 1, **kw)
             configs["sglang_p16"] = lambda **kw: run_sglang(sgl, requests, PAGE, **kw)
         row.update(best_of(configs, repeats))
         ours = row["ours"]["lengths"] + row["ours"]["warm_lengths"]
         assert row["ours_batched"]["lengths"] + row["ours_batched"]["warm_lengths"] == ours, "batched != per call"
+        assert row["ours_into"]["lengths"] + row["ours_into"]["warm_lengths"] == ours, "match_into != match"
         row["lengths_check"] = "ours only"
         if sgl:
             same1 = row["sglang_p1"]["lengths"] + row["sglang_p1"]["warm_lengths"] == ours
@@ -364,7 +385,7 @@ def main() -> None:
                                     f"{'identical' if same16 else 'DIFFERENT'} to p=16 (ours rounded down to pages)")
             if not (same1 and same16):
                 print(f"WARNING: {name}: match lengths differ from SGLang's")
-        for key in ("ours", "ours_batched", "sglang_p1", "sglang_p16"):
+        for key in ("ours", "ours_into", "ours_batched", "sglang_p1", "sglang_p16"):
             if key in row:
                 row[key].pop("lengths")
                 row[key].pop("warm_lengths")

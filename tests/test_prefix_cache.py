@@ -502,6 +502,90 @@ def test_bound_lookups_equal_the_documented_methods():
     assert isinstance(cache.match(QUERIES[0], ns, lock=True), kvcache.prefix.Match)
 
 
+def test_match_into_writes_what_match_returns_into_the_callers_row():
+    """match_into: the same length and node as match, the blocks in the first entries of a caller's int32
+    tensor (contiguous or strided: a row or a column of a table), the rest of it untouched."""
+    _, cache = cached()
+    table = torch.full((len(QUERIES), 4), -7, dtype=torch.int32)
+    columns = torch.full((4, len(QUERIES)), -7, dtype=torch.int32)
+    for i, q in enumerate(QUERIES):
+        m = cache.match(q, "a")
+        k = len(m.blocks)
+        for out in (table[i], columns[:, i]):
+            version = out._version
+            got = cache.match_into(q, out, "a")
+            assert isinstance(got, kvcache.prefix.MatchInto) and tuple(got) == (m.length, m.node)
+            assert out[:k].tolist() == m.blocks.tolist() and out[k:].tolist() == [-7] * (4 - k)
+            assert out._version > version or k == 0        # in-place writes are versioned
+    assert kvcache.PrefixCache.match_into(cache, QUERIES[0], table[0], "a") == cache.match_into(QUERIES[0], table[0], "a")
+    got = cache.match_into(QUERIES[0], out=table[0], namespace="a", lock=True)   # keywords, and a lock
+    assert cache.stats()["locked_nodes"] > 0
+    cache.unlock(got.node)
+    assert cache.stats()["locked_nodes"] == 0
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("list", TypeError, r"out must be a torch.Tensor, got list"),
+    ("int64", TypeError, r"out must have dtype int32 \(block ids\) but has Long"),
+    ("short", ValueError, r"out has 1 entries but a match of 6 tokens may need 2 \(ceil\(6 / 4\)\)"),
+    ("two_d", ValueError, r"out must be a 1-D tensor but has shape \[2, 2\]"),
+    ("meta", ValueError, r"out must be a plain strided CPU tensor but is on meta"),
+    ("inference", ValueError, r"out is an inference tensor, which cannot be written outside torch.inference_mode"),
+])
+def test_match_into_rejects_a_bad_out_before_matching(case, exc, match):
+    """A bad out changes nothing: no lock taken, no entry written, the tree's state as it was."""
+    _, cache = cached()
+    with torch.inference_mode():
+        inference = torch.zeros(4, dtype=torch.int32)
+    outs = {"list": [0, 0, 0], "int64": torch.zeros(4, dtype=torch.int64), "short": torch.zeros(1, dtype=torch.int32),
+            "two_d": torch.zeros(2, 2, dtype=torch.int32), "meta": torch.zeros(4, dtype=torch.int32, device="meta"),
+            "inference": inference}
+    before = cache.stats()
+    with pytest.raises(exc, match=match):
+        cache.match_into(QUERIES[0], outs[case], "a", lock=True)
+    after = cache.stats()
+    assert (after["locked_nodes"], after["lookups"], after["hit_tokens"]) == (0, before["lookups"], before["hit_tokens"])
+    if case != "list" and case != "meta":
+        assert outs[case].count_nonzero() == 0
+    with torch.inference_mode():       # inside inference mode an inference tensor is writable
+        assert cache.match_into(QUERIES[0], inference, "a").length == 5 and inference[:2].count_nonzero() > 0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda f: f.match(), r"match\(\) missing required argument 'tokens'"),
+    (lambda f: f.match([1], "a", False, 4), r"match\(\) takes at most 3 arguments \(4 given\)"),
+    (lambda f: f.match([1], "a", lck=True), r"match\(\) got an unexpected keyword argument 'lck'"),
+    (lambda f: f.match([1], "a", namespace="a"), r"match\(\) got multiple values for argument 'namespace'"),
+    (lambda f: f.match_into([1]), r"match_into\(\) missing required argument 'out'"),
+    (lambda f: f.insert_ragged([1], [0, 1], [0]), r"insert_ragged\(\) missing required argument 'cu_blocks'"),
+    (lambda f: f.evict(1.5), r"evict\(\) argument 'num_blocks' must be int, not float"),
+    (lambda f: f.lock(node="x"), r"lock\(\) argument 'node' must be int, not str"),
+    (lambda f: f.unlock(), r"unlock\(\) missing required argument 'node'"),
+])
+def test_fast_path_binds_arguments_as_a_python_function_does(call, message):
+    _, cache = cached()
+    fast = kvcache._C._PrefixTree(cache.native.core_id())
+    before = cache.stats()
+    with pytest.raises(TypeError, match=message):
+        call(fast)
+    assert cache.stats() == before
+
+
+def test_fast_path_takes_every_argument_by_name():
+    alloc, cache = cached()
+    fast = kvcache._C._PrefixTree(cache.native.core_id())
+    m = fast.match(tokens=QUERIES[0], namespace="a", lock=True)
+    fast.unlock(node=m[2])
+    n = cache.native.stats()["inserts"]
+    fast.insert(blocks=alloc.allocate(1), tokens=[40, 41], namespace="a")
+    fast.insert_ragged(tokens=[50, 51], cu_lens=[0, 2], blocks=alloc.allocate(1), cu_blocks=[0, 1], namespace="a")
+    assert cache.native.stats()["inserts"] == n + 2
+    assert fast.match_ragged(cu_lens=[0, 2], tokens=[50, 51], namespace="a")[0].tolist() == [2]
+    assert fast.evict(num_blocks=0) == 0
+    assert [p.name for p in __import__("inspect").signature(cache.match_into).parameters.values()] == [
+        "tokens", "out", "namespace", "lock"]
+
+
 def test_result_tensors_are_the_callers_own():
     """Results are fresh tensors: writing into one changes no later result, they outlive the cache,
     and nothing else holds them (dropping a result frees it)."""
@@ -783,9 +867,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return data.draw(st.integers(0, len(items) - 1))
 
     # ---- rules -----------------------------------------------------------------------------------
-    @rule(tokens=st.lists(st.integers(0, 2), max_size=12), ns=st.sampled_from(NAMESPACES), lock=st.booleans())
-    def request(self, tokens, ns, lock):
-        m = self.cache.match(tokens, ns, lock=lock)
+    @rule(tokens=st.lists(st.integers(0, 2), max_size=12), ns=st.sampled_from(NAMESPACES), lock=st.booleans(),
+          into=st.booleans())
+    def request(self, tokens, ns, lock, into):
+        if into:  # into a block-table row with room to spare: only its first entries change
+            row = torch.full((-(-len(tokens) // self.alloc.page_size) + 2,), -5, dtype=torch.int32)
+            length, node = self.cache.match_into(tokens, row, ns, lock=lock)
+            k = -(-length // self.alloc.page_size)
+            assert row[k:].tolist() == [-5] * (len(row) - k)
+            m = kvcache.prefix.Match(length, row[:k], node)
+        else:
+            m = self.cache.match(tokens, ns, lock=lock)
         length, blocks, node = self.model.match(ns, tokens)
         assert (m.length, m.blocks.tolist()) == (length, blocks)
         assert self.pools.holds(m.blocks, ns, tokens[:length]), "a match returned a block that lost its KV"

@@ -1,7 +1,8 @@
 // kvcache._C._PrefixTree: the prefix cache called straight from Python, without torch's
 // custom-class machinery. A call through torch.classes costs ~3.5 us before the tree does anything
 // (boxing the arguments, matching the schema, wrapping the results), several times a match of a
-// 2k-token prompt; here the same call costs a pybind11 dispatch plus one tensor per result.
+// 2k-token prompt. Here the hot methods are CPython vectorcall functions of a plain CPython type
+// (~25 ns a call, where a pybind11 dispatch costs ~185 ns), and the cost left is the results'.
 //
 // Both front ends share one RadixTree: torch.classes.kvcache.PrefixCache publishes its tree under an
 // id (PrefixCache.core_id()) and _PrefixTree(id) holds it. kvcache.PrefixCache uses this path for
@@ -12,20 +13,25 @@
 // only the layout of torch's Python tensor object (THPVariable, header-only).
 //
 // Results go out as CPU tensors made here and wrapped by THPVariable_Wrap, as torch's own bindings
-// do. Making them is most of the cost of a call.
+// do: ~0.5 us per tensor, most of a call. match_into(tokens, out) writes the blocks into a tensor of
+// the caller's instead (a row of its block table), which costs no tensor.
 //
 // The GIL is released around the tree's work (other Python threads run meanwhile; the tree locks
 // internally), except in a short match: when the tree's mutex is free it runs at once with the GIL
 // held (try_match_*), since releasing and retaking the GIL costs about as much as the match; when
 // not, the GIL is released before waiting, so nobody waits for the tree while holding the GIL.
-// Namespaces arrive as a str, a kvcache.Namespace (its .key) or None (the default namespace). Errors have the messages and Python types of the torch class's: TypeError (dtypes),
-// ValueError (shapes, bad values), IndexError (unknown ids, stale handles), RuntimeError "out of blocks".
+// Namespaces arrive as a str, a kvcache.Namespace (its .key) or None (the default namespace).
+// Errors have the messages and Python types of the torch class's: TypeError (dtypes), ValueError
+// (shapes, bad values), IndexError (unknown ids, stale handles), RuntimeError "out of blocks".
 #include "prefix/prefix_pybind.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/InferenceMode.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <array>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -33,6 +39,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_map>
 #include <vector>
 
@@ -287,15 +294,165 @@ py::object as_result(PyTypeObject* type, Items&&... items) {
 /// and retaking it costs about as much as matching a few thousand tokens. Longer calls release it.
 constexpr int64_t kShortCall = int64_t{1} << 16;
 
+// ---- the caller's block-table row -----------------------------------------------------------------
+
+/// `out` of match_into: a 1-D int32 CPU tensor (any stride, e.g. a row of a [batch, max_blocks] block
+/// table) whose first entries receive the matched blocks; the rest is left as it was, and it is never
+/// resized. Checked before the tree is touched, so a bad `out` changes nothing.
+class OutRow {
+ public:
+  OutRow(py::handle obj, int64_t max_ids, int64_t num_tokens, int64_t page) {
+    if (!PyObject_TypeCheck(obj.ptr(), tensor_type)) {
+      throw py::type_error(cat("out must be a torch.Tensor, got ", Py_TYPE(obj.ptr())->tp_name));
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    impl_ = t.unsafeGetTensorImpl();
+    if (t.scalar_type() != at::kInt) {
+      throw py::type_error(cat("out must have dtype int32 (block ids) but has ", c10::toString(t.scalar_type())));
+    }
+    // A plain TensorImpl with storage: subclasses (functional, batched, nested, Python) hold no real data.
+    const bool plain = typeid(*impl_) == typeid(c10::TensorImpl) && impl_->has_storage() &&
+                       !impl_->key_set().has(c10::DispatchKey::Python);
+    if (t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided || !plain) {
+      std::ostringstream device;
+      device << t.device();
+      throw py::value_error(cat("out must be a plain strided CPU tensor but is on ", device.str()));
+    }
+    if (t.dim() != 1) {
+      std::ostringstream shape;
+      shape << t.sizes();
+      throw py::value_error(cat("out must be a 1-D tensor but has shape ", shape.str()));
+    }
+    if (impl_->is_inference() && !c10::InferenceMode::is_enabled()) {
+      throw py::value_error("out is an inference tensor, which cannot be written outside torch.inference_mode()");
+    }
+    if (t.size(0) < max_ids) {
+      throw py::value_error(cat("out has ", t.size(0), " entries but a match of ", num_tokens, " tokens may need ",
+                                max_ids, " (ceil(", num_tokens, " / ", page, "))"));
+    }
+    data_ = t.mutable_data_ptr<int32_t>();
+    stride_ = t.stride(0);
+  }
+
+  /// out[0, n) = ids[0, n)
+  void write(const int32_t* ids, int64_t n) {
+    if (stride_ == 1) {
+      if (n) std::memcpy(data_, ids, static_cast<size_t>(n) * sizeof(int32_t));
+    } else {
+      for (int64_t i = 0; i < n; ++i) data_[i * stride_] = ids[i];
+    }
+    if (n) impl_->bump_version();
+  }
+
+ private:
+  c10::TensorImpl* impl_ = nullptr;
+  int32_t* data_ = nullptr;
+  int64_t stride_ = 1;
+};
+
+// ---- the calling convention --------------------------------------------------------------------------
+// The hot methods are CPython vectorcall methods (METH_FASTCALL | METH_KEYWORDS) of a plain CPython
+// type, not pybind11 functions: pybind11's dispatcher costs ~160 ns a call more (measured on Zen 3),
+// a quarter of a whole match into a caller's tensor.
+
+/// A method's parameters, all positional-or-keyword; the first `required` must be given.
+struct Signature {
+  const char* method;
+  std::vector<const char*> names;
+  size_t required;
+  std::vector<PyObject*> interned = {};  // the names as interned str (kept for good), compared by address first
+};
+
+/// Binds a vectorcall's arguments to `sig`'s parameters (absent optional ones stay null), with
+/// Python's own errors for too many, unknown, repeated or missing arguments.
+template <size_t N>
+std::array<PyObject*, N> bind(Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  std::array<PyObject*, N> out{};
+  if (sig.interned.empty()) {
+    for (const char* n : sig.names) {  // first call, under the GIL
+      PyObject* name = PyUnicode_InternFromString(n);
+      if (!name) throw py::error_already_set();
+      sig.interned.push_back(name);
+    }
+  }
+  if (nargs > static_cast<Py_ssize_t>(N)) {
+    throw py::type_error(cat(sig.method, "() takes at most ", N, " arguments (", nargs, " given)"));
+  }
+  for (Py_ssize_t i = 0; i < nargs; ++i) out[static_cast<size_t>(i)] = args[i];
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+    size_t i = 0;
+    while (i < N && sig.interned[i] != name) ++i;
+    if (i == N) {  // not interned the same way: compare the text
+      for (i = 0; i < N && PyUnicode_Compare(sig.interned[i], name) != 0; ++i) {
+      }
+      if (PyErr_Occurred()) PyErr_Clear();
+    }
+    if (i == N) {
+      throw py::type_error(cat(sig.method, "() got an unexpected keyword argument '", py::str(name).cast<std::string>(), "'"));
+    }
+    if (out[i]) throw py::type_error(cat(sig.method, "() got multiple values for argument '", sig.names[i], "'"));
+    out[i] = args[nargs + k];
+  }
+  for (size_t i = 0; i < sig.required; ++i) {
+    if (!out[i]) throw py::type_error(cat(sig.method, "() missing required argument '", sig.names[i], "'"));
+  }
+  return out;
+}
+
+bool truthy(PyObject* obj) {
+  if (!obj) return false;
+  const int r = PyObject_IsTrue(obj);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+int64_t as_int64(PyObject* obj, const Signature& sig, size_t arg) {
+  if (!PyLong_Check(obj)) {
+    throw py::type_error(cat(sig.method, "() argument '", sig.names[arg], "' must be int, not ", Py_TYPE(obj)->tp_name));
+  }
+  const long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+/// Runs a method body, turning C++ exceptions into Python's as pybind11 would: the messages and
+/// types of the torch class's errors (IndexError, ValueError, TypeError, RuntimeError "out of blocks").
+template <class F>
+PyObject* guarded(F&& body) noexcept {
+  try {
+    return body().release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::out_of_range& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {  // prefix::OutOfBlocks among them
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception in kvcache._C._PrefixTree");
+  }
+  return nullptr;
+}
+
 // ---- the fast path --------------------------------------------------------------------------------
 
 class PrefixTree {
  public:
   PrefixTree(int64_t id, py::handle match_type, py::handle insert_type, py::handle ragged_type, py::handle ns_type,
-             py::handle default_ns)
+             py::handle default_ns, py::handle into_type)
       : match_type_(result_type(match_type, "match_type", 3)),
         insert_type_(result_type(insert_type, "insert_type", 2)),
         ragged_type_(result_type(ragged_type, "ragged_match_type", 4)),
+        into_type_(result_type(into_type, "match_into_type", 2)),
         key_name_(py::reinterpret_steal<py::object>(PyUnicode_InternFromString("key"))) {
     Registry& r = registry();
     {
@@ -315,25 +472,43 @@ class PrefixTree {
     }
   }
 
-  // -> (matched tokens, blocks [ceil(length / page_size)] int32 tensor, node handle)
-  py::object match(py::handle tokens, py::handle ns, bool lock) {
-    const IdArray<int32_t> t(tokens, "tokens", "token ids");
-    const std::string_view key = resolve(ns);
+  // match(tokens, namespace=None, lock=False)
+  //   -> (matched tokens, blocks [ceil(length / page_size)] int32 tensor, node handle)
+  py::object match(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"match", {"tokens", "namespace", "lock"}, 1};
+    const auto a = bind<3>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const std::string_view key = resolve(a[1]);
     thread_local std::vector<int32_t> blocks;  // reused: no allocation per call
-    blocks.clear();
-    int64_t length = 0, node = 0;
-    if (t.size() > kShortCall || !tree_->try_match_into(key, t.data(), t.size(), lock, &blocks, &node, &length)) {
-      py::gil_scoped_release nogil;
-      length = tree_->match_into(key, t.data(), t.size(), lock, &blocks, &node);
-    }
+    int64_t node = 0;
+    const int64_t length = match_blocks(t, key, truthy(a[2]), &blocks, &node);
     return as_result(match_type_, py::int_(length), tensor_of(blocks), py::int_(node));
   }
 
-  // -> (tokens that were already cached, node handle)
-  py::object insert(py::handle tokens, py::handle blocks, py::handle ns, bool lock) {
-    const IdArray<int32_t> t(tokens, "tokens", "token ids");
-    const IdArray<int32_t> b(blocks, "blocks", "block ids");
-    const std::string_view key = resolve(ns);
+  // match_into(tokens, out, namespace=None, lock=False) -> (matched tokens, node handle), the blocks
+  // written to out[0, ceil(length / page_size)): the same match with no tensor made (~0.5 us less)
+  py::object match_into(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"match_into", {"tokens", "out", "namespace", "lock"}, 2};
+    const auto a = bind<4>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const int64_t page = tree_->page_size();
+    OutRow out(a[1], (t.size() + page - 1) / page, t.size(), page);
+    const std::string_view key = resolve(a[2]);
+    thread_local std::vector<int32_t> blocks;
+    int64_t node = 0;
+    const int64_t length = match_blocks(t, key, truthy(a[3]), &blocks, &node);
+    out.write(blocks.data(), static_cast<int64_t>(blocks.size()));
+    return as_result(into_type_, py::int_(length), py::int_(node));
+  }
+
+  // insert(tokens, blocks, namespace=None, lock=False) -> (tokens that were already cached, node handle)
+  py::object insert(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"insert", {"tokens", "blocks", "namespace", "lock"}, 2};
+    const auto a = bind<4>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const IdArray<int32_t> b(a[1], "blocks", "block ids");
+    const std::string_view key = resolve(a[2]);
+    const bool lock = truthy(a[3]);
     prefix::InsertResult r;
     {
       py::gil_scoped_release nogil;
@@ -342,11 +517,15 @@ class PrefixTree {
     return as_result(insert_type_, py::int_(r.prefix_length), py::int_(r.node));
   }
 
-  // -> (lengths [batch] int64, blocks [sum of pages] int32, cu_blocks [batch + 1] int64, nodes [batch] int64)
-  py::object match_ragged(py::handle tokens, py::handle cu_lens, py::handle ns, bool lock) {
-    const IdArray<int32_t> t(tokens, "tokens", "token ids");
-    const Offsets cu(cu_lens, "cu_lens");
-    const std::string_view key = resolve(ns);
+  // match_ragged(tokens, cu_lens, namespace=None, lock=False)
+  //   -> (lengths [batch] int64, blocks [sum of pages] int32, cu_blocks [batch + 1] int64, nodes [batch] int64)
+  py::object match_ragged(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"match_ragged", {"tokens", "cu_lens", "namespace", "lock"}, 2};
+    const auto a = bind<4>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const Offsets cu(a[1], "cu_lens");
+    const std::string_view key = resolve(a[2]);
+    const bool lock = truthy(a[3]);
     at::TensorBase lengths = new_tensor<int64_t>(cu.batch()), cu_blocks = new_tensor<int64_t>(cu.batch() + 1);
     at::TensorBase nodes = new_tensor<int64_t>(cu.batch());
     thread_local std::vector<int32_t> blocks;
@@ -361,14 +540,17 @@ class PrefixTree {
     return as_result(ragged_type_, to_python(lengths), tensor_of(blocks), to_python(cu_blocks), to_python(nodes));
   }
 
-  // -> (prefix lengths [batch] int64, nodes [batch] int64); every sequence is checked before the first is inserted
-  py::object insert_ragged(py::handle tokens, py::handle cu_lens, py::handle blocks, py::handle cu_blocks,
-                           py::handle ns, bool lock) {
-    const IdArray<int32_t> t(tokens, "tokens", "token ids");
-    const IdArray<int32_t> b(blocks, "blocks", "block ids");
-    const Offsets cu(cu_lens, "cu_lens");
-    const Offsets cub(cu_blocks, "cu_blocks");
-    const std::string_view key = resolve(ns);
+  // insert_ragged(tokens, cu_lens, blocks, cu_blocks, namespace=None, lock=False)
+  //   -> (prefix lengths [batch] int64, nodes [batch] int64); every sequence is checked before the first is inserted
+  py::object insert_ragged(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"insert_ragged", {"tokens", "cu_lens", "blocks", "cu_blocks", "namespace", "lock"}, 4};
+    const auto a = bind<6>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const Offsets cu(a[1], "cu_lens");
+    const IdArray<int32_t> b(a[2], "blocks", "block ids");
+    const Offsets cub(a[3], "cu_blocks");
+    const std::string_view key = resolve(a[4]);
+    const bool lock = truthy(a[5]);
     at::TensorBase prefix_lengths = new_tensor<int64_t>(cu.batch()), nodes = new_tensor<int64_t>(cu.batch());
     {
       py::gil_scoped_release nogil;
@@ -379,28 +561,134 @@ class PrefixTree {
     return as_result(nullptr, to_python(prefix_lengths), to_python(nodes));
   }
 
-  int64_t evict(int64_t num_blocks) {
-    py::gil_scoped_release nogil;
-    return tree_->evict(num_blocks);
+  // evict(num_blocks) -> device blocks freed
+  py::object evict(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"evict", {"num_blocks"}, 1};
+    const int64_t n = as_int64(bind<1>(sig, args, nargs, kwnames)[0], sig, 0);
+    int64_t freed = 0;
+    {
+      py::gil_scoped_release nogil;
+      freed = tree_->evict(n);
+    }
+    return py::int_(freed);
   }
-  void lock(int64_t node) {
-    py::gil_scoped_release nogil;
-    tree_->lock(node);
-  }
-  void unlock(int64_t node) {
-    py::gil_scoped_release nogil;
-    tree_->unlock(node);
+
+  // lock(node) / unlock(node)
+  py::object lock(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, bool unlock) {
+    static Signature lock_sig{"lock", {"node"}, 1}, unlock_sig{"unlock", {"node"}, 1};
+    Signature& sig = unlock ? unlock_sig : lock_sig;
+    const int64_t node = as_int64(bind<1>(sig, args, nargs, kwnames)[0], sig, 0);
+    {
+      py::gil_scoped_release nogil;
+      unlock ? tree_->unlock(node) : tree_->lock(node);
+    }
+    return py::none();
   }
 
  private:
-  std::string_view resolve(py::handle ns) const {
-    return namespace_key(ns, ns_type_.ptr(), key_name_.ptr(), default_key_.ptr());
+  /// The match itself, into `*blocks` (cleared first): at once with the GIL held when the tree is free
+  /// and the call short, else with the GIL released.
+  int64_t match_blocks(const IdArray<int32_t>& t, std::string_view key, bool lock, std::vector<int32_t>* blocks,
+                       int64_t* node) {
+    blocks->clear();
+    int64_t length = 0;
+    if (t.size() > kShortCall || !tree_->try_match_into(key, t.data(), t.size(), lock, blocks, node, &length)) {
+      py::gil_scoped_release nogil;
+      length = tree_->match_into(key, t.data(), t.size(), lock, blocks, node);
+    }
+    return length;
   }
 
-  PyTypeObject *match_type_, *insert_type_, *ragged_type_;
+  std::string_view resolve(PyObject* ns) const {
+    return namespace_key(ns ? ns : Py_None, ns_type_.ptr(), key_name_.ptr(), default_key_.ptr());
+  }
+
+  PyTypeObject *match_type_, *insert_type_, *ragged_type_, *into_type_;
   py::object key_name_, ns_type_, default_key_;  // "key"; kvcache.Namespace and the default's key, or null
   std::shared_ptr<prefix::RadixTree> tree_;
 };
+
+// ---- the Python type ------------------------------------------------------------------------------
+
+struct TreeObject {
+  PyObject_HEAD
+  PrefixTree* tree;  // owned
+};
+
+PrefixTree& tree_of(PyObject* self) { return *reinterpret_cast<TreeObject*>(self)->tree; }
+
+template <py::object (PrefixTree::*Method)(PyObject* const*, Py_ssize_t, PyObject*)>
+PyObject* method(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return guarded([&] { return (tree_of(self).*Method)(args, nargs, kwnames); });
+}
+
+template <bool Unlock>
+PyObject* lock_method(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return guarded([&] { return tree_of(self).lock(args, nargs, kwnames, Unlock); });
+}
+
+PyObject* tree_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"core_id", "match_type", "insert_type", "ragged_match_type", "namespace_type",
+                                "default_namespace", "match_into_type", nullptr};
+  long long id = 0;
+  PyObject* types[6] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L|OOOOOO:_PrefixTree", const_cast<char**>(names), &id, &types[0],
+                                   &types[1], &types[2], &types[3], &types[4], &types[5])) {
+    return nullptr;
+  }
+  PyObject* self = type->tp_alloc(type, 0);
+  if (!self) return nullptr;
+  reinterpret_cast<TreeObject*>(self)->tree = nullptr;
+  PyObject* ok = guarded([&] {
+    reinterpret_cast<TreeObject*>(self)->tree = new PrefixTree(id, types[0], types[1], types[2], types[3], types[4], types[5]);
+    return py::none();
+  });
+  if (!ok) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  Py_DECREF(ok);
+  return self;
+}
+
+void tree_dealloc(PyObject* self) {
+  delete reinterpret_cast<TreeObject*>(self)->tree;
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);  // instances of heap types hold their type
+}
+
+#define KVC_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f)), METH_FASTCALL | METH_KEYWORDS
+PyMethodDef tree_methods[] = {
+    {"match", KVC_FASTCALL(method<&PrefixTree::match>),
+     "match($self, /, tokens, namespace=None, lock=False)\n--\n\n(matched tokens, blocks, node)"},
+    {"match_into", KVC_FASTCALL(method<&PrefixTree::match_into>),
+     "match_into($self, /, tokens, out, namespace=None, lock=False)\n--\n\n"
+     "(matched tokens, node); the blocks written to the first entries of out (a 1-D int32 CPU tensor)"},
+    {"insert", KVC_FASTCALL(method<&PrefixTree::insert>),
+     "insert($self, /, tokens, blocks, namespace=None, lock=False)\n--\n\n(tokens already cached, node)"},
+    {"match_ragged", KVC_FASTCALL(method<&PrefixTree::match_ragged>),
+     "match_ragged($self, /, tokens, cu_lens, namespace=None, lock=False)\n--\n\n(lengths, blocks, cu_blocks, nodes)"},
+    {"insert_ragged", KVC_FASTCALL(method<&PrefixTree::insert_ragged>),
+     "insert_ragged($self, /, tokens, cu_lens, blocks, cu_blocks, namespace=None, lock=False)\n--\n\n"
+     "(prefix lengths, nodes)"},
+    {"evict", KVC_FASTCALL(method<&PrefixTree::evict>), "evict($self, /, num_blocks)\n--\n\ndevice blocks freed"},
+    {"lock", KVC_FASTCALL(lock_method<false>), "lock($self, /, node)\n--\n\npins the node and its ancestors"},
+    {"unlock", KVC_FASTCALL(lock_method<true>), "unlock($self, /, node)\n--\n\nundoes one lock"},
+    {nullptr, nullptr, 0, nullptr}};
+#undef KVC_FASTCALL
+
+PyType_Slot tree_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(tree_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(tree_dealloc)},
+    {Py_tp_methods, tree_methods},
+    {Py_tp_doc, const_cast<char*>(
+                    "_PrefixTree(core_id, match_type=None, insert_type=None, ragged_match_type=None, "
+                    "namespace_type=None, default_namespace=None, match_into_type=None)\n--\n\n"
+                    "Fast path of a torch.classes.kvcache.PrefixCache's tree (use kvcache.PrefixCache)")},
+    {0, nullptr}};
+
+PyType_Spec tree_spec = {"kvcache._C._PrefixTree", sizeof(TreeObject), 0, Py_TPFLAGS_DEFAULT, tree_slots};
 
 }  // namespace
 
@@ -419,23 +707,9 @@ void unpublish_prefix_tree(int64_t id) {
 
 void register_prefix_pybind(py::module_& m) {
   look_up_torch_objects();
-  py::class_<PrefixTree>(m, "_PrefixTree",
-                         "Fast path of a torch.classes.kvcache.PrefixCache's tree (use kvcache.PrefixCache)")
-      .def(py::init<int64_t, py::handle, py::handle, py::handle, py::handle, py::handle>(), py::arg("core_id"),
-           py::arg("match_type") = py::none(), py::arg("insert_type") = py::none(),
-           py::arg("ragged_match_type") = py::none(), py::arg("namespace_type") = py::none(),
-           py::arg("default_namespace") = py::none())
-      // The signatures of kvcache.PrefixCache's methods, which are these when bound to an instance.
-      .def("match", &PrefixTree::match, py::arg("tokens"), py::arg("namespace") = py::none(), py::arg("lock") = false)
-      .def("insert", &PrefixTree::insert, py::arg("tokens"), py::arg("blocks"), py::arg("namespace") = py::none(),
-           py::arg("lock") = false)
-      .def("match_ragged", &PrefixTree::match_ragged, py::arg("tokens"), py::arg("cu_lens"),
-           py::arg("namespace") = py::none(), py::arg("lock") = false)
-      .def("insert_ragged", &PrefixTree::insert_ragged, py::arg("tokens"), py::arg("cu_lens"), py::arg("blocks"),
-           py::arg("cu_blocks"), py::arg("namespace") = py::none(), py::arg("lock") = false)
-      .def("evict", &PrefixTree::evict)
-      .def("lock", &PrefixTree::lock)
-      .def("unlock", &PrefixTree::unlock);
+  PyObject* type = PyType_FromSpec(&tree_spec);
+  if (!type) throw py::error_already_set();
+  m.add_object("_PrefixTree", py::reinterpret_steal<py::object>(type));
 }
 
 }  // namespace kvcache
