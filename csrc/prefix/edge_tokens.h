@@ -45,6 +45,16 @@ class EdgeTokens {
     bytes_.assign(other.bytes_.begin(), other.bytes_.begin() + k * width());
   }
 
+  /// Empty; the storage is kept when it is at most `keep_bytes` (for a recycled node), else released.
+  void clear(size_t keep_bytes) {
+    if (bytes_.capacity() > keep_bytes) {
+      std::vector<unsigned char>().swap(bytes_);
+    } else {
+      bytes_.clear();
+    }
+    narrow_ = true;
+  }
+
   /// Drops the first k tokens (k <= size()).
   void erase_prefix(int64_t k) { bytes_.erase(bytes_.begin(), bytes_.begin() + k * width()); }
 

@@ -130,9 +130,8 @@ int32_t RadixTree::new_node() {
     nodes_.emplace_back();
   }
   Node& nd = nodes_[id];
-  const uint32_t generation = nd.generation + 1;
-  nd = Node();
-  nd.generation = generation;
+  nd.reset();
+  ++nd.generation;
   nd.alive = true;
   return id;
 }
@@ -650,9 +649,7 @@ int64_t RadixTree::delete_leaf(int32_t id) {
   parent.device_children -= nd.on_host ? 0 : 1;
   edges_.erase(edge_key(nd.parent, nd.tokens[0]));
   queue(nd.parent);
-  const uint32_t generation = nd.generation;
-  nd = Node();
-  nd.generation = generation;
+  nd.reset();
   free_nodes_.push_back(id);
   ++counters_.evicted_nodes;
   counters_.evicted_blocks += freed;

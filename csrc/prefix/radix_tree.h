@@ -166,6 +166,29 @@ class RadixTree : public Reclaimer {
     bool alive = false, is_root = false, on_host = false;
     bool queued[2] = {false, false};  // has an entry in the device [0] / host [1] eviction heap
     int64_t end() const { return start + static_cast<int64_t>(tokens.size()); }
+
+    /// A fresh node's state, generation kept. Arrays of at most kKeepBytes keep their storage: a
+    /// freed slot is taken by the next new node, which would otherwise allocate again what eviction
+    /// just freed (the frees were a quarter of an eviction's instructions). Longer ones are released.
+    void reset() {
+      static constexpr size_t kKeepBytes = 1024;
+      EdgeTokens t = std::move(tokens);
+      std::vector<int32_t> b = std::move(blocks), c = std::move(children);
+      const uint32_t g = generation;
+      *this = Node();
+      generation = g;
+      t.clear(kKeepBytes);
+      for (std::vector<int32_t>* v : {&b, &c}) {
+        if (v->capacity() * sizeof(int32_t) > kKeepBytes) {
+          std::vector<int32_t>().swap(*v);
+        } else {
+          v->clear();
+        }
+      }
+      tokens = std::move(t);
+      blocks = std::move(b);
+      children = std::move(c);
+    }
   };
   // An eviction candidate. Keys only grow (a touch raises last_access / hits), so entries are not
   // updated when a node is touched: a popped entry whose key is stale is pushed again with the
