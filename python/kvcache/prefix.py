@@ -33,7 +33,7 @@ KV format, positional encoding, and a user salt. The C++ objects are ``torch.cla
 BlockAllocator`` and ``torch.classes.kvcache.PrefixCache`` (``.native`` on the wrappers); their
 methods run without the GIL and lock internally, so both are safe to share between Python threads.
 :class:`PrefixCache` calls its tree's hot methods (match, insert, their ragged forms, lock, unlock,
-evict) through ``kvcache._C._PrefixTree``, a pybind11 binding of the same C++ object that skips
+evict) through ``kvcache._C._PrefixTree``, CPython vectorcall methods over the same C++ object that skip
 torch's custom-class call overhead (a few microseconds per call, more than a match itself).
 """
 
