@@ -17,10 +17,12 @@ the tree). Each cache first answers an empty lookup and insert, untimed (a first
 costs: ~30 us for ours, a third of a wave's match). The configurations take turns, replay by
 replay, so a noisy neighbour slows all of them alike; each keeps its best replay.
 
-Ours runs with pages of 16 tokens in three forms: one request per call (``match`` / ``insert``); one
+Ours runs with pages of 16 tokens in four forms: one request per call (``match`` / ``insert``); one
 request per call with ``match_into`` writing the blocks into the request's row of a block table (made
-untimed as the wave arrives, as a server keeps one), which spares the result tensor; and one wave per
-call (``match_ragged`` / ``insert_ragged``). SGLang runs with page_size=1 (token-exact, like
+untimed as the wave arrives, as a server keeps one), which spares the result tensor; one wave per
+call (``match_ragged`` / ``insert_ragged``); and one wave per call with ``match_ragged_into`` writing
+into the wave's block table and length and node arrays (made untimed likewise), which spares the four
+result tensors. SGLang runs with page_size=1 (token-exact, like
 ours at any page size: its match lengths must equal ours) and page_size=16 (it truncates keys to
 whole pages: its lengths must equal ours rounded down to a page).
 
@@ -96,8 +98,10 @@ def ragged(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_ours(trace: list[Request], form: str, evict_all: bool = False) -> dict:
-    """form: "call" (match / insert), "into" (match_into a block-table row / insert) or "batched"."""
-    batched = form == "batched"
+    """form: "call" (match / insert), "into" (match_into a block-table row / insert), "batched"
+    (match_ragged / insert_ragged) or "batched_into" (match_ragged_into the wave's block table and
+    length / node arrays / insert_ragged)."""
+    batched = form in ("batched", "batched_into")
     pages = lambda n: -(-n // PAGE)  # noqa: E731
     alloc = kvcache.BlockAllocator(sum(pages(len(r.cached)) for r in trace), PAGE)
     cache = kvcache.PrefixCache(alloc)
@@ -105,9 +109,12 @@ def run_ours(trace: list[Request], form: str, evict_all: bool = False) -> dict:
     all_prompts = [torch.tensor(r.prompt, dtype=torch.int32) for r in trace]
     all_cached = [torch.tensor(r.cached, dtype=torch.int32) for r in trace]
     match, insert, match_ragged, insert_ragged = cache.match, cache.insert, cache.match_ragged, cache.insert_ragged
-    match_into = cache.match_into
+    match_into, match_ragged_into = cache.match_into, cache.match_ragged_into
     width = max(pages(len(r.prompt)) for r in trace)
     table_rows = lambda n: torch.empty(n, width, dtype=torch.int32).unbind(0)  # noqa: E731  (one row a request)
+    # A server's per-batch arrays: the block table, and each request's cached length and node.
+    batch_tables = lambda n: (torch.empty(n, width, dtype=torch.int32), torch.empty(n, dtype=torch.int64),  # noqa: E731
+                              torch.empty(n, dtype=torch.int64))
     none, zero = torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     if batched:  # the warm-up: an empty batch, which caches nothing
         match_ragged(none, zero, ns), insert_ragged(none, zero, none, zero, ns)
@@ -122,9 +129,15 @@ def run_ours(trace: list[Request], form: str, evict_all: bool = False) -> dict:
         if batched:
             (p, cu), (c, cu_c) = ragged([all_prompts[i] for i in wave]), ragged([all_cached[i] for i in wave])
             b, cu_b = ragged(blocks)
-            t0 = time.perf_counter()
-            ms = match_ragged(p, cu, ns)
-            t1 = time.perf_counter()
+            if form == "batched_into":
+                table, got, nodes = batch_tables(len(wave))
+                t0 = time.perf_counter()
+                ms = match_ragged_into(p, cu, table, ns, lengths=got, nodes=nodes)
+                t1 = time.perf_counter()
+            else:
+                t0 = time.perf_counter()
+                ms = match_ragged(p, cu, ns)
+                t1 = time.perf_counter()
             insert_ragged(c, cu_c, b, cu_b, ns)
             t2 = time.perf_counter()
             lengths += ms.lengths.tolist()
@@ -148,8 +161,13 @@ def run_ours(trace: list[Request], form: str, evict_all: bool = False) -> dict:
     prompts = [p.clone() for p in all_prompts]  # every request again, all at once
     if batched:
         everything = ragged(prompts)
-        t0 = time.perf_counter()
-        warm = match_ragged(*everything, ns)
+        if form == "batched_into":
+            table, got, nodes = batch_tables(len(prompts))
+            t0 = time.perf_counter()
+            warm = match_ragged_into(*everything, table, ns, lengths=got, nodes=nodes)
+        else:
+            t0 = time.perf_counter()
+            warm = match_ragged(*everything, ns)
         t_warm = time.perf_counter() - t0
         warm = warm.lengths.tolist()
     elif form == "into":
@@ -326,13 +344,17 @@ def markdown(info: dict, rows: list[dict], sgl_version: str | None) -> str:
              f"call (`match` / `insert`), *into a row* = the same with `match_into` writing each request's blocks "
              f"into its row of a block table (no result tensor; insert and evict as per call), "
              f"*batched* = one call per wave of {WAVE} requests (`match_ragged` / "
-             f"`insert_ragged`; warm match: the whole trace in one call; evict is one call either way). "
+             f"`insert_ragged`; warm match: the whole trace in one call; evict is one call either way), "
+             f"*batched into a table* = the same with `match_ragged_into` writing into the wave's block table "
+             f"and length and node arrays (made untimed as the wave arrives, as a server keeps them). "
              f"Speed-ups are SGLang time / ours.", ""]
-    forms = ("ours", "ours_into", "ours_batched")
-    head, sep = "| workload | op | ours per call | ours into a row | ours batched |", "|---|---|---|---|---|"
+    forms = ("ours", "ours_into", "ours_batched", "ours_batched_into")
+    head = "| workload | op | ours per call | ours into a row | ours batched | ours batched into a table |"
+    sep = "|---|---|---|---|---|---|"
     if sgl_version:
-        head += " SGLang p=16 | SGLang p=1 | per call vs p=16 / p=1 | into a row vs p=16 / p=1 | batched vs p=16 / p=1 |"
-        sep += "---|---|---|---|---|"
+        head += (" SGLang p=16 | SGLang p=1 | per call vs p=16 / p=1 | into a row vs p=16 / p=1 | batched vs p=16 / p=1 |"
+                 " batched into a table vs p=16 / p=1 |")
+        sep += "---|---|---|---|---|---|"
     lines += [head, sep]
     for r in rows:
         for op in OPS:
@@ -369,7 +391,8 @@ def main() -> None:
                "lookup_tokens": sum(len(r.prompt) for r in requests)}
         configs = {"ours": lambda **kw: run_ours(requests, "call", **kw),
                    "ours_into": lambda **kw: run_ours(requests, "into", **kw),
-                   "ours_batched": lambda **kw: run_ours(requests, "batched", **kw)}
+                   "ours_batched": lambda **kw: run_ours(requests, "batched", **kw),
+                   "ours_batched_into": lambda **kw: run_ours(requests, "batched_into", **kw)}
         if sgl:
             configs["sglang_p1"] = lambda **kw: run_sglang(sgl, requests, 1, **kw)
             configs["sglang_p16"] = lambda **kw: run_sglang(sgl, requests, PAGE, **kw)
@@ -377,6 +400,8 @@ def main() -> None:
         ours = row["ours"]["lengths"] + row["ours"]["warm_lengths"]
         assert row["ours_batched"]["lengths"] + row["ours_batched"]["warm_lengths"] == ours, "batched != per call"
         assert row["ours_into"]["lengths"] + row["ours_into"]["warm_lengths"] == ours, "match_into != match"
+        assert row["ours_batched_into"]["lengths"] + row["ours_batched_into"]["warm_lengths"] == ours, \
+            "match_ragged_into != match"
         row["lengths_check"] = "ours only"
         if sgl:
             same1 = row["sglang_p1"]["lengths"] + row["sglang_p1"]["warm_lengths"] == ours
@@ -385,7 +410,7 @@ def main() -> None:
                                     f"{'identical' if same16 else 'DIFFERENT'} to p=16 (ours rounded down to pages)")
             if not (same1 and same16):
                 print(f"WARNING: {name}: match lengths differ from SGLang's")
-        for key in ("ours", "ours_into", "ours_batched", "sglang_p1", "sglang_p16"):
+        for key in ("ours", "ours_into", "ours_batched", "ours_batched_into", "sglang_p1", "sglang_p16"):
             if key in row:
                 row[key].pop("lengths")
                 row[key].pop("warm_lengths")

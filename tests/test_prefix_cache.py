@@ -551,12 +551,116 @@ def test_match_into_rejects_a_bad_out_before_matching(case, exc, match):
         assert cache.match_into(QUERIES[0], inference, "a").length == 5 and inference[:2].count_nonzero() > 0
 
 
+def ragged_queries():
+    return torch.tensor([t for q in QUERIES for t in q]), torch.tensor([0, 6, 11, 14, 15, 15])
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_match_ragged_into_writes_what_match_ragged_returns_into_the_callers_table(given):
+    """match_ragged_into: the lengths and nodes of match_ragged, each sequence's blocks in the first entries
+    of its row of a caller's table (contiguous or transposed), the rest untouched; lengths and nodes into
+    the caller's tensors when given (the same objects come back), else new ones."""
+    _, cache = cached()
+    flat, cu = ragged_queries()
+    want = cache.match_ragged(flat, cu, "a")
+    batch = len(QUERIES)
+    for table in (torch.full((batch, 3), -7, dtype=torch.int32), torch.full((3, batch), -7, dtype=torch.int32).t()):
+        lengths, nodes = (torch.full((batch,), -1), torch.full((2 * batch,), -1)[::2]) if given else (None, None)
+        version = table._version
+        got = cache.match_ragged_into(flat, cu, table, "a", lengths=lengths, nodes=nodes)
+        assert isinstance(got, kvcache.prefix.RaggedMatchInto)
+        assert got.lengths.tolist() == want.lengths.tolist() and got.nodes.tolist() == want.nodes.tolist()
+        assert (got.lengths is lengths and got.nodes is nodes) if given else got.lengths.dtype == torch.int64
+        for i in range(batch):
+            lo, hi = int(want.cu_blocks[i]), int(want.cu_blocks[i + 1])
+            assert table[i, :hi - lo].tolist() == want.blocks[lo:hi].tolist()
+            assert table[i, hi - lo:].tolist() == [-7] * (3 - (hi - lo))
+        assert table._version > version                       # in-place writes are versioned
+    got = cache.match_ragged_into(tokens=flat, cu_lens=cu, out=torch.empty(batch, 2, dtype=torch.int32), namespace="a",
+                                  lock=True)
+    assert cache.stats()["locked_nodes"] > 0
+    for node in got.nodes.tolist():
+        cache.unlock(node)
+    assert cache.stats()["locked_nodes"] == 0
+    empty = cache.match_ragged_into(torch.empty(0, dtype=torch.int32), [0], torch.empty(0, 0, dtype=torch.int32))
+    assert empty.lengths.tolist() == [] and empty.nodes.tolist() == []
+
+
+def _ragged_into_case(case):
+    """(out, lengths, nodes, cu_lens) for one bad argument; the rest as a good call has them."""
+    batch = len(QUERIES)
+    with torch.inference_mode():
+        inference = torch.zeros(batch, 2, dtype=torch.int32)
+    shared = torch.zeros(64, dtype=torch.int64)      # one buffer seen as two dtypes: out and lengths overlap
+    out, lengths, nodes, cu = torch.zeros(batch, 2, dtype=torch.int32), None, None, ragged_queries()[1]
+    if case == "list":
+        out = [[0, 0]] * batch
+    elif case == "int64":
+        out = torch.zeros(batch, 2, dtype=torch.int64)
+    elif case == "one_d":
+        out = torch.zeros(batch * 2, dtype=torch.int32)
+    elif case == "rows":
+        out = torch.zeros(batch - 1, 2, dtype=torch.int32)
+    elif case == "narrow":
+        out = torch.zeros(batch, 1, dtype=torch.int32)
+    elif case == "meta":
+        out = torch.zeros(batch, 2, dtype=torch.int32, device="meta")
+    elif case == "inference":
+        out = inference
+    elif case == "lengths_int32":
+        lengths = torch.zeros(batch, dtype=torch.int32)
+    elif case == "lengths_size":
+        lengths = torch.zeros(batch + 1, dtype=torch.int64)
+    elif case == "nodes_2d":
+        nodes = torch.zeros(batch, 1, dtype=torch.int64)
+    elif case == "same":
+        lengths = nodes = torch.zeros(batch, dtype=torch.int64)
+    elif case == "aliased":
+        out, lengths = shared.view(torch.int32)[:2 * batch].view(batch, 2), shared[:batch]
+    elif case == "cu":
+        cu = torch.tensor([0, 6, 5, 14, 15, 15])
+    return out, lengths, nodes, cu
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("list", TypeError, r"out must be a torch.Tensor, got list"),
+    ("int64", TypeError, r"out must have dtype int32 \(block ids\) but has Long"),
+    ("one_d", ValueError, r"out must be a 2-D tensor but has shape \[10\]"),
+    ("rows", ValueError, r"out has 4 rows but the batch has 5 sequences"),
+    ("narrow", ValueError, r"out has 1 columns but sequence 0 has 6 tokens, whose match may need 2 \(ceil\(6 / 4\)\)"),
+    ("meta", ValueError, r"out must be a plain strided CPU tensor but is on meta"),
+    ("inference", ValueError, r"out is an inference tensor, which cannot be written outside torch.inference_mode"),
+    ("lengths_int32", TypeError, r"lengths must have dtype int64 \(matched tokens\) but has Int"),
+    ("lengths_size", ValueError, r"lengths has 6 entries but the batch has 5 sequences"),
+    ("nodes_2d", ValueError, r"nodes must be a 1-D tensor but has shape \[5, 1\]"),
+    ("same", ValueError, r"lengths and nodes overlap in memory"),
+    ("aliased", ValueError, r"lengths and out overlap in memory"),
+    ("cu", IndexError, r"cu_lens must be non-decreasing but cu_lens\[2\] = 5 < cu_lens\[1\] = 6"),
+])
+def test_match_ragged_into_rejects_bad_arguments_before_matching(case, exc, match):
+    """A bad argument changes nothing: no lock taken, no lookup counted, no entry of any tensor written."""
+    _, cache = cached()
+    flat = ragged_queries()[0]
+    out, lengths, nodes, cu = _ragged_into_case(case)
+    before = cache.stats()
+    with pytest.raises(exc, match=match):
+        cache.match_ragged_into(flat, cu, out, "a", lock=True, lengths=lengths, nodes=nodes)
+    after = cache.stats()
+    assert (after["locked_nodes"], after["lookups"], after["hit_tokens"]) == (0, before["lookups"], before["hit_tokens"])
+    for t in (out, lengths, nodes):
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            assert t.count_nonzero() == 0
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda f: f.match(), r"match\(\) missing required argument 'tokens'"),
     (lambda f: f.match([1], "a", False, 4), r"match\(\) takes at most 3 arguments \(4 given\)"),
     (lambda f: f.match([1], "a", lck=True), r"match\(\) got an unexpected keyword argument 'lck'"),
     (lambda f: f.match([1], "a", namespace="a"), r"match\(\) got multiple values for argument 'namespace'"),
     (lambda f: f.match_into([1]), r"match_into\(\) missing required argument 'out'"),
+    (lambda f: f.match_ragged_into([1], [0, 1]), r"match_ragged_into\(\) missing required argument 'out'"),
+    (lambda f: f.match_ragged_into([1], [0, 1], None, "a", False, None, None, 1),
+     r"match_ragged_into\(\) takes at most 7 arguments \(8 given\)"),
     (lambda f: f.insert_ragged([1], [0, 1], [0]), r"insert_ragged\(\) missing required argument 'cu_blocks'"),
     (lambda f: f.evict(1.5), r"evict\(\) argument 'num_blocks' must be int, not float"),
     (lambda f: f.lock(node="x"), r"lock\(\) argument 'node' must be int, not str"),
@@ -584,6 +688,11 @@ def test_fast_path_takes_every_argument_by_name():
     assert fast.evict(num_blocks=0) == 0
     assert [p.name for p in __import__("inspect").signature(cache.match_into).parameters.values()] == [
         "tokens", "out", "namespace", "lock"]
+    assert [p.name for p in __import__("inspect").signature(cache.match_ragged_into).parameters.values()] == [
+        "tokens", "cu_lens", "out", "namespace", "lock", "lengths", "nodes"]
+    got = fast.match_ragged_into(nodes=None, out=torch.zeros(1, 1, dtype=torch.int32), cu_lens=[0, 2], tokens=[50, 51],
+                                 namespace="a", lengths=torch.zeros(1, dtype=torch.int64), lock=False)
+    assert got[0].tolist() == [2]
 
 
 def test_result_tensors_are_the_callers_own():
@@ -868,14 +977,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # ---- rules -----------------------------------------------------------------------------------
     @rule(tokens=st.lists(st.integers(0, 2), max_size=12), ns=st.sampled_from(NAMESPACES), lock=st.booleans(),
-          into=st.booleans())
-    def request(self, tokens, ns, lock, into):
-        if into:  # into a block-table row with room to spare: only its first entries change
+          form=st.sampled_from(("match", "into", "ragged_into")))
+    def request(self, tokens, ns, lock, form):
+        if form == "into":  # into a block-table row with room to spare: only its first entries change
             row = torch.full((-(-len(tokens) // self.alloc.page_size) + 2,), -5, dtype=torch.int32)
             length, node = self.cache.match_into(tokens, row, ns, lock=lock)
             k = -(-length // self.alloc.page_size)
             assert row[k:].tolist() == [-5] * (len(row) - k)
             m = kvcache.prefix.Match(length, row[:k], node)
+        elif form == "ragged_into":  # a batch of one, into row 1 of a 3-row table: nothing else changes
+            table = torch.full((3, -(-len(tokens) // self.alloc.page_size) + 2), -5, dtype=torch.int32)
+            lengths, nodes = self.cache.match_ragged_into(tokens, [0, len(tokens)], table[1:2], ns, lock=lock)
+            length, node, k = int(lengths[0]), int(nodes[0]), -(-int(lengths[0]) // self.alloc.page_size)
+            assert table[1, k:].tolist() == [-5] * (table.shape[1] - k) and (table[::2] == -5).all()
+            m = kvcache.prefix.Match(length, table[1, :k], node)
         else:
             m = self.cache.match(tokens, ns, lock=lock)
         length, blocks, node = self.model.match(ns, tokens)

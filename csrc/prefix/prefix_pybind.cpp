@@ -35,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -294,21 +295,26 @@ py::object as_result(PyTypeObject* type, Items&&... items) {
 /// and retaking it costs about as much as matching a few thousand tokens. Longer calls release it.
 constexpr int64_t kShortCall = int64_t{1} << 16;
 
-// ---- the caller's block-table row -----------------------------------------------------------------
+// ---- the caller's tensors ----------------------------------------------------------------------------
 
-/// `out` of match_into: a 1-D int32 CPU tensor (any stride, e.g. a row of a [batch, max_blocks] block
-/// table) whose first entries receive the matched blocks; the rest is left as it was, and it is never
-/// resized. Checked before the tree is touched, so a bad `out` changes nothing.
-class OutRow {
+/// A tensor of the caller's that a call writes into (a block table, or one of its rows): a plain
+/// strided CPU tensor of T with `dims` dimensions and any strides, writable here (an inference tensor
+/// only inside torch.inference_mode()). Checked before the tree is touched, so a bad one changes
+/// nothing; never resized, so a long match cannot spill into a neighbouring row.
+template <class T>
+class OutTensor {
  public:
-  OutRow(py::handle obj, int64_t max_ids, int64_t num_tokens, int64_t page) {
+  /// `name` names the argument in errors, `what` its contents ("block ids").
+  OutTensor(py::handle obj, const char* name, const char* what, int64_t dims) : obj_(obj) {
     if (!PyObject_TypeCheck(obj.ptr(), tensor_type)) {
-      throw py::type_error(cat("out must be a torch.Tensor, got ", Py_TYPE(obj.ptr())->tp_name));
+      throw py::type_error(cat(name, " must be a torch.Tensor, got ", Py_TYPE(obj.ptr())->tp_name));
     }
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
     impl_ = t.unsafeGetTensorImpl();
-    if (t.scalar_type() != at::kInt) {
-      throw py::type_error(cat("out must have dtype int32 (block ids) but has ", c10::toString(t.scalar_type())));
+    constexpr at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+    if (t.scalar_type() != dtype) {
+      throw py::type_error(cat(name, " must have dtype int", 8 * sizeof(T), " (", what, ") but has ",
+                               c10::toString(t.scalar_type())));
     }
     // A plain TensorImpl with storage: subclasses (functional, batched, nested, Python) hold no real data.
     const bool plain = typeid(*impl_) == typeid(c10::TensorImpl) && impl_->has_storage() &&
@@ -316,38 +322,82 @@ class OutRow {
     if (t.device().type() != c10::DeviceType::CPU || t.layout() != c10::kStrided || !plain) {
       std::ostringstream device;
       device << t.device();
-      throw py::value_error(cat("out must be a plain strided CPU tensor but is on ", device.str()));
+      throw py::value_error(cat(name, " must be a plain strided CPU tensor but is on ", device.str()));
     }
-    if (t.dim() != 1) {
+    if (t.dim() != dims) {
       std::ostringstream shape;
       shape << t.sizes();
-      throw py::value_error(cat("out must be a 1-D tensor but has shape ", shape.str()));
+      throw py::value_error(cat(name, " must be a ", dims, "-D tensor but has shape ", shape.str()));
     }
     if (impl_->is_inference() && !c10::InferenceMode::is_enabled()) {
-      throw py::value_error("out is an inference tensor, which cannot be written outside torch.inference_mode()");
+      throw py::value_error(cat(name, " is an inference tensor, which cannot be written outside torch.inference_mode()"));
     }
-    if (t.size(0) < max_ids) {
-      throw py::value_error(cat("out has ", t.size(0), " entries but a match of ", num_tokens, " tokens may need ",
+    data_ = t.mutable_data_ptr<T>();
+    for (int64_t d = 0; d < dims; ++d) {
+      sizes_[d] = t.size(d);
+      strides_[d] = t.stride(d);
+    }
+    dims_ = dims;
+  }
+
+  int64_t size(int64_t d) const { return sizes_[d]; }
+  /// The element at [i] (1-D) or [i, j] (2-D).
+  T& at(int64_t i, int64_t j = 0) const { return data_[i * strides_[0] + j * strides_[1]]; }
+  /// The first n entries of row i (of a 2-D tensor; of the tensor itself if 1-D) = values[0, n)
+  void write_row(int64_t i, const T* values, int64_t n) const {
+    T* row = &at(dims_ == 1 ? 0 : i);
+    const int64_t stride = strides_[dims_ - 1];
+    if (stride == 1) {
+      if (n) std::memcpy(row, values, static_cast<size_t>(n) * sizeof(T));
+    } else {
+      for (int64_t k = 0; k < n; ++k) row[k * stride] = values[k];
+    }
+  }
+  /// Whether this tensor's elements and `other`'s may share bytes (their spans overlap).
+  template <class U>
+  bool overlaps(const OutTensor<U>& other) const {
+    const auto [a0, a1] = span();
+    const auto [b0, b1] = other.span();
+    return a0 < b1 && b0 < a1;
+  }
+  std::pair<uintptr_t, uintptr_t> span() const {
+    uintptr_t last = 0;
+    for (int64_t d = 0; d < dims_; ++d) {
+      if (sizes_[d] == 0) return {0, 0};
+      last += static_cast<uintptr_t>((sizes_[d] - 1) * strides_[d]);
+    }
+    const auto first = reinterpret_cast<uintptr_t>(data_);
+    return {first, first + (last + 1) * sizeof(T)};
+  }
+  /// Marks an in-place write (autograd's version counter), as torch's own in-place ops do.
+  void bump_version() const { impl_->bump_version(); }
+  /// The Python tensor (a new reference).
+  py::object object() const { return py::reinterpret_borrow<py::object>(obj_); }
+
+ private:
+  py::handle obj_;
+  c10::TensorImpl* impl_ = nullptr;
+  T* data_ = nullptr;
+  int64_t sizes_[2] = {0, 0}, strides_[2] = {0, 0}, dims_ = 1;
+};
+
+/// `out` of match_into: a 1-D int32 tensor (any stride, e.g. a row of a [batch, max_blocks] block
+/// table) whose first entries receive the matched blocks; the rest is left as it was.
+class OutRow : public OutTensor<int32_t> {
+ public:
+  OutRow(py::handle obj, int64_t max_ids, int64_t num_tokens, int64_t page)
+      : OutTensor<int32_t>(obj, "out", "block ids", 1) {
+    if (size(0) < max_ids) {
+      throw py::value_error(cat("out has ", size(0), " entries but a match of ", num_tokens, " tokens may need ",
                                 max_ids, " (ceil(", num_tokens, " / ", page, "))"));
     }
-    data_ = t.mutable_data_ptr<int32_t>();
-    stride_ = t.stride(0);
   }
 
   /// out[0, n) = ids[0, n)
-  void write(const int32_t* ids, int64_t n) {
-    if (stride_ == 1) {
-      if (n) std::memcpy(data_, ids, static_cast<size_t>(n) * sizeof(int32_t));
-    } else {
-      for (int64_t i = 0; i < n; ++i) data_[i * stride_] = ids[i];
-    }
-    if (n) impl_->bump_version();
+  void write(const int32_t* ids, int64_t n) const {
+    write_row(0, ids, n);
+    if (n) bump_version();
   }
-
- private:
-  c10::TensorImpl* impl_ = nullptr;
-  int32_t* data_ = nullptr;
-  int64_t stride_ = 1;
 };
 
 // ---- the calling convention --------------------------------------------------------------------------
@@ -448,11 +498,12 @@ PyObject* guarded(F&& body) noexcept {
 class PrefixTree {
  public:
   PrefixTree(int64_t id, py::handle match_type, py::handle insert_type, py::handle ragged_type, py::handle ns_type,
-             py::handle default_ns, py::handle into_type)
+             py::handle default_ns, py::handle into_type, py::handle ragged_into_type)
       : match_type_(result_type(match_type, "match_type", 3)),
         insert_type_(result_type(insert_type, "insert_type", 2)),
         ragged_type_(result_type(ragged_type, "ragged_match_type", 4)),
         into_type_(result_type(into_type, "match_into_type", 2)),
+        ragged_into_type_(result_type(ragged_into_type, "ragged_match_into_type", 2)),
         key_name_(py::reinterpret_steal<py::object>(PyUnicode_InternFromString("key"))) {
     Registry& r = registry();
     {
@@ -540,6 +591,75 @@ class PrefixTree {
     return as_result(ragged_type_, to_python(lengths), tensor_of(blocks), to_python(cu_blocks), to_python(nodes));
   }
 
+  // match_ragged_into(tokens, cu_lens, out, namespace=None, lock=False, lengths=None, nodes=None)
+  //   -> (lengths [batch] int64, nodes [batch] int64): match_ragged, sequence i's blocks written to the first
+  //   entries of row i of out (a [batch, >= its pages] int32 block table, any strides); lengths and nodes
+  //   written to the given [batch] int64 tensors, or to new ones. Everything is checked before the match.
+  py::object match_ragged_into(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"match_ragged_into", {"tokens", "cu_lens", "out", "namespace", "lock", "lengths", "nodes"}, 3};
+    const auto a = bind<7>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const Offsets cu(a[1], "cu_lens");
+    const int64_t batch = cu.batch(), page = tree_->page_size();
+    const prefix::Ragged ragged{t.data(), t.size(), cu.data(), batch};
+    prefix::check_ragged(ragged, "cu_lens", "len(tokens)");
+    const OutTensor<int32_t> out(a[2], "out", "block ids", 2);
+    if (out.size(0) != batch) {
+      throw py::value_error(cat("out has ", out.size(0), " rows but the batch has ", batch, " sequences"));
+    }
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t n = ragged.length(i), need = (n + page - 1) / page;
+      if (out.size(1) < need) {
+        throw py::value_error(cat("out has ", out.size(1), " columns but sequence ", i, " has ", n,
+                                  " tokens, whose match may need ", need, " (ceil(", n, " / ", page, "))"));
+      }
+    }
+    std::optional<OutTensor<int64_t>> given[2];  // lengths, nodes
+    const char* names[2] = {"lengths", "nodes"};
+    const char* whats[2] = {"matched tokens", "node handles"};
+    for (int k = 0; k < 2; ++k) {
+      PyObject* obj = a[5 + k];
+      if (!obj || obj == Py_None) continue;
+      given[k].emplace(obj, names[k], whats[k], 1);
+      if (given[k]->size(0) != batch) {
+        throw py::value_error(cat(names[k], " has ", given[k]->size(0), " entries but the batch has ", batch, " sequences"));
+      }
+      if (given[k]->overlaps(out)) throw py::value_error(cat(names[k], " and out overlap in memory"));
+    }
+    if (given[0] && given[1] && given[0]->overlaps(*given[1])) throw py::value_error("lengths and nodes overlap in memory");
+    const std::string_view key = resolve(a[3]);
+    const bool lock = truthy(a[4]);
+    // Results not given are made before the match: nothing after it can fail with the tree changed (locks taken).
+    at::TensorBase fresh[2];
+    for (int k = 0; k < 2; ++k) {
+      if (!given[k]) fresh[k] = new_tensor<int64_t>(batch);
+    }
+    thread_local std::vector<int32_t> blocks;
+    thread_local std::vector<int64_t> scratch;  // lengths [batch], cu_blocks [batch + 1], nodes [batch]
+    blocks.clear();
+    scratch.resize(static_cast<size_t>(3 * batch + 1));
+    int64_t *lengths = scratch.data(), *cu_blocks = lengths + batch, *nodes = cu_blocks + batch + 1;
+    if (t.size() > kShortCall || !tree_->try_match_ragged(key, ragged, lock, lengths, &blocks, cu_blocks, nodes)) {
+      py::gil_scoped_release nogil;
+      tree_->match_ragged(key, ragged, lock, lengths, &blocks, cu_blocks, nodes);
+    }
+    for (int64_t i = 0; i < batch; ++i) out.write_row(i, blocks.data() + cu_blocks[i], cu_blocks[i + 1] - cu_blocks[i]);
+    if (!blocks.empty()) out.bump_version();
+    py::object results[2];
+    const int64_t* values[2] = {lengths, nodes};
+    for (int k = 0; k < 2; ++k) {
+      if (given[k]) {
+        for (int64_t i = 0; i < batch; ++i) given[k]->at(i) = values[k][i];
+        if (batch) given[k]->bump_version();
+        results[k] = given[k]->object();
+      } else {
+        if (batch) std::memcpy(fresh[k].mutable_data_ptr<int64_t>(), values[k], static_cast<size_t>(batch) * sizeof(int64_t));
+        results[k] = to_python(fresh[k]);
+      }
+    }
+    return as_result(ragged_into_type_, std::move(results[0]), std::move(results[1]));
+  }
+
   // insert_ragged(tokens, cu_lens, blocks, cu_blocks, namespace=None, lock=False)
   //   -> (prefix lengths [batch] int64, nodes [batch] int64); every sequence is checked before the first is inserted
   py::object insert_ragged(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
@@ -603,7 +723,7 @@ class PrefixTree {
     return namespace_key(ns ? ns : Py_None, ns_type_.ptr(), key_name_.ptr(), default_key_.ptr());
   }
 
-  PyTypeObject *match_type_, *insert_type_, *ragged_type_, *into_type_;
+  PyTypeObject *match_type_, *insert_type_, *ragged_type_, *into_type_, *ragged_into_type_;
   py::object key_name_, ns_type_, default_key_;  // "key"; kvcache.Namespace and the default's key, or null
   std::shared_ptr<prefix::RadixTree> tree_;
 };
@@ -629,18 +749,19 @@ PyObject* lock_method(PyObject* self, PyObject* const* args, Py_ssize_t nargs, P
 
 PyObject* tree_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"core_id", "match_type", "insert_type", "ragged_match_type", "namespace_type",
-                                "default_namespace", "match_into_type", nullptr};
+                                "default_namespace", "match_into_type", "ragged_match_into_type", nullptr};
   long long id = 0;
-  PyObject* types[6] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L|OOOOOO:_PrefixTree", const_cast<char**>(names), &id, &types[0],
-                                   &types[1], &types[2], &types[3], &types[4], &types[5])) {
+  PyObject* types[7] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L|OOOOOOO:_PrefixTree", const_cast<char**>(names), &id, &types[0],
+                                   &types[1], &types[2], &types[3], &types[4], &types[5], &types[6])) {
     return nullptr;
   }
   PyObject* self = type->tp_alloc(type, 0);
   if (!self) return nullptr;
   reinterpret_cast<TreeObject*>(self)->tree = nullptr;
   PyObject* ok = guarded([&] {
-    reinterpret_cast<TreeObject*>(self)->tree = new PrefixTree(id, types[0], types[1], types[2], types[3], types[4], types[5]);
+    reinterpret_cast<TreeObject*>(self)->tree = new PrefixTree(id, types[0], types[1], types[2], types[3], types[4], types[5],
+                                                                types[6]);
     return py::none();
   });
   if (!ok) {
@@ -669,6 +790,9 @@ PyMethodDef tree_methods[] = {
      "insert($self, /, tokens, blocks, namespace=None, lock=False)\n--\n\n(tokens already cached, node)"},
     {"match_ragged", KVC_FASTCALL(method<&PrefixTree::match_ragged>),
      "match_ragged($self, /, tokens, cu_lens, namespace=None, lock=False)\n--\n\n(lengths, blocks, cu_blocks, nodes)"},
+    {"match_ragged_into", KVC_FASTCALL(method<&PrefixTree::match_ragged_into>),
+     "match_ragged_into($self, /, tokens, cu_lens, out, namespace=None, lock=False, lengths=None, nodes=None)\n--\n\n"
+     "(lengths, nodes); sequence i's blocks written to the first entries of out[i] (a 2-D int32 CPU tensor)"},
     {"insert_ragged", KVC_FASTCALL(method<&PrefixTree::insert_ragged>),
      "insert_ragged($self, /, tokens, cu_lens, blocks, cu_blocks, namespace=None, lock=False)\n--\n\n"
      "(prefix lengths, nodes)"},
@@ -684,7 +808,8 @@ PyType_Slot tree_slots[] = {
     {Py_tp_methods, tree_methods},
     {Py_tp_doc, const_cast<char*>(
                     "_PrefixTree(core_id, match_type=None, insert_type=None, ragged_match_type=None, "
-                    "namespace_type=None, default_namespace=None, match_into_type=None)\n--\n\n"
+                    "namespace_type=None, default_namespace=None, match_into_type=None, "
+                    "ragged_match_into_type=None)\n--\n\n"
                     "Fast path of a torch.classes.kvcache.PrefixCache's tree (use kvcache.PrefixCache)")},
     {0, nullptr}};
 
