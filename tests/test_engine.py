@@ -59,6 +59,9 @@ def test_engine_greedy_equals_hf_generate(model, kv_format, prefix_cache):
     alloc = engine.store.allocator
     held = len(engine.store.prefix_cache.block_references()) if prefix_cache else 0
     assert alloc.num_blocks - alloc.num_free == held  # every request gave its pages back
+    if prefix_cache:  # and the locks its admission took (one batched lookup a step)
+        assert engine.store.prefix_cache.stats()["locked_nodes"] == 0
+        engine.store.prefix_cache.check()
 
 
 def test_engine_reuses_prefixes_across_calls_and_reports(model):

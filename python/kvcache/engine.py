@@ -27,7 +27,7 @@ import torch
 
 from . import residual as res
 from .hf import PagedCache, PagedStore, _StepPlan, ATTENTION_NAME
-from .prefix import Namespace, Sequence
+from .prefix import Match, Namespace, Sequence
 
 __all__ = ["Engine", "Result"]
 
@@ -181,8 +181,8 @@ class Engine:
         being prefilled right now (and not cached yet) waits one step: it will then reuse that prefix
         instead of computing it again (cache-aware scheduling)."""
         prefilling = [torch.tensor(r.result.prompt) for r in running if not r.result.tokens]
-        deferred = deque()
-        while waiting and len(running) < self.max_batch:
+        admitted, deferred = [], deque()
+        while waiting and len(running) + len(admitted) < self.max_batch:
             index, prompt = waiting.popleft()
             if self.store.prefix_cache is not None and prefilling:
                 p = torch.tensor(prompt)
@@ -190,23 +190,32 @@ class Engine:
                 if shared >= self.store.page_size:
                     deferred.append((index, prompt))
                     continue
-            req = self._admit(index, prompt, stats)
-            running.append(req)
-            if req.pending:
-                prefilling.append(torch.tensor(prompt))
+            admitted.append((index, prompt))
+            prefilling.append(torch.tensor(prompt))  # an admitted request always has its last prompt token to compute
         waiting.extendleft(reversed(deferred))
+        if admitted:
+            running += self._admit(admitted, stats)
 
-    def _admit(self, index: int, prompt: list[int], stats: dict) -> _Running:
-        """A new request starts from the longest cached prefix of its prompt (locked while it runs)."""
-        alloc, tree, node = self.store.allocator, self.store.prefix_cache, None
-        seq = alloc.sequence()
-        if tree is not None and len(prompt) > 1:
-            m = tree.match(torch.tensor(prompt[:-1]), self.namespace, lock=True)  # keep >= 1 token to compute
-            node = m.node
-            if m.length:
-                seq = alloc.sequence(m)
-        stats["prefix_hit_tokens"] += seq.num_tokens
-        return _Running(index, Result(prompt, cached_tokens=seq.num_tokens), seq, node)
+    def _admit(self, batch: list[tuple[int, list[int]]], stats: dict) -> list[_Running]:
+        """New requests start from the longest cached prefix of their prompts, all looked up in one call
+        (each locked while its request runs)."""
+        alloc, tree = self.store.allocator, self.store.prefix_cache
+        matches = [(0, None, None)] * len(batch)  # (length, blocks, node) per request
+        if tree is not None:
+            keys = [prompt[:-1] for _, prompt in batch]  # keep >= 1 token to compute
+            page = self.store.page_size
+            table = torch.empty(len(keys), max(-(-len(k) // page) for k in keys), dtype=torch.int32)
+            cu = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
+            flat = torch.tensor([t for k in keys for t in k], dtype=torch.int32)
+            lengths, nodes = tree.match_ragged_into(flat, cu, table, self.namespace, lock=True)
+            matches = [(n, table[i, :-(-n // page)], node) for i, (n, node) in enumerate(zip(lengths.tolist(),
+                                                                                          nodes.tolist()))]
+        running = []
+        for (index, prompt), (length, blocks, node) in zip(batch, matches):
+            seq = alloc.sequence(Match(length, blocks, node)) if length else alloc.sequence()
+            stats["prefix_hit_tokens"] += seq.num_tokens
+            running.append(_Running(index, Result(prompt, cached_tokens=seq.num_tokens), seq, node))
+        return running
 
     def _cache_prompt(self, req: _Running) -> None:
         tree = self.store.prefix_cache
