@@ -22,7 +22,7 @@ KVCACHE_CUDA_EMULATION ?= ON
 export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
-.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench clean
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench bench-prefix-replay clean
 
 demo: install
 	$(PY) -m kvcache.demo
@@ -84,6 +84,13 @@ $(CPU_VENV)/.ready:
 	$(PYTHON) -m venv $(CPU_VENV)
 	$(CPU_VENV)/bin/pip install -q -r $(CPU_REQ)
 	touch $@
+
+# The radix tree alone on the prefix benchmark's trace, without Python (benchmarks/native): for A/B tests
+# of the tree's code. Not part of the test suite.
+bench-prefix-replay:
+	cmake -S benchmarks/native -B build/bench-native -G Ninja > /dev/null
+	cmake --build build/bench-native
+	build/bench-native/prefix_replay
 
 clean:
 	rm -rf build
