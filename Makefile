@@ -22,7 +22,7 @@ KVCACHE_CUDA_EMULATION ?= ON
 export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
-.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench bench-prefix-replay clean
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench bench-prefix-replay bench-decode-attention clean
 
 demo: install
 	$(PY) -m kvcache.demo
@@ -91,6 +91,14 @@ bench-prefix-replay:
 	cmake -S benchmarks/native -B build/bench-native -G Ninja > /dev/null
 	cmake --build build/bench-native
 	build/bench-native/prefix_replay
+
+# Decode attention alone in C++ (Llama-3-8B layer, 8 x 32k tokens): the step against a read probe and,
+# for bf16, its phases. KIND=bf16|fp16|int8|fp8|int4|kivi4|kivi2.
+KIND ?= bf16
+bench-decode-attention:
+	cmake -S benchmarks/native -B build/bench-native -G Ninja > /dev/null
+	cmake --build build/bench-native
+	build/bench-native/decode_attention $(KIND)
 
 clean:
 	rm -rf build

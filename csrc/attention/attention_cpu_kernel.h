@@ -150,18 +150,22 @@ inline vf vsoftcap(vf s, float cap) {
 }
 
 /// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
+/// NOTE: every loop unrolled, so the arrays are registers (GCC left them on the stack otherwise).
 inline vf reduce16(const vf acc[16]) {
   vf u[8], w[4], z[2];
+#pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
     const vf a = acc[2 * k], b = acc[2 * k + 1];
     u[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
+#pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
     const vf a = u[2 * k], b = u[2 * k + 1];
     w[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   }
+#pragma GCC unroll 2
   for (int k = 0; k < 2; ++k) {
     const vf a = w[2 * k], b = w[2 * k + 1];
     z[k] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
@@ -306,8 +310,8 @@ struct ReadI4 {
 
 /// KIVI rows (4 or 2 bits, planar codes: dims 0-15 and 16-31 of a chunk unpack in natural order).
 /// Keys (kKey): `meta` is the page's per-channel metadata, per chunk 32 fp16 scales then 32 zeros;
-/// values: `meta` is the row's (scale, zero) fp16 pair per chunk, as int4. Plain loops: AVX2 builds
-/// read these rows through Row8 below; this serves the generic and AVX-512 builds.
+/// values: `meta` is the row's (scale, zero) fp16 pair per chunk, as int4. AVX2 builds read these rows
+/// through Row8 below; this serves the generic and AVX-512 builds.
 template <int kBits, bool kKey>
 struct ReadKivi {
   using Elem = uint8_t;
@@ -318,10 +322,31 @@ struct ReadKivi {
     constexpr int kBytes = 4 * kBits, kMask = (1 << kBits) - 1;
     const uint8_t* p = row + kBytes * c;
     vi lo, hi;
+#if defined(__AVX512F__)
+    // NOTE: intrinsics (the plain loop below ran lane by lane: kivi2 decode ~9x slower than bf16).
+    // Lane j of `w` is byte j % kBytes; its bit field (j / kBytes) is shifted down per lane.
+    __m128i bytes;
+    if constexpr (kBits == 4) {
+      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      bytes = _mm_unpacklo_epi64(x, x);
+    }
+    const __m512i w = _mm512_cvtepu8_epi32(bytes), mask = _mm512_set1_epi32(kMask);
+    if constexpr (kBits == 4) {
+      lo = (vi)_mm512_and_si512(w, mask);
+      hi = (vi)_mm512_srli_epi32(w, 4);
+    } else {
+      const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+      lo = (vi)_mm512_and_si512(_mm512_srlv_epi32(w, shift), mask);
+      hi = (vi)_mm512_and_si512(_mm512_srlv_epi32(w, _mm512_add_epi32(shift, _mm512_set1_epi32(4))), mask);
+    }
+#else
     for (int j = 0; j < 16; ++j) {
       lo[j] = (p[j % kBytes] >> (kBits * (j / kBytes))) & kMask;
       hi[j] = (p[(j + 16) % kBytes] >> (kBits * ((j + 16) / kBytes))) & kMask;
     }
+#endif
     if constexpr (kKey) {
       const uint16_t* m = meta + 64 * c;
       a = __builtin_convertvector(lo, vf) * ReadF16::widen16(m) + ReadF16::widen16(m + 32);
@@ -477,44 +502,63 @@ void finish_task(const AttentionArgs& a, const AttentionTask& t, const PartialSt
   }
 }
 
-/// Lane k of quad[g] holds (row k / 4, key 4g + k % 4); returns one vector of 16 keys per row.
-inline void quads_to_rows(const vf quad[4], vf rows[4]) {
-  const vf t01l = __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const vf t01h = __builtin_shufflevector(quad[0], quad[1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const vf t23l = __builtin_shufflevector(quad[2], quad[3], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const vf t23h = __builtin_shufflevector(quad[2], quad[3], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  rows[0] = __builtin_shufflevector(t01l, t23l, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  rows[1] = __builtin_shufflevector(t01l, t23l, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  rows[2] = __builtin_shufflevector(t01h, t23h, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  rows[3] = __builtin_shufflevector(t01h, t23h, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+/// Score vectors of a register block of R rows (1, 2 or 4) from its R reduce16 results: lane k of part[g]
+/// holds (row k / (16 / R), key g * 16 / R + k % (16 / R)); rows[r] gets the 16 keys of row r.
+template <int R>
+inline void parts_to_rows(const vf part[R], vf rows[R]) {
+  if constexpr (R == 1) {
+    rows[0] = part[0];
+  } else if constexpr (R == 2) {
+    rows[0] = __builtin_shufflevector(part[0], part[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[1] = __builtin_shufflevector(part[0], part[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else {
+    static_assert(R == 4, "register blocks of 1, 2 or 4 rows");
+    const vf* quad = part;
+    const vf t01l = __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const vf t01h = __builtin_shufflevector(quad[0], quad[1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const vf t23l = __builtin_shufflevector(quad[2], quad[3], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const vf t23h = __builtin_shufflevector(quad[2], quad[3], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    rows[0] = __builtin_shufflevector(t01l, t23l, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[1] = __builtin_shufflevector(t01l, t23l, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    rows[2] = __builtin_shufflevector(t01h, t23h, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[3] = __builtin_shufflevector(t01h, t23h, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
 }
 
 // ---- score policies: q.k for 4 rows x 16 keys ----------------------------------------------------
-/// fp32 FMAs on K widened by `Read`; queries pre-scaled, in Read's storage order.
-template <class Read>
+/// fp32 FMAs on K widened by `Read`; queries pre-scaled, in Read's storage order. R rows (1, 2, 4) x
+/// 16 / R keys per pass: 16 accumulators, one reduce16. NOTE: the r and j loops are unrolled so the
+/// accumulators stay in registers (left to itself GCC kept them on the stack: a store and a reload
+/// per FMA, measured ~3x slower).
+template <class Read, int R = 4>
 struct ScoreFma {
-  static constexpr int kRows = 4;
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     load_query_scattered(a, base, q_row, storage_index<Read>);
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
-                     const uint16_t* const* kmeta, float /*scale*/, vf rows[4]) {
-    vf quad[4];
-    for (int g = 0; g < 4; ++g) {
+                     const uint16_t* const* kmeta, float /*scale*/, vf rows[R]) {
+    vf part[R];
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) {
       vf acc[16];
-      for (auto& v : acc) v = vf{};
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = vf{};
       for (int64_t c = 0; c < D / 32; ++c) {
-        for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
           vf ka, kb;
-          Read::chunk(krow[4 * g + j], kmeta[4 * g + j], c, ka, kb);
-          for (int r = 0; r < kRows; ++r) {
-            acc[r * 4 + j] += loadv(q + r * D + 32 * c) * ka + loadv(q + r * D + 32 * c + 16) * kb;
+          Read::chunk(krow[g * kKeys + j], kmeta[g * kKeys + j], c, ka, kb);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc[r * kKeys + j] += loadv(q + r * D + 32 * c) * ka + loadv(q + r * D + 32 * c + 16) * kb;
           }
         }
       }
-      quad[g] = reduce16(acc);
+      part[g] = reduce16(acc);
     }
-    quads_to_rows(quad, rows);
+    parts_to_rows<R>(part, rows);
   }
 };
 
@@ -538,75 +582,79 @@ struct Bf16Chunks {
 
 /// bfloat16 queries and keys: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so K
 /// needs no widening at all. The query stays unscaled (its bf16 values exact); scores are scaled after.
-template <class KRead = ReadBF16>
+/// R rows (1, 2, 4) x 16 / R keys per pass, every loop over them unrolled (registers, as ScoreFma).
+template <class KRead = ReadBF16, int R = 4>
 struct ScoreDp {
-  static constexpr int kRows = 4;
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits, natural order, in the fp32 buffer
     for (int64_t d = 0; d < a.layout.head_dim; ++d) qb[d] = static_cast<const uint16_t*>(a.query)[base + d * a.q_strides[2]];
   }
   static void scores(const float* q, int64_t D, const typename KRead::Elem* const* krow,
-                     const uint16_t* const* /*kmeta*/, float scale, vf rows[4]) {
+                     const uint16_t* const* /*kmeta*/, float scale, vf rows[R]) {
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
-    vf quad[4];
-    for (int g = 0; g < 4; ++g) {
+    vf part[R];
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) {
       __m512 acc[16];
-      for (auto& v : acc) v = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < D / 32; ++c) {
-        for (int j = 0; j < 4; ++j) {
-          const __m512bh k = (__m512bh)Bf16Chunks<KRead>::load(krow[4 * g + j], c);
-          for (int r = 0; r < kRows; ++r) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
-            acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], qv, k);
-          }
+        __m512bh qv[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          const __m512bh k = (__m512bh)Bf16Chunks<KRead>::load(krow[g * kKeys + j], c);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r * kKeys + j] = _mm512_dpbf16_ps(acc[r * kKeys + j], qv[r], k);
         }
       }
       vf accv[16];
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) accv[i] = (vf)acc[i];
-      quad[g] = reduce16(accv) * scale;
+      part[g] = reduce16(accv) * scale;
     }
-    quads_to_rows(quad, rows);
+    parts_to_rows<R>(part, rows);
   }
 };
 #endif
 
 // ---- P.V policies: o[4 rows] += p[4 rows][n keys] . V[n keys] --------------------------------------
 /// fp32 FMAs on V widened by `Read`; outputs in Read's storage order. Two accumulator sets keep the
-/// FMA dependency chains short.
-template <class Read>
+/// FMA dependency chains short; the loops over rows and keys are unrolled (registers, as ScoreFma).
+/// A tile is always kTile keys (masked ones have p = 0 and read a visible key's row).
+template <class Read, int R = 4>
 struct PvFma {
-  static constexpr int kRows = 4;
+  static constexpr int kRows = R;
   static int64_t storage(int64_t d) { return storage_index<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
-                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
+                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf) {
     for (int64_t c = 0; c < D / 32; ++c) {
-      vf oa[kRows], ob[kRows], oa2[kRows] = {}, ob2[kRows] = {};
-      for (int r = 0; r < kRows; ++r) {
+      vf oa[R], ob[R], oa2[R], ob2[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
         oa[r] = loadv(o + r * D + 32 * c);
         ob[r] = loadv(o + r * D + 32 * c + 16);
+        oa2[r] = ob2[r] = vf{};
       }
-      int64_t j = 0;
-      for (; j + 1 < n; j += 2) {
+#pragma GCC unroll 8
+      for (int j = 0; j < kTile; j += 2) {
         pf.step(2);
         vf va, vb, va2, vb2;
         Read::chunk(vrow[j], vmeta[j], c, va, vb);
         Read::chunk(vrow[j + 1], vmeta[j + 1], c, va2, vb2);
-        for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
           oa[r] += p[r][j] * va;
           ob[r] += p[r][j] * vb;
           oa2[r] += p[r][j + 1] * va2;
           ob2[r] += p[r][j + 1] * vb2;
         }
       }
-      if (j < n) {
-        vf va, vb;
-        Read::chunk(vrow[j], vmeta[j], c, va, vb);
-        for (int r = 0; r < kRows; ++r) {
-          oa[r] += p[r][j] * va;
-          ob[r] += p[r][j] * vb;
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
         storev(o + r * D + 32 * c, oa[r] + oa2[r]);
         storev(o + r * D + 32 * c + 16, ob[r] + ob2[r]);
       }
@@ -619,40 +667,44 @@ struct PvFma {
 /// probabilities rounded to bf16 as PyTorch's bf16 attention does. Outputs come out in the order of
 /// vpunpck{l,h}wd: in each 32-dim chunk, lane 4L + i of the first vector is dim 8L + i and of the
 /// second dim 8L + 4 + i.
-template <class VRead = ReadBF16>
+template <class VRead = ReadBF16, int R = 4>
 struct PvDp {
-  static constexpr int kRows = 4;
+  static constexpr int kRows = R;
   static int64_t storage(int64_t d) {
     const int64_t c = d / 32, j = d % 32, lane = j / 8, w = j % 8;
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
   }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
-                         const uint16_t* const* /*vmeta*/, int64_t n, Prefetcher& pf) {
-    alignas(64) uint32_t pairs[kRows][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
-    for (int r = 0; r < kRows; ++r) {
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf) {
+    alignas(64) uint32_t pairs[R][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
       const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)pb);
     }
-    const int64_t np = (n + 1) / 2;  // a lone last key pairs with a p = 0 partner (a valid row)
     for (int64_t c = 0; c < D / 32; ++c) {
-      __m512 oa[kRows], ob[kRows];
-      for (int r = 0; r < kRows; ++r) {
+      __m512 oa[R], ob[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
         oa[r] = _mm512_loadu_ps(o + r * D + 32 * c);
         ob[r] = _mm512_loadu_ps(o + r * D + 32 * c + 16);
       }
-      for (int64_t jp = 0; jp < np; ++jp) {
+#pragma GCC unroll 8
+      for (int jp = 0; jp < kTile / 2; ++jp) {
         pf.step(2);
         const __m512i v0 = Bf16Chunks<VRead>::load(vrow[2 * jp], c);
         const __m512i v1 = Bf16Chunks<VRead>::load(vrow[2 * jp + 1], c);
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
         const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
-        for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
           const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
           oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
           ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
         }
       }
-      for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
         _mm512_storeu_ps(o + r * D + 32 * c, oa[r]);
         _mm512_storeu_ps(o + r * D + 32 * c + 16, ob[r]);
       }
@@ -1233,6 +1285,19 @@ void with_kivi_readers(KVKind k, KVKind v, Fn&& fn) {
   fn(ReadKivi<2, true>{}, ReadKivi<2, false>{});
 }
 
+/// Query rows per register block of the 16-lane policies (1, 2 or 4) for a task with `rows` rows per KV head.
+inline int rows_per_block16(int64_t rows) { return rows <= 1 ? 1 : (rows == 2 ? 2 : 4); }
+
+/// Calls fn(std::integral_constant<int, R>{}) for R in {1, 2, 4}.
+template <class Fn>
+void with_rows16(int rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
 #ifdef KVC_AVX2_POLICIES
 /// Query rows per register block for a task with `rows` rows per KV head: the least padding (ties
 /// to the larger block). A decode step has rows = the GQA group, often 1-3; prefill rows are many.
@@ -1471,37 +1536,42 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
     }
   });
 #endif
-  if (is_kivi(a.k_kind)) {
-    return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
-      run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
-    });
-  }
-  if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
-    return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
-      with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+  // 16-lane builds: register blocks of 1, 2 or 4 query rows (a GQA group of 1 or 2 pads nothing).
+  return with_rows16(rows_per_block16(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
+    if (is_kivi(a.k_kind)) {
+      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+        run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
+      });
+    }
+    if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
+      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
+        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
 #ifdef __AVX512BF16__
-        // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
-        if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
-          // (a rotated query is not a bf16 value any more: FMA path too)
-          if (a.q_dtype == DType::kBFloat16 && !a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK>, PvDp<RV>>(a, t, partial, scratch);
+          // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
+          if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
+            // (a rotated query is not a bf16 value any more: FMA path too)
+            if (a.q_dtype == DType::kBFloat16 && !a.k_rot) {
+              return run_task_vec<RK, RV, ScoreDp<RK, R>, PvDp<RV, R>>(a, t, partial, scratch);
+            }
+          }
+#endif
+          run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
+        });
+      });
+    }
+    switch (a.kv_dtype) {
+      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreFma<ReadF32, R>, PvFma<ReadF32, R>>(a, t, partial, scratch);
+      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreFma<ReadF16, R>, PvFma<ReadF16, R>>(a, t, partial, scratch);
+      default:
+#ifdef __AVX512BF16__
+        // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
+        if (a.q_dtype == DType::kBFloat16) {
+          return run_task_vec<ReadBF16, ReadBF16, ScoreDp<ReadBF16, R>, PvDp<ReadBF16, R>>(a, t, partial, scratch);
         }
 #endif
-        run_task_vec<RK, RV, ScoreFma<RK>, PvFma<RV>>(a, t, partial, scratch);
-      });
-    });
-  }
-  switch (a.kv_dtype) {
-    case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreFma<ReadF32>, PvFma<ReadF32>>(a, t, partial, scratch);
-    case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreFma<ReadF16>, PvFma<ReadF16>>(a, t, partial, scratch);
-    default:
-#ifdef __AVX512BF16__
-      // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
-      if (a.q_dtype == DType::kBFloat16) {
-        return run_task_vec<ReadBF16, ReadBF16, ScoreDp<>, PvDp<>>(a, t, partial, scratch);
-      }
-#endif
-      return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16>, PvFma<ReadBF16>>(a, t, partial, scratch);
-  }
+        return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16, R>, PvFma<ReadBF16, R>>(a, t, partial, scratch);
+    }
+  });
 }
 
 }  // namespace kvcache::cpu::KVC_ISA
