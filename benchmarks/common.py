@@ -25,16 +25,23 @@ GiB = 1 << 30
 def machine() -> dict:
     """What the numbers were measured on."""
     model = platform.processor() or "unknown"
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    model = fields.get("model name", model)
+    if "cpu family" in fields:  # "AMD EPYC" alone does not say which generation
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = set(fields.get("flags", "").split())
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16")
+            if f in flags]
     return {
         "date": _dt.date.today().isoformat(),
         "cpu": model,
+        "cpu_simd_flags": simd,
         "logical_cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -58,13 +65,13 @@ class BandwidthProbe:
 
 
 class ComputeProbe:
-    """An fp32 matrix product (BLAS, all threads): the machine's FMA roof, in FLOP/s. Attention does
-    the same fp32 multiply-adds, so a kernel that is compute-bound on a core with little FMA throughput
-    (Zen 1: one 256-bit FMA per cycle) shows it here rather than against the read roof."""
+    """A matrix product (torch, all threads) in `dtype`: the machine's compute roof in that arithmetic,
+    in FLOP/s. fp32 is the FMA roof; bf16 is the roof of a CPU with bf16 dot products (AVX-512 BF16),
+    which the attention kernel uses for bf16 pages there."""
 
-    def __init__(self, n: int = 1024):
-        self.a, self.b = torch.rand(n, n), torch.rand(n, n)
-        self.out = torch.empty(n, n)
+    def __init__(self, n: int = 1024, dtype: torch.dtype = torch.float32):
+        self.a, self.b = torch.rand(n, n).to(dtype), torch.rand(n, n).to(dtype)
+        self.out = torch.empty(n, n, dtype=dtype)
         self.flops = 2 * n ** 3
 
     def measure(self) -> float:
