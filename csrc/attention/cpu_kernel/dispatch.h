@@ -1,0 +1,144 @@
+// Picks the kernel of a task: reader and policies by KV format and dtype, register-block size by
+// rows per KV head, the BLAS path for prefill; run_task is what the ISA builds export.
+// Part of the CPU attention kernel (see attention/attention_cpu_kernel.h), compiled once per instruction set.
+#pragma once
+
+#ifndef KVC_ISA
+#error "define KVC_ISA (the namespace of this instruction-set build) before including this header"
+#endif
+
+#include "attention/cpu_kernel/prefill_gemm.h"
+
+namespace kvcache::cpu::KVC_ISA {
+
+/// Calls fn(Reader{}) with the reader of a quantized kind (not kivi).
+template <class Fn>
+void with_quantized_reader(KVKind kind, Fn&& fn) {
+  switch (kind) {
+    case KVKind::kInt8: fn(ReadI8{}); break;
+    case KVKind::kFp8E4M3: fn(ReadFp8<true>{}); break;
+    case KVKind::kFp8E5M2: fn(ReadFp8<false>{}); break;
+    default: fn(ReadI4{}); break;
+  }
+}
+
+/// Calls fn(KeyReader{}, ValueReader{}) for kivi keys and values (validated: both kivi).
+template <class Fn>
+void with_kivi_readers(KVKind k, KVKind v, Fn&& fn) {
+  if (k == KVKind::kKivi4) {
+    if (v == KVKind::kKivi4) return fn(ReadKivi<4, true>{}, ReadKivi<4, false>{});
+    return fn(ReadKivi<4, true>{}, ReadKivi<2, false>{});
+  }
+  if (v == KVKind::kKivi4) return fn(ReadKivi<2, true>{}, ReadKivi<4, false>{});
+  fn(ReadKivi<2, true>{}, ReadKivi<2, false>{});
+}
+
+/// Query rows per register block of the 16-lane policies (1, 2 or 4) for a task with `rows` rows per KV head.
+inline int rows_per_block16(int64_t rows) { return rows <= 1 ? 1 : (rows == 2 ? 2 : 4); }
+
+/// Calls fn(std::integral_constant<int, R>{}) for R in {1, 2, 4}.
+template <class Fn>
+void with_rows16(int rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
+#ifdef KVC_AVX2_POLICIES
+/// Query rows per register block for a task with `rows` rows per KV head: the least padding (ties
+/// to the larger block). A decode step has rows = the GQA group, often 1-3; prefill rows are many.
+inline int rows_per_block(int64_t rows) {
+  if (rows <= 4) return static_cast<int>(std::max<int64_t>(rows, 1));
+  const int64_t pad4 = (4 - rows % 4) % 4, pad3 = (3 - rows % 3) % 3;
+  return pad3 < pad4 ? 3 : 4;
+}
+
+/// Calls fn(std::integral_constant<int, R>{}) for rows per block R in 1-4.
+template <class Fn>
+void with_rows(int rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+#endif
+
+/// Runs one task with the kernel that fits its KV dtype and head_dim.
+inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, GemmF32 gemm) {
+  thread_local Scratch scratch;
+#if !defined(__AVX512F__)
+  if (gemm && a.k_kind == KVKind::kFull && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
+    switch (a.kv_dtype) {
+      case DType::kFloat32: return run_task_gemm<ReadF32>(a, t, partial, scratch, gemm);
+      case DType::kFloat16: return run_task_gemm<ReadF16>(a, t, partial, scratch, gemm);
+      default: return run_task_gemm<ReadBF16>(a, t, partial, scratch, gemm);
+    }
+  }
+#else
+  (void)gemm;
+#endif
+  if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
+#ifdef KVC_AVX2_POLICIES
+  return with_rows(rows_per_block(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
+    if (is_kivi(a.k_kind)) {
+      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+        run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
+      });
+    }
+    if (a.k_kind != KVKind::kFull) {
+      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
+        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+          run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
+        });
+      });
+    }
+    switch (a.kv_dtype) {
+      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreAvx2<ReadF32, R>, PvAvx2<ReadF32, R>>(a, t, partial, scratch);
+      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreAvx2<ReadF16, R>, PvAvx2<ReadF16, R>>(a, t, partial, scratch);
+      default: return run_task_vec<ReadBF16, ReadBF16, ScoreAvx2<ReadBF16, R>, PvAvx2<ReadBF16, R>>(a, t, partial, scratch);
+    }
+  });
+#endif
+  // 16-lane builds: register blocks of 1, 2 or 4 query rows (a GQA group of 1 or 2 pads nothing).
+  return with_rows16(rows_per_block16(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
+    if (is_kivi(a.k_kind)) {
+      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
+        run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
+      });
+    }
+    if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
+      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
+        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+#ifdef __AVX512BF16__
+          // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
+          if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
+            // (a rotated query is not a bf16 value any more: FMA path too)
+            if (a.q_dtype == DType::kBFloat16 && !a.k_rot) {
+              return run_task_vec<RK, RV, ScoreDp<RK, R>, PvDp<RV, R>>(a, t, partial, scratch);
+            }
+          }
+#endif
+          run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
+        });
+      });
+    }
+    switch (a.kv_dtype) {
+      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreFma<ReadF32, R>, PvFma<ReadF32, R>>(a, t, partial, scratch);
+      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreFma<ReadF16, R>, PvFma<ReadF16, R>>(a, t, partial, scratch);
+      default:
+#ifdef __AVX512BF16__
+        // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
+        if (a.q_dtype == DType::kBFloat16) {
+          return run_task_vec<ReadBF16, ReadBF16, ScoreDp<ReadBF16, R>, PvDp<ReadBF16, R>>(a, t, partial, scratch);
+        }
+#endif
+        return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16, R>, PvFma<ReadBF16, R>>(a, t, partial, scratch);
+    }
+  });
+}
+
+}  // namespace kvcache::cpu::KVC_ISA

@@ -1,0 +1,188 @@
+// Vector types and helpers of the 16-lane code (GCC vector extensions; 8-lane intrinsics where an
+// AVX2 build would spill), exp, soft-cap, the 16-way reduction of dot products.
+// Part of the CPU attention kernel (see attention/attention_cpu_kernel.h), compiled once per instruction set.
+#pragma once
+
+#ifndef KVC_ISA
+#error "define KVC_ISA (the namespace of this instruction-set build) before including this header"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "attention/attention_args.h"
+#include "attention/attention_cpu_gemm.h"
+#include "core/dtype.h"
+#include "core/kv_format.h"
+#include "core/softmax_state.h"
+#include "cache/quant_rows.h"
+
+namespace kvcache::cpu::KVC_ISA {
+
+using vf = float __attribute__((vector_size(64)));
+using vu = uint32_t __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+using vh = _Float16 __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+constexpr int kTile = 16;  // keys per tile: one vector of scores per row
+constexpr int kRows = 4;   // query rows processed together
+// Tiles ahead that the P.V loop prefetches (pages are scattered, so the hardware prefetcher cannot
+// help). On Zen 1, decode from DRAM: 1 tile ahead 126 ns per (key, KV head), 2 tiles 112, 4 tiles 109
+// (in cache: 95). Every line is prefetched: every other line, relying on adjacent-line fetches, was 126.
+constexpr int64_t kPrefetchTiles = 4;
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// NOTE: AVX2 builds spell the 16-lane helpers in 8-lane intrinsics: GCC lowers the generic versions'
+// 16-lane shuffles, compares and conversions to ~300 instructions per exp (measured with callgrind).
+inline __m256 lo8(vf v) { __m256 x; std::memcpy(&x, &v, 32); return x; }
+inline __m256 hi8(vf v) { __m256 x; std::memcpy(&x, reinterpret_cast<const char*>(&v) + 32, 32); return x; }
+inline vf join8(__m256 lo, __m256 hi) {
+  vf v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+inline float hmax8(__m256 m) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline float hsum8(__m256 m) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline float hmax(vf v) { return hmax8(_mm256_max_ps(lo8(v), hi8(v))); }
+inline float hsum(vf v) { return hsum8(_mm256_add_ps(lo8(v), hi8(v))); }
+/// The same polynomial and rounding as the generic vexp below, 8 lanes at a time.
+inline __m256 vexp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447505531f), _CMP_LT_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
+  const __m256 half = _mm256_or_ps(_mm256_set1_ps(0.5f), _mm256_and_ps(x, _mm256_set1_ps(-0.f)));  // x >= 0 ? 0.5 : -0.5
+  const __m256i ni = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), half));
+  const __m256 n = _mm256_cvtepi32_ps(ni);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, e));
+}
+inline vf vexp(vf x) { return join8(vexp8(lo8(x)), vexp8(hi8(x))); }
+#else
+// Horizontal reductions as shuffle trees (a scalar loop would be a 16-long dependency chain).
+template <bool kMax>
+inline float fold(vf v) {
+  auto op = [](vf x, vf y) { return kMax ? vmax(x, y) : x + y; };
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+inline float hsum(vf v) { return fold<false>(v); }
+inline float hmax(vf v) { return fold<true>(v); }
+
+/// exp(x) for a vector, ~2 ulp on [-87, 88]; exactly 0 below -87.3 (masked scores are -inf).
+inline vf vexp(vf x) {
+  const vf hi = splat(88.3762626647949f), lo = splat(-87.3365447505531f);
+  const vi underflow = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  // x = n ln2 + r, |r| <= ln2/2
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (x >= 0.f ? splat(0.5f) : splat(-0.5f)), vi), vf);
+  vf r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scaled = p * (vf)e;
+  return underflow ? splat(0.f) : scaled;
+}
+
+#endif
+
+/// cap * tanh(s / cap), via tanh(y) = 1 - 2 / (exp(2y) + 1); -inf stays -inf.
+inline vf vsoftcap(vf s, float cap) {
+  const vf y = s * (2.f / cap);
+  const vf t = 1.f - 2.f / (vexp(y > 80.f ? splat(80.f) : y) + 1.f);
+  return s == -INFINITY ? s : t * cap;
+}
+
+/// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
+/// NOTE: every loop unrolled, so the arrays are registers (GCC left them on the stack otherwise).
+inline vf reduce16(const vf acc[16]) {
+  vf u[8], w[4], z[2];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const vf a = acc[2 * k], b = acc[2 * k + 1];
+    u[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const vf a = u[2 * k], b = u[2 * k + 1];
+    w[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    const vf a = w[2 * k], b = w[2 * k + 1];
+    z[k] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/// Score vectors of a register block of R rows (1, 2 or 4) from its R reduce16 results: lane k of part[g]
+/// holds (row k / (16 / R), key g * 16 / R + k % (16 / R)); rows[r] gets the 16 keys of row r.
+template <int R>
+inline void parts_to_rows(const vf part[R], vf rows[R]) {
+  if constexpr (R == 1) {
+    rows[0] = part[0];
+  } else if constexpr (R == 2) {
+    rows[0] = __builtin_shufflevector(part[0], part[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[1] = __builtin_shufflevector(part[0], part[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else {
+    static_assert(R == 4, "register blocks of 1, 2 or 4 rows");
+    const vf* quad = part;
+    const vf t01l = __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const vf t01h = __builtin_shufflevector(quad[0], quad[1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const vf t23l = __builtin_shufflevector(quad[2], quad[3], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const vf t23h = __builtin_shufflevector(quad[2], quad[3], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    rows[0] = __builtin_shufflevector(t01l, t23l, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[1] = __builtin_shufflevector(t01l, t23l, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    rows[2] = __builtin_shufflevector(t01h, t23h, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    rows[3] = __builtin_shufflevector(t01h, t23h, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+}
+
+}  // namespace kvcache::cpu::KVC_ISA

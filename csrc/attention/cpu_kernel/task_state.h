@@ -1,0 +1,127 @@
+// What a task keeps while it runs: its query rows (loaded, scaled, rotated), per-row softmax state,
+// the prefetcher of the next tiles, per-thread scratch, and the final normalization and write.
+// Part of the CPU attention kernel (see attention/attention_cpu_kernel.h), compiled once per instruction set.
+#pragma once
+
+#ifndef KVC_ISA
+#error "define KVC_ISA (the namespace of this instruction-set build) before including this header"
+#endif
+
+#include "attention/cpu_kernel/kv_readers.h"
+
+namespace kvcache::cpu::KVC_ISA {
+
+/// Query row `base` of a.query as fp32 in natural order, times a.scale; with Hadamard-rotated keys,
+/// rotated like them (quant::rotate, then 1 / (c^2 D)) so that its dot products with the codes are q.k.
+inline void load_query_f32(const AttentionArgs& a, int64_t base, float* q) {
+  const int64_t D = a.layout.head_dim;
+  for (int64_t d = 0; d < D; ++d) q[d] = load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+  if (a.k_rot) {
+    quant::rotate(q, D);
+    const float s = quant::rot_query_scale(D);
+    for (int64_t d = 0; d < D; ++d) q[d] *= s;
+  }
+  for (int64_t d = 0; d < D; ++d) q[d] *= a.scale;
+}
+
+/// The query row as load_query_f32 makes it, stored at q_row[index(d)] (a score policy's K order).
+inline void load_query_scattered(const AttentionArgs& a, int64_t base, float* q_row, int64_t (*index)(int64_t)) {
+  const int64_t D = a.layout.head_dim;
+  if (a.k_rot) {  // Hadamard-rotated keys: rotated (and scaled) like them
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);
+    for (int64_t d = 0; d < D; ++d) q_row[index(d)] = q[d];
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    q_row[index(d)] = a.scale * load_as_float(a.query, base + d * a.q_strides[2], a.q_dtype);
+  }
+}
+
+/// Per-row bookkeeping of a task.
+struct RowState {
+  int64_t pos;   // position of the query (-1: padding row, sees nothing)
+  int64_t lo;    // first key of the window
+  float m, l;    // running max and sum of the online softmax
+};
+
+/// Prefetches the next tile's K and V rows a few lines at a time, from inside the P.V loop: spread
+/// out, the prefetches overlap with the arithmetic; issued as one burst per tile they stall it (measured
+/// ~10% slower on a Zen 4 core). Lines go to L2 (locality 2); closer hints evict the current tile.
+struct Prefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;  // left to prefetch in each of k and v
+  void step(int count) {
+    for (int i = 0; i < count && lines > 0; ++i, --lines, k += 64, v += 64) {
+      __builtin_prefetch(k, 0, 2);
+      __builtin_prefetch(v, 0, 2);
+    }
+  }
+};
+
+/// A cache-line-aligned allocator. NOTE: BLAS may pick its code path by the alignment of its
+/// operands, so the buffers the GEMM path hands it are always 64-byte aligned: the same call gives
+/// the same bits whatever addresses the heap returns.
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+using FloatBuffer = std::vector<float, Aligned64<float>>;
+
+/// Scratch memory of one thread, reused across its tasks.
+struct Scratch {
+  FloatBuffer q, o;
+  std::vector<RowState> rows;
+};
+
+/// Rows of a task: `per_head` real rows (query tokens x group) for each of `heads` KV heads, each
+/// head's block padded to a multiple of kRows in the scratch buffers.
+struct TaskRows {
+  int64_t heads, per_head, padded;
+  TaskRows(const AttentionTask& t, int64_t group, int64_t align)
+      : heads(t.head_end - t.head_begin), per_head(int64_t(t.tok_end - t.tok_begin) * group),
+        padded((per_head + align - 1) / align * align) {}
+};
+
+/// Normalizes the rows of a finished task and writes them: the final output, or its partial state.
+template <class Index>
+void finish_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const Scratch& s,
+                 const TaskRows& tr, int64_t q_start, Index storage) {
+  const int64_t D = a.layout.head_dim, G = a.group;
+  thread_local std::vector<float> obuf;
+  obuf.resize(D);
+  float* o = obuf.data();
+  for (int64_t hb = 0; hb < tr.heads; ++hb) {
+    for (int64_t local = 0; local < tr.per_head; ++local) {
+      const int64_t r = hb * tr.padded + local;
+      const RowState& st = s.rows[r];
+      const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
+      const float lse = st.l > 0.f ? st.m + std::log(st.l) : -INFINITY;
+      const float* so = &s.o[r * D];
+      for (int64_t d = 0; d < D; ++d) o[d] = so[storage(d)] * inv;
+      // Rotated V: the state is linear in V, so unrotating here (partial states too) is exact.
+      if (a.v_rot) quant::unrotate(o, D);
+      if (t.partial < 0) {
+        const int64_t i = t.tok_begin + local / G, hq = (t.head_begin + hb) * G + local % G;
+        const int64_t row = (q_start + i) * a.q_heads + hq;
+        for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, o[d]);
+        if (a.lse) a.lse[row] = lse;
+      } else {
+        const int64_t slot_row = t.partial * partial.rows_per_slot + hb * tr.per_head + local;
+        float* po = partial.o + slot_row * D;
+        for (int64_t d = 0; d < D; ++d) po[d] = o[d];
+        partial.lse[slot_row] = lse;
+      }
+    }
+  }
+}
+
+}  // namespace kvcache::cpu::KVC_ISA
