@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
               t * 1e3, kv_bytes / t / 1e9, 100 * kv_bytes / t / roof, roof / 1e9, per_key_ns(t, batch, ctx),
               per_key_ns(median(hot), 1, small_ctx));
 #ifdef __AVX512BF16__
-  if (kind == KVKind::kFull && dt == DType::kBFloat16 && group == 4) {
+  if (kind == KVKind::kFull && dt == DType::kBFloat16 && group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
     // Per-phase breakdown: the bf16 decode kernel with one phase at a time replaced by a policy that
     // does nothing (ScoreNone: no K loads, no q.k; PvNone: no V loads, no p.V); what the step loses is that
     // phase's cost. "tiles" is what is left with both off: tile setup, mask and online softmax.

@@ -116,7 +116,8 @@ struct PvFma {
   static constexpr int kRows = R;
   static int64_t storage(int64_t d) { return storage_index<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
-                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf) {
+                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
     for (int64_t c = 0; c < D / 32; ++c) {
       vf oa[R], ob[R], oa2[R], ob2[R];
 #pragma GCC unroll 4
@@ -161,7 +162,8 @@ struct PvDp {
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
   }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
-                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf) {
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
     alignas(64) uint32_t pairs[R][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {

@@ -197,7 +197,8 @@ struct PvAvx2 {
   static constexpr int kRows = R;
   static int64_t storage(int64_t d) { return storage_index8<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
-                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
+                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
     // NOTE: the next tile's lines go out a few at a time, every kPrefetchKeys keys of every dim group.
     // One burst per dim group stalled Zen 1 (SmolLM2's fp32 pages, 16 K + 16 V lines per burst):
     // decode from DRAM, 2 threads, 93 -> 86 ns per key and KV head; Llama's bf16 layer 107 -> 94.
@@ -237,7 +238,8 @@ struct PvAvx2<ReadI4, R> {
   static constexpr int kRows = R;
   static int64_t storage(int64_t d) { return storage_index8<ReadI4>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
-                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf) {
+                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
     constexpr int64_t kPrefetchKeys = 4;
     const int64_t points = D / 16 * ((n + kPrefetchKeys - 1) / kPrefetchKeys);
     const int per_point = int((pf.lines + points - 1) / points);
