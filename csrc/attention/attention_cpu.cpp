@@ -45,7 +45,9 @@ int best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    return static_cast<int>(__builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512);
+    // (the dot-product build also takes int16 dot products, AVX512_VNNI: every CPU with BF16 has them)
+    const bool dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    return static_cast<int>(dot ? Isa::kAvx512Bf16 : Isa::kAvx512);
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     return static_cast<int>(Isa::kAvx2);

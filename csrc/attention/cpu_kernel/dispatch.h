@@ -113,6 +113,18 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
     if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
       return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
         with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+          // int8 with a bf16 query: int16 dot products (ScoreWd / PvWd) for the int8 side(s).
+          if constexpr (std::is_same_v<RK, ReadI8> && std::is_same_v<RV, ReadI8>) {
+            if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreWd<R>, PvWd<R>>(a, t, partial, scratch);
+          }
+          if constexpr (std::is_same_v<RK, ReadI8> && !RV::kEvenOdd) {
+            if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreWd<R>, PvDp<RV, R>>(a, t, partial, scratch);
+          }
+          if constexpr (std::is_same_v<RV, ReadI8> && !RK::kEvenOdd) {
+            if (a.q_dtype == DType::kBFloat16 && !a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK, R>, PvWd<R>>(a, t, partial, scratch);
+          }
+#endif
 #ifdef __AVX512BF16__
           // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
           if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path

@@ -1,5 +1,5 @@
 // Score (q.k) and P.V policies of the 16-lane builds (AVX-512 and generic): fp32 FMAs on widened
-// rows, and bf16 dot products (AVX-512 BF16).
+// rows, bf16 dot products (AVX-512 BF16) and int16 dot products for int8 codes (AVX-512 VNNI).
 // Part of the CPU attention kernel (see attention/attention_cpu_kernel.h), compiled once per instruction set.
 #pragma once
 
@@ -107,6 +107,62 @@ struct ScoreDp {
 };
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// int8 keys against a query quantized to 15 bits per row (q ~ q16 * qs, |q16| <= 32767): codes
+/// sign-extend to int16 in one instruction and vpdpwssd multiplies int16 pairs exactly into int32, so a
+/// key costs one widening per 32 dims instead of four conversions and a bf16 pack. The query's rounding
+/// (at most max|q| / 65534 per dim) is far below the rounding a bf16 query already carries; fp32 and
+/// fp16 queries keep the exact fp32 path. Row r's buffer: D int16 values, its scale qs in float D - 1.
+template <int R = 4>
+struct ScoreWd {
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);  // scaled by a.scale (and rotated like the keys)
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(q[d]));
+    const float qs = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / qs;
+    int16_t* q16 = reinterpret_cast<int16_t*>(q_row);
+    for (int64_t d = 0; d < D; ++d) {  // |q[d] * inv| <= 32767 (+ rounding): clamped, then rounded to nearest
+      const float x = q[d] * inv;
+      q16[d] = static_cast<int16_t>(std::lrint(x > 32767.f ? 32767.f : (x < -32767.f ? -32767.f : x)));
+    }
+    q_row[D - 1] = qs;
+  }
+  static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* /*kmeta*/,
+                     float /*scale*/, vf rows[R]) {
+    const int16_t* qw = reinterpret_cast<const int16_t*>(q);  // rows D fp32 = 2 D int16 apart
+    vf row_scale;  // lane k of a reduce16 result belongs to row k / kKeys
+    for (int k = 0; k < kLanes; ++k) row_scale[k] = q[(k / kKeys) * D + D - 1];
+    vf part[R];
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) {
+      __m512i acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < D / 32; ++c) {
+        __m512i qv[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) qv[r] = _mm512_loadu_si512(qw + r * 2 * D + 32 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          const __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[g * kKeys + j] + 32 * c)));
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r * kKeys + j] = _mm512_dpwssd_epi32(acc[r * kKeys + j], qv[r], k);
+        }
+      }
+      vf accv[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) accv[i] = (vf)_mm512_cvtepi32_ps(acc[i]);
+      part[g] = reduce16(accv) * row_scale;
+    }
+    parts_to_rows<R>(part, rows);
+  }
+};
+#endif
+
 // ---- P.V policies: o[4 rows] += p[4 rows][n keys] . V[n keys] --------------------------------------
 /// fp32 FMAs on V widened by `Read`; outputs in Read's storage order. Two accumulator sets keep the
 /// FMA dependency chains short; the loops over rows and keys are unrolled (registers, as ScoreFma).
@@ -195,6 +251,57 @@ struct PvDp {
       for (int r = 0; r < R; ++r) {
         _mm512_storeu_ps(o + r * D + 32 * c, oa[r]);
         _mm512_storeu_ps(o + r * D + 32 * c + 16, ob[r]);
+      }
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// int8 values: each row's probabilities (the values' per-token scales already on them) quantized to 15
+/// bits against the tile's largest, paired as PvDp pairs bf16, and vpdpwssd against two keys' codes
+/// sign-extended to int16 and interleaved; the int32 sums go to the fp32 outputs once per tile. The
+/// probabilities keep 15 bits, where PvDp's bf16 pairs keep 8. Outputs in PvDp's order.
+template <int R = 4>
+struct PvWd {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d) { return PvDp<ReadBF16, R>::storage(d); }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const int8_t* const* vrow,
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
+    alignas(64) uint32_t pairs[R][kTile / 2];  // (p16_2i, p16_2i+1)
+    __m512 ps[R];                               // p = p16 * ps
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_loadu_ps(p[r]);
+      const float pmax = _mm512_reduce_max_ps(pr);
+      const float scale = pmax > 0.f ? pmax / 32767.f : 0.f;
+      ps[r] = _mm512_set1_ps(scale);
+      const __m512i p16 = _mm512_cvtps_epi32(_mm512_mul_ps(pr, _mm512_set1_ps(pmax > 0.f ? 1.f / scale : 0.f)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), _mm512_cvtsepi32_epi16(p16));  // saturating
+    }
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i oa[R], ob[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) oa[r] = ob[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int jp = 0; jp < kTile / 2; ++jp) {
+        pf.step(2);
+        const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * jp] + 32 * c)));
+        const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * jp + 1] + 32 * c)));
+        const __m512i lo = _mm512_unpacklo_epi16(v0, v1), hi = _mm512_unpackhi_epi16(v0, v1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512i pp = _mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
+          oa[r] = _mm512_dpwssd_epi32(oa[r], lo, pp);
+          ob[r] = _mm512_dpwssd_epi32(ob[r], hi, pp);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* out = o + r * D + 32 * c;
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(oa[r]), ps[r], _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ob[r]), ps[r], _mm512_loadu_ps(out + 16)));
       }
     }
   }
