@@ -43,20 +43,6 @@ class Layer:
     v_dense: torch.Tensor
 
 
-_BF16_PROBE: ComputeProbe | None = None
-
-
-def dot_product_compute(dtype: torch.dtype) -> ComputeProbe | None:
-    """The compute probe in the kernel's arithmetic for `dtype` pages: bf16 products where the kernel takes
-    bf16 dot products (bf16 pages, AVX-512 BF16 build), else None (fp32: the FMA roof)."""
-    global _BF16_PROBE
-    if dtype != torch.bfloat16 or kvcache._C.cpu_isa() != "avx512bf16":
-        return None
-    if _BF16_PROBE is None:
-        _BF16_PROBE = ComputeProbe(dtype=torch.bfloat16)
-    return _BF16_PROBE
-
-
 def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, generator: torch.Generator):
     blocks = batch * ctx // PAGE
     per_layer = 2 * batch * KV_HEADS * ctx * HEAD_DIM * dtype.itemsize
@@ -75,7 +61,10 @@ def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, genera
 
 
 def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator,
-               peers: bool = True, compute: ComputeProbe | None = None) -> dict:
+               peers: bool = True, compute: ComputeProbe | None = None,
+               bf16_compute: ComputeProbe | None = None) -> dict:
+    """`bf16_compute`: the compute probe in bf16, given where the kernel takes bf16 dot products (AVX-512
+    BF16); bf16 pages are then held to it, everything else to the fp32 FMA roof (`compute`)."""
     layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
     cu = torch.arange(batch + 1, dtype=torch.int32)
@@ -104,7 +93,7 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
 
     names = ("ours", "sdpa", "gather+sdpa") if peers else ("ours",)
     times = {"probe": [], "compute": [], **{name: [] for name in names}}
-    dp = dot_product_compute(dtype)
+    dp = bf16_compute if dtype == torch.bfloat16 else None
     flops = 4 * batch * Q_HEADS * ctx * HEAD_DIM  # q.k and p.v for every (query head, key, dim)
     roof_fraction = []  # per round: ours / min(read roof, compute roof of the kernel's arithmetic)
     ours()  # warm-up (thread pool, allocator)
@@ -271,12 +260,14 @@ def main() -> None:
     # batch x context <= 512k tokens: the pages, the dense copy and the gather buffer fit in 24 GiB
     configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
     probe, compute = BandwidthProbe(), ComputeProbe()
+    # the kernel's arithmetic on bf16 pages where it takes bf16 dot products
+    bf16_compute = ComputeProbe(dtype=torch.bfloat16) if kvcache._C.cpu_isa() == "avx512bf16" else None
     info = machine()
     decode, prefill = [], []
     if not args.skip_peers:
         for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
             decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa,
-                                     compute=compute))
+                                     compute=compute, bf16_compute=bf16_compute))
         if not args.skip_sdpa:
             prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g, compute)
                        for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
