@@ -109,6 +109,41 @@ struct PvNone {
   }
 };
 
+/// K rows touched a cache line at a time (one OR per line), no arithmetic: with PvLoads, the step's
+/// floor for this traversal of scattered pages (tile setup, softmax and the prefetcher kept).
+template <class Read, int R>
+struct ScoreLoads {
+  static constexpr int kRows = R;
+  static void load_query(const AttentionArgs&, int64_t, float*) {}
+  static void scores(const float*, int64_t D, const typename Read::Elem* const* krow, const uint16_t* const*, float,
+                     vf rows[R]) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = 0; j < kTile; ++j) {
+      for (int64_t b = 0; b < D * int64_t(sizeof(typename Read::Elem)); b += 64) {
+        acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(krow[j]) + b));
+      }
+    }
+    for (int r = 0; r < R; ++r) rows[r] = (vf)_mm512_and_si512(acc, _mm512_setzero_si512()) + float(r);
+  }
+};
+template <class Read, int R>
+struct PvLoads {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d) { return d; }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
+                         const uint16_t* const*, int64_t, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = 0; j < kTile; ++j) {
+      pf.step(int(D * int64_t(sizeof(typename Read::Elem)) / 64));
+      for (int64_t b = 0; b < D * int64_t(sizeof(typename Read::Elem)); b += 64) {
+        acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(vrow[j]) + b));
+      }
+    }
+    o[0] += p[0][0] + ((vf)acc)[0];
+  }
+};
+
 /// One decode step: its arguments and everything they point to (each step owns its own).
 struct Step {
   AttentionArgs a;
@@ -163,6 +198,47 @@ double read_probe(const std::vector<float>& buf, int threads) {
   if (sums[0] == 12345.f) std::puts("");
   return double(buf.size()) * 4 / t;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// Per-phase breakdown: the decode kernel with one phase at a time replaced by a policy that does
+/// nothing (ScoreNone: no K loads, no q.k; PvNone: no V loads, no p.V); what the step loses is that
+/// phase's cost. "tiles" is what is left with both off: tile setup, mask and online softmax.
+template <class Read, class Sc, class Pv, class PerKey>
+void phases(Step& big, Step& small, int threads, PerKey per_key_ns, int64_t batch, int64_t ctx,
+            int64_t small_ctx) {
+  using Sn = ScoreNone<Read, 4>;
+  using Pn = PvNone<Read, 4>;
+  auto variant = [&](auto score, auto pv) {
+    using S = decltype(score);
+    using V = decltype(pv);
+    return [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) {
+      thread_local Scratch sc;
+      run_task_vec<Read, Read, S, V>(a, t, p, sc);
+    };
+  };
+  using TaskFn = void (*)(const AttentionArgs&, const AttentionTask&, const PartialStates&);
+  const TaskFn fns[5] = {variant(Sc{}, Pv{}), variant(Sc{}, Pn{}), variant(Sn{}, Pv{}), variant(Sn{}, Pn{}),
+                         variant(ScoreLoads<Read, 4>{}, PvLoads<Read, 4>{})};
+  std::vector<double> cold[5], warm[5];
+  for (int round = 0; round < 5; ++round) {
+    int i = 0;
+    for (TaskFn fn : fns) {
+      cold[i].push_back(per_key_ns(time_step(big, threads, fn), batch, ctx));
+      double h = 1e9;
+      for (int r = 0; r < 3; ++r) h = std::min(h, time_step(small, threads, fn, 50));
+      warm[i++].push_back(per_key_ns(h, 1, small_ctx));
+    }
+  }
+  double c[5], w[5];
+  for (int i = 0; i < 5; ++i) c[i] = median(cold[i]), w[i] = median(warm[i]);
+  std::printf("phases, ns per key per KV head per core (from DRAM / from cache):\n"
+              "  step %.2f / %.2f\n  q.k (K loads, dot products, reduction): %.2f / %.2f\n"
+              "  p.V (V loads, pairing, dot products): %.2f / %.2f\n  tiles + mask + online softmax: %.2f / %.2f\n",
+              c[0], w[0], c[0] - c[2], w[0] - w[2], c[0] - c[1], w[0] - w[1], c[3], w[3]);
+  std::printf("  K and V loads only (every line touched, no arithmetic; tiles, softmax, prefetch kept): %.2f / %.2f\n",
+              c[4], w[4]);
+}
+#endif
 
 }  // namespace
 
@@ -221,6 +297,10 @@ int main(int argc, char** argv) {
     host.q_lens.assign(b, 1);
     PlanOptions opt;
     opt.parallelism = threads;
+    // as paged_attention_cpu (env KVC_BENCH_DECODE_HEADS overrides)
+    const int64_t row = code_row_bytes(kind, D, 2);
+    opt.decode_heads = decode_heads_per_page(L, row, row);
+    if (const char* e = std::getenv("KVC_BENCH_DECODE_HEADS")) opt.decode_heads = std::atoll(e);
     s.plan = make_attention_plan(a, host, opt);
     s.part_o.assign(std::max<int64_t>(1, s.plan.num_slots * s.plan.rows_per_slot * D), 0.f);
     s.part_lse.assign(std::max<int64_t>(1, s.plan.num_slots * s.plan.rows_per_slot), 0.f);
@@ -262,41 +342,13 @@ int main(int argc, char** argv) {
               "from DRAM %.2f, from cache %.2f\n",
               t * 1e3, kv_bytes / t / 1e9, 100 * kv_bytes / t / roof, roof / 1e9, per_key_ns(t, batch, ctx),
               per_key_ns(median(hot), 1, small_ctx));
-#ifdef __AVX512BF16__
-  if (kind == KVKind::kFull && dt == DType::kBFloat16 && group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
-    // Per-phase breakdown: the bf16 decode kernel with one phase at a time replaced by a policy that
-    // does nothing (ScoreNone: no K loads, no q.k; PvNone: no V loads, no p.V); what the step loses is that
-    // phase's cost. "tiles" is what is left with both off: tile setup, mask and online softmax.
-    using Sc = ScoreDp<ReadBF16, 4>;
-    using Pv = PvDp<ReadBF16, 4>;
-    using Sn = ScoreNone<ReadBF16, 4>;
-    using Pn = PvNone<ReadBF16, 4>;
-    auto variant = [&](auto score, auto pv) {
-      using S = decltype(score);
-      using V = decltype(pv);
-      return [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) {
-        thread_local Scratch sc;
-        run_task_vec<ReadBF16, ReadBF16, S, V>(a, t, p, sc);
-      };
-    };
-    using TaskFn = void (*)(const AttentionArgs&, const AttentionTask&, const PartialStates&);
-    const TaskFn fns[4] = {variant(Sc{}, Pv{}), variant(Sc{}, Pn{}), variant(Sn{}, Pv{}), variant(Sn{}, Pn{})};
-    std::vector<double> cold[4], warm[4];
-    for (int round = 0; round < 5; ++round) {
-      int i = 0;
-      for (TaskFn fn : fns) {
-        cold[i].push_back(per_key_ns(time_step(big, threads, fn), batch, ctx));
-        double h = 1e9;
-        for (int r = 0; r < 3; ++r) h = std::min(h, time_step(small, threads, fn, 50));
-        warm[i++].push_back(per_key_ns(h, 1, small_ctx));
-      }
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
+    if (kind == KVKind::kFull && dt == DType::kBFloat16) {
+      phases<ReadBF16, ScoreDp<ReadBF16, 4>, PvDp<ReadBF16, 4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
+    } else if (kind == KVKind::kInt8) {
+      phases<ReadI8, ScoreB8<4>, PvB8<4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
     }
-    double c[4], w[4];
-    for (int i = 0; i < 4; ++i) c[i] = median(cold[i]), w[i] = median(warm[i]);
-    std::printf("phases, ns per key per KV head per core (from DRAM / from cache):\n"
-                "  step %.2f / %.2f\n  q.k (K loads, dot products, reduction): %.2f / %.2f\n"
-                "  p.V (V loads, pairing, dot products): %.2f / %.2f\n  tiles + mask + online softmax: %.2f / %.2f\n",
-                c[0], w[0], c[0] - c[2], w[0] - w[2], c[0] - c[1], w[0] - w[1], c[3], w[3]);
   }
 #endif
   return 0;

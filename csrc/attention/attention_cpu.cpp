@@ -45,7 +45,7 @@ int best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    // (the dot-product build also takes int16 dot products, AVX512_VNNI: every CPU with BF16 has them)
+    // (the dot-product build also takes byte dot products, AVX512_VNNI: every CPU with BF16 has them)
     const bool dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
     return static_cast<int>(dot ? Isa::kAvx512Bf16 : Isa::kAvx512);
   }
@@ -92,6 +92,9 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, con
   PlanOptions opt;
   opt.parallelism = at::get_num_threads();
   opt.prefill_rows = 128;  // prefill goes through BLAS (attention_cpu_kernel.h): larger products
+  const int64_t full_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2, D = a.layout.head_dim;
+  opt.decode_heads = decode_heads_per_page(a.layout, code_row_bytes(a.k_kind, D, full_bytes),
+                                           code_row_bytes(a.v_kind, D, full_bytes));
   const AttentionPlan plan = make_attention_plan(a, host, opt);
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
@@ -100,7 +103,7 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, con
   run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial, gemm); });
 
   // Merge the split states of each (sequence, kv head) into the output.
-  const int64_t D = a.layout.head_dim, G = a.group;
+  const int64_t G = a.group;
   run_dynamic(static_cast<int64_t>(plan.splits.size()), [&](int64_t i) {
     const AttentionPlan::Split& sp = plan.splits[i];
     const int64_t q_start = a.cu_q_lens[sp.seq], per_head = host.q_lens[sp.seq] * G;

@@ -19,7 +19,7 @@
 //   simd.h             vector types, exp, reductions
 //   kv_readers.h       a stored row of any format as fp32 vectors
 //   task_state.h       query rows, softmax state, prefetcher, scratch, writing a task's result
-//   policies_16lane.h  q.k and P.V for AVX-512 (fp32 FMA, bf16 and int16 dot products) and generic builds
+//   policies_16lane.h  q.k and P.V for AVX-512 (fp32 FMA, bf16 and byte dot products) and generic builds
 //   policies_avx2.h    q.k and P.V for AVX2 (8-lane register tiles)
 //   task_loop.h        tiles, masks, online softmax; the scalar loop for any head_dim
 //   prefill_gemm.h     chunked prefill through BLAS (non-AVX-512 builds)

@@ -35,6 +35,12 @@ inline int64_t dims_per_code(KVKind k) {
   return k == KVKind::kInt4 || k == KVKind::kKivi4 ? 2 : (k == KVKind::kKivi2 ? 4 : 1);
 }
 
+/// Bytes of one stored row of codes (a token of one head), without its scales. `full_bytes`: the
+/// element size of the pool's dtype, for kFull.
+inline int64_t code_row_bytes(KVKind k, int64_t head_dim, int64_t full_bytes) {
+  return k == KVKind::kFull ? head_dim * full_bytes : head_dim / dims_per_code(k);
+}
+
 inline bool is_quantized(KVKind k) { return k != KVKind::kFull; }
 inline bool has_token_scales(KVKind k) { return k == KVKind::kInt8; }
 inline bool has_head_scales(KVKind k) { return k == KVKind::kFp8E4M3 || k == KVKind::kFp8E5M2; }

@@ -114,15 +114,18 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
       return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
         with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-          // int8 with a bf16 query: int16 dot products (ScoreWd / PvWd) for the int8 side(s).
-          if constexpr (std::is_same_v<RK, ReadI8> && std::is_same_v<RV, ReadI8>) {
-            if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreWd<R>, PvWd<R>>(a, t, partial, scratch);
-          }
-          if constexpr (std::is_same_v<RK, ReadI8> && !RV::kEvenOdd) {
-            if (a.q_dtype == DType::kBFloat16) return run_task_vec<RK, RV, ScoreWd<R>, PvDp<RV, R>>(a, t, partial, scratch);
-          }
-          if constexpr (std::is_same_v<RV, ReadI8> && !RK::kEvenOdd) {
-            if (a.q_dtype == DType::kBFloat16 && !a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK, R>, PvWd<R>>(a, t, partial, scratch);
+          // int8 with a bf16 query: byte dot products (ScoreB8 / PvB8) for the int8 side(s); they take 64
+          // dims at a time (other head dims: the bf16 dot products below, exact for int8 codes).
+          if (a.q_dtype == DType::kBFloat16 && a.layout.head_dim % 64 == 0) {
+            if constexpr (std::is_same_v<RK, ReadI8> && std::is_same_v<RV, ReadI8>) {
+              return run_task_vec<RK, RV, ScoreB8<R>, PvB8<R>>(a, t, partial, scratch);
+            }
+            if constexpr (std::is_same_v<RK, ReadI8> && !RV::kEvenOdd) {
+              return run_task_vec<RK, RV, ScoreB8<R>, PvDp<RV, R>>(a, t, partial, scratch);
+            }
+            if constexpr (std::is_same_v<RV, ReadI8> && !RK::kEvenOdd) {
+              if (!a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK, R>, PvB8<R>>(a, t, partial, scratch);
+            }
           }
 #endif
 #ifdef __AVX512BF16__
