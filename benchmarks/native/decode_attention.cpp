@@ -348,6 +348,8 @@ int main(int argc, char** argv) {
       phases<ReadBF16, ScoreDp<ReadBF16, 4>, PvDp<ReadBF16, 4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
     } else if (kind == KVKind::kInt8) {
       phases<ReadI8, ScoreB8<4>, PvB8<4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
+    } else if (kind == KVKind::kInt4) {
+      phases<ReadI4, ScoreB4<4>, PvB4<4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
     }
   }
 #endif

@@ -67,6 +67,41 @@ void with_rows(int rows, Fn&& fn) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// The dot-product policies of a quantized reader, for a bf16 query: byte dot products for int8 and int4
+/// codes (AVX-512 VNNI), bf16 ones for fp8 (its values widen to bf16 exactly).
+template <class Read, int R>
+struct FastPolicies {
+  using Score = ScoreDp<Read, R>;
+  using Pv = PvDp<Read, R>;
+};
+template <int R>
+struct FastPolicies<ReadI8, R> {
+  using Score = ScoreB8<R>;
+  using Pv = PvB8<R>;
+};
+template <int R>
+struct FastPolicies<ReadI4, R> {
+  using Score = ScoreB4<R>;
+  using Pv = PvB4<R>;
+};
+
+/// Whether a task with quantized K (RK) and V (RV) runs FastPolicies on both sides: a bf16 query (an fp32
+/// or fp16 one keeps the exact fp32 path), head dims the byte policies take (int8 and int4 keys: multiples
+/// of 64, int8 values 64, int4 values 128), and for fp8 keys an unrotated query (a rotated one is no bf16
+/// value any more).
+template <class RK, class RV>
+bool fast_quantized_pair(const AttentionArgs& a) {
+  const int64_t D = a.layout.head_dim;
+  if (a.q_dtype != DType::kBFloat16) return false;
+  const bool byte_k = std::is_same_v<RK, ReadI8> || std::is_same_v<RK, ReadI4>;
+  if (byte_k ? D % 64 != 0 : a.k_rot) return false;
+  if (std::is_same_v<RV, ReadI8> && D % 64 != 0) return false;
+  if (std::is_same_v<RV, ReadI4> && D % 128 != 0) return false;
+  return true;
+}
+#endif
+
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
 inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, GemmF32 gemm) {
   thread_local Scratch scratch;
@@ -114,27 +149,10 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
       return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
         with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-          // int8 with a bf16 query: byte dot products (ScoreB8 / PvB8) for the int8 side(s); they take 64
-          // dims at a time (other head dims: the bf16 dot products below, exact for int8 codes).
-          if (a.q_dtype == DType::kBFloat16 && a.layout.head_dim % 64 == 0) {
-            if constexpr (std::is_same_v<RK, ReadI8> && std::is_same_v<RV, ReadI8>) {
-              return run_task_vec<RK, RV, ScoreB8<R>, PvB8<R>>(a, t, partial, scratch);
-            }
-            if constexpr (std::is_same_v<RK, ReadI8> && !RV::kEvenOdd) {
-              return run_task_vec<RK, RV, ScoreB8<R>, PvDp<RV, R>>(a, t, partial, scratch);
-            }
-            if constexpr (std::is_same_v<RV, ReadI8> && !RK::kEvenOdd) {
-              if (!a.k_rot) return run_task_vec<RK, RV, ScoreDp<RK, R>, PvB8<R>>(a, t, partial, scratch);
-            }
-          }
-#endif
-#ifdef __AVX512BF16__
-          // Codes widen to bf16 exactly, so a bf16 query takes the bf16 dot-product path.
-          if constexpr (!RK::kEvenOdd && !RV::kEvenOdd) {  // int4 rows are not exact in bf16: FMA path
-            // (a rotated query is not a bf16 value any more: FMA path too)
-            if (a.q_dtype == DType::kBFloat16 && !a.k_rot) {
-              return run_task_vec<RK, RV, ScoreDp<RK, R>, PvDp<RV, R>>(a, t, partial, scratch);
-            }
+          // A bf16 query takes dot products on both sides when both can (fast_quantized_pair), fp32 FMAs
+          // otherwise: two kernels per pair of formats, not one per mix of policies.
+          if (fast_quantized_pair<RK, RV>(a)) {
+            return run_task_vec<RK, RV, typename FastPolicies<RK, R>::Score, typename FastPolicies<RV, R>::Pv>(a, t, partial, scratch);
           }
 #endif
           run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);

@@ -108,6 +108,25 @@ struct ScoreDp {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// q (D fp32, D % 16 == 0) as int8 codes q8 ~ q / qs, qs = max|q| / 127, rounded to nearest (even on
+/// ties); returns qs. NOTE: vectorized: the scalar loop called libm's fmaxf and lrintf per element
+/// (8% of an int4 step from cache).
+inline float quantize_row_q8(const float* q, int64_t D, int8_t* q8) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+  const float m = hmax((vf)(amax));
+  const float qs = m > 0.f ? m / 127.f : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / qs);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + d), _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(x, lo), hi)));
+  }
+  return qs;
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 /// int8 keys against a query quantized once per row to int8 (q ~ q8 * qs, as llama.cpp's q8 activations),
 /// 64 dims per vpdpbusd: the codes, offset by 128 to unsigned (one xor), multiply the signed query bytes
 /// into int32, and 128 * sum(q8) comes off after: 64 products per instruction, no widening of the
@@ -123,16 +142,10 @@ struct ScoreB8 {
     const int64_t D = a.layout.head_dim;
     float q[kMaxRotatedDim];
     load_query_f32(a, base, q);  // scaled by a.scale (and rotated like the keys)
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(q[d]));
-    const float qs = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / qs;
     int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
+    const float qs = quantize_row_q8(q, D, q8);
     int32_t sum = 0;
-    for (int64_t d = 0; d < D; ++d) {  // |q[d] * inv| <= 127 (+ rounding): clamped, then rounded to nearest
-      const float x = q[d] * inv;
-      q8[d] = static_cast<int8_t>(std::lrint(x > 127.f ? 127.f : (x < -127.f ? -127.f : x)));
-      sum += q8[d];
-    }
+    for (int64_t d = 0; d < D; ++d) sum += q8[d];
     q_row[D - 2] = static_cast<float>(sum);
     q_row[D - 1] = qs;
   }
@@ -178,6 +191,105 @@ struct ScoreB8 {
       for (int i = 0; i < 16; ++i) accv[i] = (vf)_mm512_cvtepi32_ps(acc[i]);
       part[g] = (reduce16(accv) - row_offset) * row_scale;
     }
+    parts_to_rows<R>(part, rows);
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// Byte mask of chunk c (128 dims, 64 bytes of int4 codes) of a row of D / 2 bytes.
+inline __mmask64 int4_chunk_mask(int64_t D, int64_t c) {
+  const int64_t left = D / 2 - 64 * c;
+  return left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+}
+
+/// int4 keys (groups of 32 dims, fp16 (scale, zero) each) against the query quantized once per row to
+/// int8, 128 dims per pair of vpdpbusd: the low nibbles (even dims) and the high nibbles (odd dims) of 64
+/// bytes of codes multiply the query's even and odd bytes. Each int32 lane then holds 4 bytes of one
+/// group, so the group's scale applies per lane before the reduction, and its zero as zero * sum of the
+/// query over the group, per lane too: score = qs * sum_g (s_g I_g + z_g Q_g), Q_g the sum of q8 over
+/// group g. Needs head_dim % 64 == 0. Row r's buffer: D / 2 even then D / 2 odd query bytes; from float
+/// D / 4, per 128-dim chunk the 16 lanes Q_g / 4 of its groups (4 lanes each); qs in float D - 1.
+template <int R = 4>
+struct ScoreB4 {
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);  // scaled by a.scale (and rotated like the keys)
+    int8_t natural[kMaxRotatedDim];
+    const float qs = quantize_row_q8(q, D, natural);
+    int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
+    for (int64_t d = 0; d < D; ++d) q8[(d & 1) * (D / 2) + d / 2] = natural[d];
+    // Per 128-dim chunk, 16 lanes: lane 4 g' + i holds Q_g / 4 of group g = 4 c + g'. Q_g sums the rounded
+    // query: the zero and the codes then meet the same query, and the error is that of q8 . k (with the
+    // exact query here it was q8 . (k - zero), ~3x larger).
+    float* qsum = q_row + D / 4;
+    const int64_t groups = D / 32;
+    for (int64_t g = 0; g < (groups + 3) / 4 * 4; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; g < groups && i < 32; ++i) sum += natural[32 * g + i];
+      for (int i = 0; i < 4; ++i) qsum[(g / 4) * 16 + (g % 4) * 4 + i] = 0.25f * static_cast<float>(sum);
+    }
+    q_row[D - 1] = qs;
+  }
+  static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float scale,
+                     vf rows[R]) {
+    // (head_dim 128 and 64 get their own unrolled loops: see ScoreB8)
+    if (D == 128) return scores_n<1>(q, D, krow, kmeta, scale, rows);
+    if (D == 64) return scores_n<-1>(q, D, krow, kmeta, scale, rows);
+    scores_n<0>(q, D, krow, kmeta, scale, rows);
+  }
+  template <int kChunks>  // 128-dim chunks; -1: one half chunk (head_dim 64); 0: read from D
+  static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
+                       float /*scale*/, vf rows[R]) {
+    const int64_t chunks = kChunks > 0 ? kChunks : (kChunks < 0 ? 1 : (D + 127) / 128);
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q);  // rows D fp32 = 4 D bytes apart
+    vf row_scale;  // lane k of a reduce16 result belongs to row k / kKeys
+    for (int k = 0; k < kLanes; ++k) row_scale[k] = q[(k / kKeys) * D + D - 1];
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i z_idx = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    vf part[R];
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) part[g] = vf{};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __mmask64 m = kChunks > 0 ? ~__mmask64{0} : (kChunks < 0 ? __mmask64{0xffffffffu} : int4_chunk_mask(D, c));
+      const __mmask8 mm = static_cast<__mmask8>((1u << (std::min<int64_t>(4, (D - 128 * c) / 32) * 2)) - 1);
+#pragma GCC unroll 4
+      for (int g = 0; g < R; ++g) {
+        __m512i acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          const __m512i x = _mm512_maskz_loadu_epi8(m, krow[g * kKeys + j] + 64 * c);
+          const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const int8_t* qr = qb + r * 4 * D + 64 * c;
+            acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], lo, _mm512_maskz_loadu_epi8(m, qr));
+            acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], hi, _mm512_maskz_loadu_epi8(m, qr + D / 2));
+          }
+        }
+        vf f[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          // (scale, zero) of the chunk's 4 groups, each spread over its 4 lanes
+          const __m512 sz = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mm, kmeta[g * kKeys + j] + 8 * c)));
+          const __m512 sv = _mm512_permutexvar_ps(s_idx, sz), zv = _mm512_permutexvar_ps(z_idx, sz);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512 qsum = _mm512_loadu_ps(q + r * D + D / 4 + 16 * c);
+            f[r * kKeys + j] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * kKeys + j]), sv, _mm512_mul_ps(zv, qsum));
+          }
+        }
+        part[g] += reduce16(f);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) part[g] *= row_scale;
     parts_to_rows<R>(part, rows);
   }
 };
@@ -298,7 +410,7 @@ struct PvB8 {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 pr = _mm512_loadu_ps(p[r]);
-      const float pmax = _mm512_reduce_max_ps(pr);
+      const float pmax = hmax((vf)(pr));
       const float scale = pmax > 0.f ? pmax / 255.f : 0.f;
       ps[r] = _mm512_set1_ps(scale);
       const __m512i p8 = _mm512_cvtps_epi32(_mm512_mul_ps(pr, _mm512_set1_ps(pmax > 0.f ? 1.f / scale : 0.f)));
@@ -331,6 +443,163 @@ struct PvB8 {
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
           _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), ps[r], _mm512_loadu_ps(out + 16 * k)));
+        }
+      }
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// Lane 4 g + m (m = 0-3): the largest lane of v[g]. 8 shuffles and maxes.
+inline __m512 group_max4(const __m512 v[4]) {
+  const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xee));
+  const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xee));
+  __m512 m = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+  m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xb1));
+  return _mm512_max_ps(m, _mm512_permute_ps(m, 0x4e));
+}
+
+/// The (scale, zero) pairs of chunk c (4 groups of 32 dims) of 16 keys' int4 rows, as columns: S[g] and
+/// Z[g] hold the scales and zeros of group 4 c + g, lane j for key j. Two 8 x 8 transposes side by side
+/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles.
+inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4], __m512 Z[4]) {
+  __m512 b[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i] + 8 * c)));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i + 8] + 8 * c)));
+    b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+  }
+  __m512 t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    // vunpck{l,h}ps (as shuffles: GCC 12 warns about the intrinsics' undefined pass-through operand)
+    const vf x = (vf)b[2 * i], y = (vf)b[2 * i + 1];
+    t[2 * i] = (__m512)__builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+    t[2 * i + 1] = (__m512)__builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  // 128-bit lanes (a0, b0, a2, b2) and (a1, b1, a3, b3): each 256-bit half's two lanes, as vperm2f128
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 col[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    col[i] = _mm512_permutex2var_ps(u[i], lo_idx, u[i + 4]);
+    col[i + 4] = _mm512_permutex2var_ps(u[i], hi_idx, u[i + 4]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    S[g] = col[2 * g];
+    Z[g] = col[2 * g + 1];
+  }
+}
+
+/// int4 values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd + sum_j p_j z_jg.
+/// Per row, tile and group, the coefficients p_j s_jg are quantized to unsigned 8 bits against their
+/// largest and multiply 4 keys' codes interleaved byte-wise (vpdpbusd: 4 keys x 16 dims); the zero terms
+/// are 4 dot products of 16 per row, added in fp32. 128 dims at a time, in two passes: low nibbles (even dims),
+/// then high (odd dims). Needs head_dim % 128 == 0. Outputs, per 128-dim chunk and pass h: accumulator k
+/// lane 4L + m is byte 16L + 4k + m of the chunk's codes, dim 2 (16L + 4k + m) + h; 128-bit lane L is
+/// group L, which is what lets one vpshufd spread a quad of coefficients per group.
+template <int R = 4>
+struct PvB4 {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d) {
+    const int64_t c = d / 128, e = d % 128, i = e / 2, h = e % 2;
+    return 128 * c + 64 * h + 16 * (i % 16 / 4) + 4 * (i / 16) + i % 4;
+  }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
+                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int64_t c = 0; c < D / 128; ++c) {
+      __m512 S[4], Z[4];
+      int4_meta_columns(vmeta, c, S, Z);
+      alignas(64) uint8_t cb[R][64];  // row r: group g's 16 coefficient bytes in 128-bit lane g
+      __m512 cs[R], zv[R];             // row r: lane 4 g + m, group g's coefficient scale and zero term
+      __m512 rS[4];                    // 1 / scale (0 for a scale of 0)
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const __mmask16 pos = _mm512_cmp_ps_mask(S[g], _mm512_setzero_ps(), _CMP_GT_OQ);
+        rS[g] = _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.f), S[g]);
+      }
+      vf zprod[16];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 pr = _mm512_loadu_ps(p[r]);
+        __m512 C[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) C[g] = _mm512_mul_ps(pr, S[g]);  // >= 0: probabilities and scales are
+        const __m512 cmax = group_max4(C);  // lane 4 g + m: the largest of C[g]
+        cs[r] = _mm512_mul_ps(cmax, _mm512_set1_ps(1.f / 255.f));
+        const __mmask16 live = _mm512_cmp_ps_mask(cmax, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(255.f), cmax);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const __m512i lane = _mm512_set1_epi32(4 * g);
+          const __m512i c8 = _mm512_cvtps_epi32(_mm512_mul_ps(C[g], _mm512_permutexvar_ps(lane, inv)));
+          _mm_store_si128(reinterpret_cast<__m128i*>(cb[r] + 16 * g), _mm512_cvtusepi32_epi8(c8));
+          // The zero term takes the probabilities the codes meet, c8 * cs / s (p itself where s = 0): the
+          // error is then that of p . v; with the exact p it was that of p . (v - zero), often far larger.
+          const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c8), _mm512_permutexvar_ps(lane, cs[r])), rS[g]);
+          const __mmask16 flat = _mm512_cmp_ps_mask(S[g], _mm512_setzero_ps(), _CMP_LE_OQ);
+          zprod[4 * r + g] = (vf)_mm512_mul_ps(_mm512_mask_blend_ps(flat, w, pr), Z[g]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 4 * R; i < 16; ++i) zprod[i] = vf{};
+      const __m512 zsum = (__m512)reduce16(zprod);  // lane 4 r + g
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        zv[r] = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * r)), zsum);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // low nibbles (even dims), then high nibbles (odd dims)
+        __m512i acc[R][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
+        const auto quad = [&]<int JQ>(std::integral_constant<int, JQ>) {
+          if (h == 0) pf.step(4);  // a tile is 16 x D / 128 lines of K and of V: 4 per (quad, chunk)
+          const uint8_t* const* v = vrow + 4 * JQ;
+          __m512i n[4];
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            const __m512i x = _mm512_loadu_si512(v[i] + 64 * c);
+            n[i] = _mm512_and_si512(h == 0 ? x : _mm512_srli_epi16(x, 4), nib);
+          }
+          const __m512i t0 = _mm512_unpacklo_epi8(n[0], n[1]), t1 = _mm512_unpackhi_epi8(n[0], n[1]);
+          const __m512i t2 = _mm512_unpacklo_epi8(n[2], n[3]), t3 = _mm512_unpackhi_epi8(n[2], n[3]);
+          const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
+                                _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            // dword JQ of each 128-bit lane: keys 4 JQ .. 4 JQ + 3 of that lane's group
+            const __m512i pq = _mm512_shuffle_epi32(_mm512_load_si512(cb[r]), static_cast<_MM_PERM_ENUM>(JQ * 0x55));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], pq, u[k]);
+          }
+        };
+        quad(std::integral_constant<int, 0>{});
+        quad(std::integral_constant<int, 1>{});
+        quad(std::integral_constant<int, 2>{});
+        quad(std::integral_constant<int, 3>{});
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          float* out = o + r * D + 128 * c + 64 * h;
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) {
+            const __m512 prev = _mm512_add_ps(_mm512_loadu_ps(out + 16 * k), zv[r]);
+            _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), cs[r], prev));
+          }
         }
       }
     }

@@ -138,7 +138,7 @@ inline vf vsoftcap(vf s, float cap) {
 
 /// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
 /// NOTE: every loop unrolled, so the arrays are registers (GCC left them on the stack otherwise).
-inline vf reduce16(const vf acc[16]) {
+__attribute__((always_inline)) inline vf reduce16(const vf acc[16]) {
   vf u[8], w[4], z[2];
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
