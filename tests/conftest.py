@@ -67,6 +67,27 @@ def isa(request):
     kvcache._C.set_cpu_isa(before)
 
 
+def attention_vs_reference(pool, deq, table, lens, cu, q, window=-1):
+    """Runs pool.attention(q, ...) and checks its output against float64 attention on the dequantized
+    pages `deq` = (K, V) by the FlashAttention rule: at most twice the error of PyTorch's attention in the
+    query's dtype, plus the rounding of the output. Returns (lse, lse64, lse_pt): ours, float64's and
+    PyTorch's, for the caller's check of the log-sum-exp."""
+    from kvcache import reference as ref
+    scale = q.shape[-1] ** -0.5
+    out, lse = pool.attention(q, table, lens, cu, window_left=window, return_lse=True)
+    out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
+    ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, scale, window, 0, 0.0,
+                        out64, lse64, compute_dtype=torch.float64)
+    out_pt, lse_pt = torch.zeros_like(q), torch.zeros(q.shape[:2])
+    ref.paged_attention(q, deq[0].to(q.dtype), deq[1].to(q.dtype), table, lens, cu, scale, window, 0, 0.0,
+                        out_pt, lse_pt, compute_dtype=q.dtype)
+    pt_err = (out_pt.double() - out64).abs().max().item()
+    noise = 2 * (out64.to(q.dtype).double() - out64).abs().max().item()
+    err = (out.double() - out64).abs().max().item()
+    assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
+    return lse, lse64, lse_pt
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from kvcache import quant
 from kvcache import reference as ref
 from kvcache.pool import format_id
 
-from conftest import DEVICES
+from conftest import DEVICES, attention_vs_reference
 
 FORMATS = ["kivi4", "kivi2", "k=kivi4,v=kivi2", "k=kivi2,v=kivi4"]
 
@@ -87,20 +87,7 @@ def test_gather_dequantizes_exactly(backend, fmt, device):
 
 
 def check_attention(pool, table, lens, q, cu):
-    """pool.attention against float64 attention on the dequantized pages, by the FlashAttention rule: at most
-    twice the error of PyTorch's attention in the query's dtype, plus the rounding of the output."""
-    deq = dequantized(pool)
-    out, lse = pool.attention(q, table, lens, cu, return_lse=True)
-    out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
-    ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
-                        out64, lse64, compute_dtype=torch.float64)
-    out_pt = torch.zeros_like(q)
-    ref.paged_attention(q, deq[0].to(q.dtype), deq[1].to(q.dtype), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
-                        out_pt, None, compute_dtype=q.dtype)
-    pt_err = (out_pt.double() - out64).abs().max().item()
-    noise = 2 * (out64.to(q.dtype).double() - out64).abs().max().item()
-    err = (out.double() - out64).abs().max().item()
-    assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
+    lse, lse64, _ = attention_vs_reference(pool, dequantized(pool), table, lens, cu, q)
     assert torch.allclose(lse, lse64, atol=2e-3, rtol=1e-4)
 
 

@@ -10,7 +10,7 @@ import kvcache
 from kvcache import reference as ref
 from kvcache.pool import format_id
 
-from conftest import DEVICES
+from conftest import DEVICES, attention_vs_reference
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4",
            "int8(hadamard)", "fp8_e4m3(hadamard)", "int4(hadamard)", "k=int8(hadamard),v=int4", "k=int4,v=fp8_e5m2(hadamard)"]
@@ -81,6 +81,13 @@ def test_gather_dequantizes_exactly(backend, fmt, device):
     assert torch.equal(kr[:40].cpu(), k_ref[0, :, :40].transpose(0, 1))
 
 
+def assert_lse_rule(lse, lse64, lse_pt):
+    """The log-sum-exp by the FlashAttention rule too: at most twice PyTorch's error in the query's dtype
+    (bf16 queries of int8 and int4 keys are quantized to int8 per row, as llama.cpp's q8 activations)."""
+    lse_err, lse_pt_err = (lse - lse64).abs().max().item(), (lse_pt - lse64).abs().max().item()
+    assert lse_err <= 2 * lse_pt_err + 2e-3, f"lse error {lse_err:.3g} > 2 x {lse_pt_err:.3g} + 2e-3"
+
+
 @pytest.mark.parametrize("q_heads", [8, 6, 4, 2])  # groups of 4, 3, 2, 1: every row-block size of the AVX2 kernel
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -93,22 +100,7 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
     deq = [ref.dequantize_pool(t, s, format_id(f)) for t, s, f in
            ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
     for window in (-1, 50):
-        out, lse = pool.attention(q, table, lens, cu, window_left=window, return_lse=True)
-        out64 = torch.zeros(q.shape, dtype=torch.float64)
-        lse64 = torch.zeros(q.shape[:2])
-        ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, 128 ** -0.5, window, 0, 0.0,
-                            out64, lse64, compute_dtype=torch.float64)
-        out_pt, lse_pt = torch.zeros_like(q), torch.zeros(q.shape[:2])
-        ref.paged_attention(q, deq[0].to(q_dtype), deq[1].to(q_dtype), table, lens, cu, 128 ** -0.5, window, 0, 0.0,
-                            out_pt, lse_pt, compute_dtype=q_dtype)
-        pt_err = (out_pt.double() - out64).abs().max().item()
-        noise = 2 * (out64.to(q_dtype).double() - out64).abs().max().item()
-        err = (out.double() - out64).abs().max().item()
-        assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
-        # the log-sum-exp by the same rule: at most twice PyTorch's error in the query's dtype (bf16
-        # queries of int8 keys are quantized to int8 per row, as llama.cpp's q8 activations)
-        lse_err, lse_pt_err = (lse - lse64).abs().max().item(), (lse_pt - lse64).abs().max().item()
-        assert lse_err <= 2 * lse_pt_err + 2e-3, f"lse error {lse_err:.3g} > 2 x {lse_pt_err:.3g} + 2e-3"
+        assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, window))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int4", "fp8_e4m3", "bf16"])
@@ -120,18 +112,7 @@ def test_long_decode_reads_several_heads_per_task(isa, fmt):
     cu = torch.arange(4, dtype=torch.int32)
     deq = [ref.dequantize_pool(t, s, format_id(f)) if f.quantized else t.float() for t, s, f in
            ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
-    out, lse = pool.attention(q, table, lens, cu, return_lse=True)
-    out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
-    ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
-                        out64, lse64, compute_dtype=torch.float64)
-    out_pt, lse_pt = torch.zeros_like(q), torch.zeros(q.shape[:2])
-    ref.paged_attention(q, deq[0].to(q.dtype), deq[1].to(q.dtype), table, lens, cu, 128 ** -0.5, -1, 0, 0.0,
-                        out_pt, lse_pt, compute_dtype=q.dtype)
-    err, pt_err = (out.double() - out64).abs().max().item(), (out_pt.double() - out64).abs().max().item()
-    noise = 2 * (out64.to(q.dtype).double() - out64).abs().max().item()
-    assert err <= 2 * pt_err + noise + 1e-6, f"error {err:.3g} > 2 x {pt_err:.3g} + {noise:.3g}"
-    lse_err, lse_pt_err = (lse - lse64).abs().max().item(), (lse_pt - lse64).abs().max().item()
-    assert lse_err <= 2 * lse_pt_err + 2e-3, f"lse error {lse_err:.3g} > 2 x {lse_pt_err:.3g} + 2e-3"
+    assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q))
 
 
 def test_int8_is_much_closer_than_fp8_and_within_bounds():

@@ -108,10 +108,14 @@ struct ScoreDp {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// q (D fp32, D % 16 == 0) as int8 codes q8 ~ q / qs, qs = max|q| / 127, rounded to nearest (even on
-/// ties); returns qs. NOTE: vectorized: the scalar loop called libm's fmaxf and lrintf per element
-/// (8% of an int4 step from cache).
-inline float quantize_row_q8(const float* q, int64_t D, int8_t* q8) {
+/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), quantized to int8 codes
+/// q8 ~ q / qs, qs = max|q| / 127, rounded to nearest (even on ties); returns qs. head_dim % 16 == 0.
+/// NOTE: vectorized: the scalar loop called libm's fmaxf and lrintf per element (8% of an int4 step
+/// from cache).
+inline float load_query_q8(const AttentionArgs& a, int64_t base, int8_t* q8) {
+  const int64_t D = a.layout.head_dim;
+  float q[kMaxRotatedDim];
+  load_query_f32(a, base, q);
   __m512 amax = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
   const float m = hmax((vf)(amax));
@@ -140,10 +144,8 @@ struct ScoreB8 {
   static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    float q[kMaxRotatedDim];
-    load_query_f32(a, base, q);  // scaled by a.scale (and rotated like the keys)
     int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
-    const float qs = quantize_row_q8(q, D, q8);
+    const float qs = load_query_q8(a, base, q8);
     int32_t sum = 0;
     for (int64_t d = 0; d < D; ++d) sum += q8[d];
     q_row[D - 2] = static_cast<float>(sum);
@@ -216,10 +218,8 @@ struct ScoreB4 {
   static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    float q[kMaxRotatedDim];
-    load_query_f32(a, base, q);  // scaled by a.scale (and rotated like the keys)
     int8_t natural[kMaxRotatedDim];
-    const float qs = quantize_row_q8(q, D, natural);
+    const float qs = load_query_q8(a, base, natural);
     int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
     for (int64_t d = 0; d < D; ++d) q8[(d & 1) * (D / 2) + d / 2] = natural[d];
     // Per 128-dim chunk, 16 lanes: lane 4 g' + i holds Q_g / 4 of group g = 4 c + g'. Q_g sums the rounded
