@@ -1,7 +1,8 @@
 """Decode and chunked-prefill attention over the pages vs PyTorch SDPA, against the machine's read roof.
 
-Llama-3-8B-like layer: 32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens, pages in shuffled
-order (as after allocator churn). For each configuration, in interleaved rounds of one run:
+Llama-3-8B-like layer by default: 32 query heads, 8 KV heads (GQA group 4), head_dim 128, pages of 16
+tokens, pages in shuffled order (as after allocator churn); --head-dims and --groups add the other shapes
+(32 query heads, 32 / group KV heads). For each configuration, in interleaved rounds of one run:
   - ours:          kvcache.paged_attention on the pages
   - sdpa:          torch SDPA (enable_gqa) on dense, contiguous K/V holding the same values
   - gather+sdpa:   kvcache.paged_gather into a dense buffer, then SDPA (what users do with a paged cache)
@@ -43,33 +44,40 @@ class Layer:
     v_dense: torch.Tensor
 
 
-def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, generator: torch.Generator):
+def make_layers(batch: int, ctx: int, dtype: torch.dtype, min_bytes: int, generator: torch.Generator,
+                kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dense: str = "all"):
+    """`dense`: which layers also get a dense copy of their K/V ("all" for the peers, "first" for the
+    correctness check only)."""
     blocks = batch * ctx // PAGE
-    per_layer = 2 * batch * KV_HEADS * ctx * HEAD_DIM * dtype.itemsize
+    per_layer = 2 * batch * kv_heads * ctx * head_dim * dtype.itemsize
     count = max(1, math.ceil(min_bytes / per_layer))
     table = torch.randperm(blocks, generator=generator).to(torch.int32).view(batch, ctx // PAGE)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     layers = []
-    for _ in range(count):
-        layout = kvcache.PageLayout(blocks, PAGE, KV_HEADS, HEAD_DIM, dtype)
+    for i in range(count):
+        layout = kvcache.PageLayout(blocks, PAGE, kv_heads, head_dim, dtype)
         k_cache, v_cache = layout.allocate()
         k_cache.copy_(torch.randn(layout.shape, generator=generator))
         v_cache.copy_(torch.randn(layout.shape, generator=generator))
-        k_dense, v_dense = kvcache.paged_gather(k_cache, v_cache, table, lens)
+        k_dense, v_dense = (kvcache.paged_gather(k_cache, v_cache, table, lens) if dense == "all" or i == 0
+                            else (None, None))
         layers.append(Layer(k_cache, v_cache, k_dense, v_dense))
     return layers, table, lens, per_layer
 
 
 def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: BandwidthProbe, g: torch.Generator,
                peers: bool = True, compute: ComputeProbe | None = None,
-               bf16_compute: ComputeProbe | None = None) -> dict:
+               bf16_compute: ComputeProbe | None = None, group: int = Q_HEADS // KV_HEADS,
+               head_dim: int = HEAD_DIM) -> dict:
     """`bf16_compute`: the compute probe in bf16, given where the kernel takes bf16 dot products (AVX-512
     BF16); bf16 pages are then held to it, everything else to the fp32 FMA roof (`compute`)."""
-    layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g)
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    kv_heads = Q_HEADS // group
+    layers, table, lens, per_layer = make_layers(batch, ctx, dtype, GiB, g, kv_heads, head_dim,
+                                                 dense="all" if peers else "first")
+    q = torch.randn(batch, Q_HEADS, head_dim, generator=g).to(dtype)
     cu = torch.arange(batch + 1, dtype=torch.int32)
-    q_sdpa = q.view(batch, Q_HEADS, 1, HEAD_DIM)
-    gather_out = (torch.empty_like(layers[0].k_dense), torch.empty_like(layers[0].v_dense))
+    q_sdpa = q.view(batch, Q_HEADS, 1, head_dim)
+    gather_out = (torch.empty_like(layers[0].k_dense), torch.empty_like(layers[0].v_dense)) if peers else None
 
     def ours():
         for layer in layers:
@@ -87,14 +95,16 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
     # Same answer first: the benchmark compares equal work.
     mine = kvcache.paged_attention(q, layers[0].k_cache, layers[0].v_cache, table, lens, cu)
     theirs = F.scaled_dot_product_attention(q_sdpa.float(), layers[0].k_dense.float(), layers[0].v_dense.float(),
-                                            enable_gqa=True).view(batch, Q_HEADS, HEAD_DIM)
+                                            enable_gqa=True).view(batch, Q_HEADS, head_dim)
     max_err = (mine.float() - theirs).abs().max().item()
     assert max_err < 5e-2, f"kernel and SDPA disagree: {max_err}"
+    if not peers:  # the dense copy was for this check only
+        layers[0].k_dense = layers[0].v_dense = None
 
     names = ("ours", "sdpa", "gather+sdpa") if peers else ("ours",)
     times = {"probe": [], "compute": [], **{name: [] for name in names}}
     dp = bf16_compute if dtype == torch.bfloat16 else None
-    flops = 4 * batch * Q_HEADS * ctx * HEAD_DIM  # q.k and p.v for every (query head, key, dim)
+    flops = 4 * batch * Q_HEADS * ctx * head_dim  # q.k and p.v for every (query head, key, dim)
     roof_fraction = []  # per round: ours / min(read roof, compute roof of the kernel's arithmetic)
     ours()  # warm-up (thread pool, allocator)
     for _ in range(rounds):
@@ -110,7 +120,8 @@ def decode_row(batch: int, ctx: int, dtype: torch.dtype, rounds: int, probe: Ban
             times["sdpa"].append(time_call(sdpa) / len(layers))
             times["gather+sdpa"].append(time_call(gather_sdpa) / len(layers))
     roof = probe.buffer.nbytes / best(times["probe"])
-    row = {"batch": batch, "context": ctx, "dtype": str(dtype).removeprefix("torch."), "layers": len(layers),
+    row = {"batch": batch, "context": ctx, "head_dim": head_dim, "group": group,
+           "dtype": str(dtype).removeprefix("torch."), "layers": len(layers),
            "kv_bytes_per_call": per_layer, "read_roof_GBps": roof / 1e9, "max_abs_diff_vs_sdpa": max_err}
     for name in names:
         t = best(times[name])
@@ -200,21 +211,22 @@ def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: tor
 def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[dict]) -> str:
     lines = [
         f"Measured {info['date']} on {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
-        f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q / 8 kv heads, d 128, "
+        f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q heads, 32 / group kv heads, "
         "page 16); bandwidth = K+V bytes / time; read roof = streaming read of 1 GiB, FMA roof = an fp32 "
-        "1024^3 matrix product (GFLOP/s), both measured in the same rounds; a step does 4 x 32 x context x 128 "
-        "fp32 FLOPs per sequence.",
+        "1024^3 matrix product (GFLOP/s), both measured in the same rounds; a step does 4 x 32 x context x head_dim "
+        "FLOPs per sequence.",
         "",
-        "| dtype | batch | context | ours ms | ours GB/s | % of roof (median of rounds) | % of read roof (best) "
+        "| dtype | head_dim | group | batch | context | ours ms | ours GB/s | % of roof (median of rounds) | % of read roof (best) "
         "| % of FMA roof | SDPA ms | gather+SDPA ms | vs SDPA | vs gather+SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
         peers = (f"{r['sdpa_ms']:.2f} | {r['gather+sdpa_ms']:.2f} | {r['speedup_vs_sdpa']:.1f}x | "
                  f"{r['speedup_vs_gather_sdpa']:.1f}x" if "sdpa_ms" in r else "- | - | - | -")
         fma = (f"{100 * r['ours_fma_fraction']:.0f}% of {r['fma_roof_GFLOPs']:.0f}" if "ours_fma_fraction" in r
                else "-")
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['ours_ms']:.2f} | {r['ours_GBps']:.1f} | "
+        lines.append(f"| {r['dtype']} | {r.get('head_dim', HEAD_DIM)} | {r.get('group', Q_HEADS // KV_HEADS)} | "
+                     f"{r['batch']} | {r['context']} | {r['ours_ms']:.2f} | {r['ours_GBps']:.1f} | "
                      f"{100 * r['roof_fraction_median']:.0f}% | "
                      f"{100 * r['ours_roof_fraction']:.0f}% of {r['read_roof_GBps']:.1f} | {fma} | {peers} |")
     if prefill:
@@ -246,6 +258,9 @@ def main() -> None:
                         help="decode table without the SDPA columns (ours and the roof only; much faster)")
     parser.add_argument("--contexts", help="comma-separated decode contexts (default 1k..128k)")
     parser.add_argument("--batches", help="comma-separated decode batch sizes (default 1,16)")
+    parser.add_argument("--head-dims", default=str(HEAD_DIM), help="comma-separated head dims of the decode table")
+    parser.add_argument("--groups", default=str(Q_HEADS // KV_HEADS),
+                        help="comma-separated GQA groups (query heads per KV head; 32 query heads) of the decode table")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -258,16 +273,22 @@ def main() -> None:
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
     # batch x context <= 512k tokens: the pages, the dense copy and the gather buffer fit in 24 GiB
-    configs = [(d, b, c) for d in dtypes for b in batches for c in contexts if b * c <= (1 << 19)]
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    groups = [int(x) for x in args.groups.split(",")]
+    # The pages and one dense copy (twice more with the SDPA peers: their dense K/V and the gather buffer)
+    # must fit in 24 GiB: at most 4 GiB of K+V per layer, 2 GiB with the peers.
+    limit = (2 if args.skip_sdpa else 1) << 30
+    configs = [(d, hd, gr, b, c) for d in dtypes for hd in head_dims for gr in groups for b in batches
+               for c in contexts if b * c * (Q_HEADS // gr) * hd * d.itemsize <= limit]
     probe, compute = BandwidthProbe(), ComputeProbe()
     # the kernel's arithmetic on bf16 pages where it takes bf16 dot products
     bf16_compute = ComputeProbe(dtype=torch.bfloat16) if kvcache._C.cpu_isa() == "avx512bf16" else None
     info = machine()
     decode, prefill = [], []
     if not args.skip_peers:
-        for dtype, batch, ctx in tqdm(configs, desc="decode", unit="config"):
+        for dtype, head_dim, group, batch, ctx in tqdm(configs, desc="decode", unit="config"):
             decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa,
-                                     compute=compute, bf16_compute=bf16_compute))
+                                     compute=compute, bf16_compute=bf16_compute, group=group, head_dim=head_dim))
         if not args.skip_sdpa:
             prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g, compute)
                        for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]

@@ -307,52 +307,38 @@ __global__ void merge_states_kernel(const void* v_a, const float* lse_a, const v
   if (i % D == 0) lse_out[r] = w.lse;
 }
 
-/// Calls fn(K{}, V{}) with the element types of kivi keys and values (validated: both kivi).
-template <class Fn>
-void with_kivi_types(KVKind k, KVKind v, Fn&& fn) {
-  if (k == KVKind::kKivi4) {
-    if (v == KVKind::kKivi4) return fn(Kivi<4, true>{}, Kivi<4, false>{});
-    return fn(Kivi<4, true>{}, Kivi<2, false>{});
-  }
-  if (v == KVKind::kKivi4) return fn(Kivi<2, true>{}, Kivi<4, false>{});
-  fn(Kivi<2, true>{}, Kivi<2, false>{});
-}
-
-/// Calls fn(T{}) with the element type of a quantized kind (not kivi).
-template <class Fn>
-void with_code_type(KVKind kind, Fn&& fn) {
-  switch (kind) {
-    case KVKind::kInt8: fn(int8_t{}); break;
-    case KVKind::kFp8E4M3: fn(Fp8E4M3{}); break;
-    case KVKind::kFp8E5M2: fn(Fp8E5M2{}); break;
-    default: fn(Int4{}); break;
-  }
-}
+/// The element type of a stored kind (core/kv_format.h: with_kv_kinds), for keys (kKey) or values.
+template <class S, bool kKey>
+struct CodeFor;
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kFull, DType::kFloat32>, kKey> { using type = float; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kFull, DType::kFloat16>, kKey> { using type = __half; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kFull, DType::kBFloat16>, kKey> { using type = __nv_bfloat16; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kInt8>, kKey> { using type = int8_t; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kFp8E4M3>, kKey> { using type = Fp8E4M3; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kFp8E5M2>, kKey> { using type = Fp8E5M2; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kInt4>, kKey> { using type = Int4; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kKivi4>, kKey> { using type = Kivi<4, kKey>; };
+template <bool kKey>
+struct CodeFor<Stored<KVKind::kKivi2>, kKey> { using type = Kivi<2, kKey>; };
 
 template <template <typename, typename> class Kernel>
 cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int64_t n, const PartialStates& p,
                          cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(n));
-  if (is_kivi(a.k_kind)) {  // kivi keys come with kivi values (validated on the host)
-    with_kivi_types(a.k_kind, a.v_kind, [&](auto k, auto v) {
-      Kernel<decltype(k), decltype(v)>::launch(grid, stream, a, tasks, p);
-    });
-    return cudaGetLastError();
-  }
-  if (a.k_kind != KVKind::kFull) {  // both quantized (validated on the host)
-    with_code_type(a.k_kind, [&](auto k) {
-      with_code_type(a.v_kind, [&](auto v) {
-        Kernel<decltype(k), decltype(v)>::launch(grid, stream, a, tasks, p);
-      });
-    });
-    return cudaGetLastError();
-  }
-  switch (a.kv_dtype) {
-    case DType::kFloat32: Kernel<float, float>::launch(grid, stream, a, tasks, p); break;
-    case DType::kFloat16: Kernel<__half, __half>::launch(grid, stream, a, tasks, p); break;
-    default: Kernel<__nv_bfloat16, __nv_bfloat16>::launch(grid, stream, a, tasks, p); break;
-  }
+  with_kv_kinds(a.k_kind, a.v_kind, a.kv_dtype, [&](auto sk, auto sv) {
+    using KT = typename CodeFor<decltype(sk), true>::type;
+    using VT = typename CodeFor<decltype(sv), false>::type;
+    Kernel<KT, VT>::launch(grid, stream, a, tasks, p);
+  });
   return cudaGetLastError();
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
 #include "core/host_device.h"
 
 namespace kvcache {
@@ -27,8 +28,8 @@ constexpr int kNumKVKinds = 7;
 constexpr int64_t kRotatedFlag = 16;
 constexpr int64_t kInt4Group = 32;
 
-KVC_HOST_DEVICE bool is_kivi(KVKind k) { return k == KVKind::kKivi4 || k == KVKind::kKivi2; }
-KVC_HOST_DEVICE int kivi_bits(KVKind k) { return k == KVKind::kKivi2 ? 2 : 4; }
+KVC_HOST_DEVICE constexpr bool is_kivi(KVKind k) { return k == KVKind::kKivi4 || k == KVKind::kKivi2; }
+KVC_HOST_DEVICE constexpr int kivi_bits(KVKind k) { return k == KVKind::kKivi2 ? 2 : 4; }
 
 /// Dims per stored code element (packed int4 and kivi4: 2, kivi2: 4).
 inline int64_t dims_per_code(KVKind k) {
@@ -41,8 +42,52 @@ inline int64_t code_row_bytes(KVKind k, int64_t head_dim, int64_t full_bytes) {
   return k == KVKind::kFull ? head_dim * full_bytes : head_dim / dims_per_code(k);
 }
 
-inline bool is_quantized(KVKind k) { return k != KVKind::kFull; }
-inline bool has_token_scales(KVKind k) { return k == KVKind::kInt8; }
-inline bool has_head_scales(KVKind k) { return k == KVKind::kFp8E4M3 || k == KVKind::kFp8E5M2; }
+constexpr bool is_quantized(KVKind k) { return k != KVKind::kFull; }
+constexpr bool has_token_scales(KVKind k) { return k == KVKind::kInt8; }
+constexpr bool has_head_scales(KVKind k) { return k == KVKind::kFp8E4M3 || k == KVKind::kFp8E5M2; }
+
+/// A stored kind as a type, for the kernels' compile-time dispatch. `full` is the element type of kFull
+/// pages (the pool tensor's dtype) and is kBFloat16 for every other kind.
+template <KVKind K, DType Full = DType::kBFloat16>
+struct Stored {
+  static constexpr KVKind kind = K;
+  static constexpr DType full = Full;
+};
+
+namespace detail {
+template <class Fn>
+void with_quantized_kind(KVKind k, Fn&& fn) {
+  switch (k) {
+    case KVKind::kInt8: return fn(Stored<KVKind::kInt8>{});
+    case KVKind::kFp8E4M3: return fn(Stored<KVKind::kFp8E4M3>{});
+    case KVKind::kFp8E5M2: return fn(Stored<KVKind::kFp8E5M2>{});
+    default: return fn(Stored<KVKind::kInt4>{});
+  }
+}
+template <class Fn>
+void with_kivi_kind(KVKind k, Fn&& fn) {
+  if (k == KVKind::kKivi4) return fn(Stored<KVKind::kKivi4>{});
+  fn(Stored<KVKind::kKivi2>{});
+}
+}  // namespace detail
+
+/// The one KV-kind dispatcher of the attention kernels (CPU and CUDA): calls fn(Stored<K>{}, Stored<V>{})
+/// for the kinds of the keys and values, each kernel mapping Stored to its own reader or element type.
+/// Only the pairs the host accepts are instantiated (attention_prepare.cpp validates them): full with
+/// full of one dtype (`full_dtype`), quantized (int8, fp8, int4) with quantized, KIVI with KIVI.
+template <class Fn>
+void with_kv_kinds(KVKind k, KVKind v, DType full_dtype, Fn&& fn) {
+  if (is_kivi(k)) {
+    return detail::with_kivi_kind(k, [&](auto sk) { detail::with_kivi_kind(v, [&](auto sv) { fn(sk, sv); }); });
+  }
+  if (is_quantized(k)) {
+    return detail::with_quantized_kind(k, [&](auto sk) { detail::with_quantized_kind(v, [&](auto sv) { fn(sk, sv); }); });
+  }
+  switch (full_dtype) {
+    case DType::kFloat32: return fn(Stored<KVKind::kFull, DType::kFloat32>{}, Stored<KVKind::kFull, DType::kFloat32>{});
+    case DType::kFloat16: return fn(Stored<KVKind::kFull, DType::kFloat16>{}, Stored<KVKind::kFull, DType::kFloat16>{});
+    default: return fn(Stored<KVKind::kFull, DType::kBFloat16>{}, Stored<KVKind::kFull, DType::kBFloat16>{});
+  }
+}
 
 }  // namespace kvcache

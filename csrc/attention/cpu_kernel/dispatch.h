@@ -11,27 +11,27 @@
 
 namespace kvcache::cpu::KVC_ISA {
 
-/// Calls fn(Reader{}) with the reader of a quantized kind (not kivi).
-template <class Fn>
-void with_quantized_reader(KVKind kind, Fn&& fn) {
-  switch (kind) {
-    case KVKind::kInt8: fn(ReadI8{}); break;
-    case KVKind::kFp8E4M3: fn(ReadFp8<true>{}); break;
-    case KVKind::kFp8E5M2: fn(ReadFp8<false>{}); break;
-    default: fn(ReadI4{}); break;
-  }
-}
-
-/// Calls fn(KeyReader{}, ValueReader{}) for kivi keys and values (validated: both kivi).
-template <class Fn>
-void with_kivi_readers(KVKind k, KVKind v, Fn&& fn) {
-  if (k == KVKind::kKivi4) {
-    if (v == KVKind::kKivi4) return fn(ReadKivi<4, true>{}, ReadKivi<4, false>{});
-    return fn(ReadKivi<4, true>{}, ReadKivi<2, false>{});
-  }
-  if (v == KVKind::kKivi4) return fn(ReadKivi<2, true>{}, ReadKivi<4, false>{});
-  fn(ReadKivi<2, true>{}, ReadKivi<2, false>{});
-}
+/// The reader of a stored kind (core/kv_format.h: with_kv_kinds), for keys (kKey) or values.
+template <class S, bool kKey>
+struct ReaderFor;
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kFull, DType::kFloat32>, kKey> { using type = ReadF32; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kFull, DType::kFloat16>, kKey> { using type = ReadF16; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kFull, DType::kBFloat16>, kKey> { using type = ReadBF16; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kInt8>, kKey> { using type = ReadI8; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kFp8E4M3>, kKey> { using type = ReadFp8<true>; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kFp8E5M2>, kKey> { using type = ReadFp8<false>; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kInt4>, kKey> { using type = ReadI4; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kKivi4>, kKey> { using type = ReadKivi<4, kKey>; };
+template <bool kKey>
+struct ReaderFor<Stored<KVKind::kKivi2>, kKey> { using type = ReadKivi<2, kKey>; };
 
 /// Query rows per register block of the 16-lane policies (1, 2 or 4) for a task with `rows` rows per KV head.
 inline int rows_per_block16(int64_t rows) { return rows <= 1 ? 1 : (rows == 2 ? 2 : 4); }
@@ -117,60 +117,39 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
   (void)gemm;
 #endif
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
+  const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group;
+  with_kv_kinds(a.k_kind, a.v_kind, a.kv_dtype, [&]<class SK, class SV>(SK, SV) {
+    using RK = typename ReaderFor<SK, true>::type;
+    using RV = typename ReaderFor<SV, false>::type;
 #ifdef KVC_AVX2_POLICIES
-  return with_rows(rows_per_block(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
-    if (is_kivi(a.k_kind)) {
-      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
-        run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
-      });
-    }
-    if (a.k_kind != KVKind::kFull) {
-      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
-        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
-          run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
-        });
-      });
-    }
-    switch (a.kv_dtype) {
-      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreAvx2<ReadF32, R>, PvAvx2<ReadF32, R>>(a, t, partial, scratch);
-      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreAvx2<ReadF16, R>, PvAvx2<ReadF16, R>>(a, t, partial, scratch);
-      default: return run_task_vec<ReadBF16, ReadBF16, ScoreAvx2<ReadBF16, R>, PvAvx2<ReadBF16, R>>(a, t, partial, scratch);
-    }
-  });
-#endif
-  // 16-lane builds: register blocks of 1, 2 or 4 query rows (a GQA group of 1 or 2 pads nothing).
-  return with_rows16(rows_per_block16(int64_t(t.tok_end - t.tok_begin) * a.group), [&]<int R>(std::integral_constant<int, R>) {
-    if (is_kivi(a.k_kind)) {
-      return with_kivi_readers(a.k_kind, a.v_kind, [&]<class RK, class RV>(RK, RV) {
-        run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
-      });
-    }
-    if (a.k_kind != KVKind::kFull) {  // quantized K and V (validated: both quantized)
-      return with_quantized_reader(a.k_kind, [&]<class RK>(RK) {
-        with_quantized_reader(a.v_kind, [&]<class RV>(RV) {
+    with_rows(rows_per_block(rows), [&]<int R>(std::integral_constant<int, R>) {
+      run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);
+    });
+#else
+    // 16-lane builds: register blocks of 1, 2 or 4 query rows (a GQA group of 1 or 2 pads nothing).
+    with_rows16(rows_per_block16(rows), [&]<int R>(std::integral_constant<int, R>) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-          // A bf16 query takes dot products on both sides when both can (fast_quantized_pair), fp32 FMAs
-          // otherwise: two kernels per pair of formats, not one per mix of policies.
-          if (fast_quantized_pair<RK, RV>(a)) {
-            return run_task_vec<RK, RV, typename FastPolicies<RK, R>::Score, typename FastPolicies<RV, R>::Pv>(a, t, partial, scratch);
-          }
+      // Quantized pages with a bf16 query take dot products on both sides when both can
+      // (fast_quantized_pair), fp32 FMAs otherwise: two kernels per pair of formats, not one per mix.
+      if constexpr (is_quantized(SK::kind) && !is_kivi(SK::kind)) {
+        if (fast_quantized_pair<RK, RV>(a)) {
+          return run_task_vec<RK, RV, typename FastPolicies<RK, R>::Score, typename FastPolicies<RV, R>::Pv>(
+              a, t, partial, scratch);
+        }
+      }
 #endif
-          run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
-        });
-      });
-    }
-    switch (a.kv_dtype) {
-      case DType::kFloat32: return run_task_vec<ReadF32, ReadF32, ScoreFma<ReadF32, R>, PvFma<ReadF32, R>>(a, t, partial, scratch);
-      case DType::kFloat16: return run_task_vec<ReadF16, ReadF16, ScoreFma<ReadF16, R>, PvFma<ReadF16, R>>(a, t, partial, scratch);
-      default:
 #ifdef __AVX512BF16__
-        // bf16 dot products only when the query is bf16 too: rounding an fp32 query would lose precision.
+      // bf16 pages: bf16 dot products only when the query is bf16 too (rounding an fp32 query would lose
+      // precision).
+      if constexpr (std::is_same_v<RK, ReadBF16>) {
         if (a.q_dtype == DType::kBFloat16) {
           return run_task_vec<ReadBF16, ReadBF16, ScoreDp<ReadBF16, R>, PvDp<ReadBF16, R>>(a, t, partial, scratch);
         }
+      }
 #endif
-        return run_task_vec<ReadBF16, ReadBF16, ScoreFma<ReadBF16, R>, PvFma<ReadBF16, R>>(a, t, partial, scratch);
-    }
+      run_task_vec<RK, RV, ScoreFma<RK, R>, PvFma<RV, R>>(a, t, partial, scratch);
+    });
+#endif
   });
 }
 
