@@ -57,6 +57,22 @@ inline void store_from_float(void* base, int64_t index, DType t, float v) {
   }
 }
 
+/// store_from_float over a row of n values: the dtype switch once, so the conversion loop vectorizes.
+inline void store_row_from_float(void* base, int64_t offset, DType t, const float* v, int64_t n) {
+  switch (t) {
+    case DType::kFloat32: std::memcpy(static_cast<float*>(base) + offset, v, n * sizeof(float)); break;
+    case DType::kFloat16: {
+      uint16_t* p = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) p[i] = float_to_fp16(v[i]);
+      break;
+    }
+    default: {
+      uint16_t* p = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(v[i]);
+    }
+  }
+}
+
 #endif  // !defined(__CUDACC__)
 
 }  // namespace kvcache

@@ -21,7 +21,7 @@ struct ScoreFma {
   static constexpr int kRows = R;
   static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
-    load_query_scattered(a, base, q_row, storage_index<Read>);
+    load_query_scattered(a, base, q_row, [](int64_t d) { return storage_index<Read>(d); });
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
                      const uint16_t* const* kmeta, float /*scale*/, vf rows[R]) {

@@ -150,7 +150,7 @@ template <class Read, int R = 4>
 struct ScoreAvx2 {
   static constexpr int kRows = R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
-    load_query_scattered(a, base, q_row, storage_index8<Read>);
+    load_query_scattered(a, base, q_row, [](int64_t d) { return storage_index8<Read>(d); });
   }
   static void scores(const float* q, int64_t D, const typename Read::Elem* const* krow,
                      const uint16_t* const* kmeta, float /*scale*/, vf rows[R]) {
