@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/attention_cpu.h"
+#include "core/host_reads.h"
 #include "core/quant.h"
 #include "prefix/prefix_pybind.h"
 
@@ -25,7 +26,9 @@ PYBIND11_MODULE(_C, m) {
   info["cuda_archs"] = std::string();
 #endif
   m.attr("build_info") = info;
-  kvcache::register_prefix_pybind(m);  // kvcache._C._PrefixTree: the prefix cache without torch's call overhead
+  kvcache::register_prefix_pybind(m);
+  // Host reads of index values by the ops (core/host_reads.h): on a GPU each is a synchronization.
+  m.def("host_index_reads", [] { return kvcache::host_index_reads().load(); });  // kvcache._C._PrefixTree: the prefix cache without torch's call overhead
 
   // Transparent huge pages for a CPU pool, asked for before its pages are first touched. A decode step
   // reads each (block, head) run of a few KiB and jumps: with 4 KiB pages nearly every run costs a TLB

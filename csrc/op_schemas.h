@@ -58,6 +58,22 @@ inline constexpr const char* kOpSchemas[] = {
       "Tensor cu_q_lens, float scale, int window_left, int sink_tokens, float softcap, Tensor(a!) out, "
       "Tensor(b!)? lse, Tensor? k_scale=None, Tensor? v_scale=None, int k_format=0, int v_format=0) -> ()",
 
+  // ---- plan once per step, run per layer (plan/step_plan.h) --------------------------------------
+  // plan_step reads the step's indices on the host once (block_tables, seq_lens and cu_q_lens as for
+  // paged_attention, slot_mapping as for append; they may stay on the host while the pools are on a device),
+  // validates them against the pools and returns (plan_host: CPU uint8, plan_device: uint8 on the pools'
+  // device). The planned ops take both instead of the index tensors and read no index values on the host:
+  // per layer they check shapes, dtypes, devices and formats against the plan. Treat both as read-only.
+  "plan_step(Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, Tensor cu_q_lens, "
+      "Tensor? slot_mapping, int q_heads, Tensor? k_scale=None, Tensor? v_scale=None, int k_format=0, "
+      "int v_format=0) -> (Tensor, Tensor)",
+  "paged_attention_planned(Tensor query, Tensor k_cache, Tensor v_cache, Tensor plan_host, Tensor plan_device, "
+      "float scale, int window_left, int sink_tokens, float softcap, Tensor(a!) out, Tensor(b!)? lse, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, int k_format=0, int v_format=0) -> ()",
+  "append_planned(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor plan_host, "
+      "Tensor plan_device, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None, int k_format=0, "
+      "int v_format=0) -> ()",
+
   // Two attention states over disjoint key sets -> the state over their union (split-K, cascade):
   // v_* [tokens, heads, head_dim], lse_* [tokens, heads] float32.
   "merge_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, Tensor(a!) v_out, "

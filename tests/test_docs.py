@@ -33,3 +33,15 @@ def test_readme_ops_example():
     exec(block, scope)
     assert scope["k"].shape == (1, 8, 20, 128)
     assert torch.equal(scope["k"], scope["key"]) and torch.equal(scope["v"], scope["value"])
+
+
+def test_readme_plan_example():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    ops_block = re.search(r"## Using the ops\n\n```python\n(.*?)```", readme, re.S).group(1)
+    plan_block = re.search(r"\*\*Plan once per step, run per layer\.\*\*.*?```python\n(.*?)```", readme, re.S).group(1)
+    scope: dict = {}
+    exec(ops_block, scope)
+    reads = kvcache.ops.host_index_reads()
+    exec(plan_block, scope)
+    assert kvcache.ops.host_index_reads() == reads + 4  # the plan's reads; none per layer
+    assert scope["out"].shape == (1, 32, 128) and bool(torch.isfinite(scope["out"]).all())

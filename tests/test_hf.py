@@ -357,3 +357,27 @@ def test_sink_tokens_work_in_every_generate_mode_and_need_the_kernel():
         assert out.sequences.shape[1] > ids.shape[1]
     with pytest.raises(ValueError, match="sink_tokens=2 needs the kernel's attention"):
         _generate(model, kvcache.PagedCache(config=model.config, sink_tokens=2), "sdpa", input_ids=ids[:1])
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_compiled_model_decodes_the_same_tokens(impl):
+    """torch.compile(model) (CPU, default mode) with a PagedCache: the same greedy tokens as eager. The step's
+    planning graph-breaks (the allocator, the plan); the per-layer writes and attention are custom ops."""
+    torch._dynamo.reset()
+    model = _model("llama")
+    model.set_attn_implementation(impl)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def decode(forward):
+        cache = kvcache.PagedCache(config=model.config)
+        with torch.no_grad():
+            logits = forward(ids, past_key_values=cache, use_cache=True).logits
+            tokens = [logits[:, -1].argmax(-1)]
+            for i in range(4):
+                pos = torch.full((2, 1), ids.shape[1] + i)
+                logits = forward(tokens[-1].view(2, 1), past_key_values=cache, use_cache=True,
+                                 position_ids=pos).logits
+                tokens.append(logits[:, -1].argmax(-1))
+        return torch.stack(tokens, 1)
+
+    assert torch.equal(decode(torch.compile(model)), decode(model))

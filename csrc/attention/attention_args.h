@@ -53,8 +53,11 @@ struct AttentionTask {
   int32_t seq, head_begin, head_end;
   int32_t tok_begin, tok_end;
   int32_t kv_begin, kv_end;
-  int64_t partial;  // -1: write out/lse; else the index of this task's partial-state slot
+  int32_t partial;  // -1: write out/lse; else the index of this task's partial-state slot
 };
+// No padding bytes: step plans (plan/step_plan.h) copy tasks as bytes, and an op's output must not carry
+// uninitialized memory.
+static_assert(sizeof(AttentionTask) == 8 * sizeof(int32_t), "AttentionTask must have no padding");
 
 /// Partial states of split tasks: o [num_slots, rows_per_slot, head_dim], lse [num_slots, rows_per_slot],
 /// rows numbered as in AttentionTask.

@@ -16,6 +16,7 @@
 #include "attention/attention_prepare.h"
 #include "core/check.h"
 #include "core/softmax_state.h"
+#include "plan/step_plan.h"
 
 // The Fortran BLAS sgemm that the PyTorch x86 wheels export (MKL, LP64). Weak: a torch built
 // without it leaves this null, and prefill takes the register kernel instead.
@@ -69,6 +70,18 @@ AttentionTaskFn task_fn() {
   }
 }
 
+/// The CPU planner's options for a call: split decode keys over the threads, prefill in BLAS-sized row
+/// blocks, and long decodes over a page's 4 KiB run of heads.
+PlanOptions plan_options(const AttentionArgs& a) {
+  PlanOptions opt;
+  opt.parallelism = at::get_num_threads();
+  opt.prefill_rows = 128;  // prefill goes through BLAS (attention_cpu_kernel.h): larger products
+  const int64_t full_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2, D = a.layout.head_dim;
+  opt.decode_heads = decode_heads_per_page(a.layout, code_row_bytes(a.k_kind, D, full_bytes),
+                                           code_row_bytes(a.v_kind, D, full_bytes));
+  return opt;
+}
+
 template <class Fn>
 void run_dynamic(int64_t n, Fn fn) {
   std::atomic<int64_t> next{0};
@@ -80,33 +93,24 @@ void run_dynamic(int64_t n, Fn fn) {
   });
 }
 
-void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
-                         double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
-                         const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
-  AttentionHostInfo host;
-  const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
-                                            window_left, sink_tokens, softcap, out, lse, &host,
-                                            k_scale, v_scale, k_format, v_format);
-  PlanOptions opt;
-  opt.parallelism = at::get_num_threads();
-  opt.prefill_rows = 128;  // prefill goes through BLAS (attention_cpu_kernel.h): larger products
-  const int64_t full_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2, D = a.layout.head_dim;
-  opt.decode_heads = decode_heads_per_page(a.layout, code_row_bytes(a.k_kind, D, full_bytes),
-                                           code_row_bytes(a.v_kind, D, full_bytes));
-  const AttentionPlan plan = make_attention_plan(a, host, opt);
+/// Runs a plan's tasks and merges its split states into the output.
+void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
+              const AttentionPlan::Split* splits, int64_t num_splits, int64_t rows_per_slot, int64_t num_slots,
+              const at::TensorOptions& options) {
+  AttentionPlan sizes;  // the workspace of the split states
+  sizes.rows_per_slot = rows_per_slot;
+  sizes.num_slots = num_slots;
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, options, &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
   const GemmF32 gemm = cpu_gemm();
-  run_dynamic(static_cast<int64_t>(plan.tasks.size()), [&](int64_t i) { fn(a, plan.tasks[i], partial, gemm); });
+  run_dynamic(num_tasks, [&](int64_t i) { fn(a, tasks[i], partial, gemm); });
 
   // Merge the split states of each (sequence, kv head) into the output.
-  const int64_t G = a.group;
-  run_dynamic(static_cast<int64_t>(plan.splits.size()), [&](int64_t i) {
-    const AttentionPlan::Split& sp = plan.splits[i];
-    const int64_t q_start = a.cu_q_lens[sp.seq], per_head = host.q_lens[sp.seq] * G;
+  const int64_t G = a.group, D = a.layout.head_dim;
+  run_dynamic(num_splits, [&](int64_t i) {
+    const AttentionPlan::Split& sp = splits[i];
+    const int64_t q_start = a.cu_q_lens[sp.seq], per_head = (a.cu_q_lens[sp.seq + 1] - q_start) * G;
     const int64_t rows = (sp.head_end - sp.head_begin) * per_head;
     std::vector<float> acc(D);
     for (int64_t r = 0; r < rows; ++r) {
@@ -125,6 +129,44 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, con
       if (a.lse) a.lse[row] = acc_lse;
     }
   });
+}
+
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                         double scale, int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                         const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  AttentionHostInfo host;
+  const AttentionArgs a = prepare_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                            window_left, sink_tokens, softcap, out, lse, &host,
+                                            k_scale, v_scale, k_format, v_format);
+  const AttentionPlan plan = make_attention_plan(a, host, plan_options(a));
+  run_plan(a, plan.tasks.data(), static_cast<int64_t>(plan.tasks.size()), plan.splits.data(),
+           static_cast<int64_t>(plan.splits.size()), plan.rows_per_slot, plan.num_slots, query.options());
+}
+
+void paged_attention_planned_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& plan_host, const at::Tensor& plan_device, double scale,
+                                 int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                                 const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const StepPlanHeader* h = nullptr;
+  const AttentionArgs a = prepare_attention_planned(query, k_cache, v_cache, plan_host, plan_device, scale,
+                                                    window_left, sink_tokens, softcap, out, lse, k_scale, v_scale,
+                                                    k_format, v_format, kPlanForCpu, &h);
+  run_plan(a, plan_tasks(plan_host, *h, false), h->num_tasks, plan_splits(plan_host, *h, false), h->num_splits,
+           h->rows_per_slot, h->num_slots, query.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> plan_step_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                 const at::Tensor& cu_q_lens,
+                                                 const std::optional<at::Tensor>& slot_mapping, int64_t q_heads,
+                                                 const std::optional<at::Tensor>& k_scale,
+                                                 const std::optional<at::Tensor>& v_scale, int64_t k_format,
+                                                 int64_t v_format) {
+  return build_step_plan(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale, v_scale,
+                         k_format, v_format, kPlanForCpu, plan_options);
 }
 
 void merge_states_cpu(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,
@@ -168,6 +210,8 @@ Isa best_supported_isa() { return static_cast<Isa>(best_isa()); }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
   m.impl("paged_attention", &cpu::paged_attention_cpu);
+  m.impl("paged_attention_planned", &cpu::paged_attention_planned_cpu);
+  m.impl("plan_step", &cpu::plan_step_cpu);
   m.impl("merge_states", &cpu::merge_states_cpu);
 }
 

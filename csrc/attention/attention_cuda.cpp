@@ -10,6 +10,7 @@
 #include "attention/attention_cuda_launch.h"
 #include "attention/attention_prepare.h"
 #include "core/check.h"
+#include "plan/step_plan.h"
 
 namespace kvcache {
 namespace {
@@ -60,6 +61,46 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
   // has run past the kernels that use them.
 }
 
+void paged_attention_planned_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& plan_host, const at::Tensor& plan_device, double scale,
+                                  int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                                  const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache is on ", k_cache.device(), " but the CUDA kernel was dispatched");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const StepPlanHeader* h = nullptr;
+  const AttentionArgs a = prepare_attention_planned(query, k_cache, v_cache, plan_host, plan_device, scale,
+                                                    window_left, sink_tokens, softcap, out, lse, k_scale, v_scale,
+                                                    k_format, v_format, kPlanForCuda, &h);
+  TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
+                    " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
+  AttentionPlan sizes;
+  sizes.rows_per_slot = h->rows_per_slot;
+  sizes.num_slots = h->num_slots;
+  at::Tensor part_o, part_lse;
+  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  // The task lists were uploaded once, with the plan: nothing crosses to the device here.
+  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
+                                      plan_splits(plan_device, *h, true), h->num_splits, partial,
+                                      c10::cuda::getCurrentCUDAStream()),
+               "paged_attention_planned");
+}
+
+std::tuple<at::Tensor, at::Tensor> plan_step_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                  const at::Tensor& cu_q_lens,
+                                                  const std::optional<at::Tensor>& slot_mapping, int64_t q_heads,
+                                                  const std::optional<at::Tensor>& k_scale,
+                                                  const std::optional<at::Tensor>& v_scale, int64_t k_format,
+                                                  int64_t v_format) {
+  TORCH_CHECK_VALUE(k_cache.is_cuda(), "k_cache is on ", k_cache.device(), " but the CUDA planner was dispatched");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const int64_t sms = multiprocessors(k_cache.device());
+  return build_step_plan(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale, v_scale,
+                         k_format, v_format, kPlanForCuda,
+                         [sms](const AttentionArgs&) { return cuda::cuda_plan_options(sms); });
+}
+
 void merge_states_cuda(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,
                        at::Tensor& v_out, at::Tensor& lse_out) {
   check_merge_states(v_a, lse_a, v_b, lse_b, v_out, lse_out);
@@ -75,6 +116,8 @@ void merge_states_cuda(const at::Tensor& v_a, const at::Tensor& lse_a, const at:
 
 TORCH_LIBRARY_IMPL(kvcache, CUDA, m) {
   m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("paged_attention_planned", &paged_attention_planned_cuda);
+  m.impl("plan_step", &plan_step_cuda);
   m.impl("merge_states", &merge_states_cuda);
 }
 

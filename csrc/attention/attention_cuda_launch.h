@@ -11,8 +11,11 @@ namespace kvcache::cuda {
 /// Largest head_dim the kernels support.
 int64_t max_head_dim();
 
-/// The plan of a paged_attention call on a device with `multiprocessors` SMs (host code: the CUDA
-/// registration and the emulation tests share it).
+/// The planner's options on a device with `multiprocessors` SMs (host code: the CUDA registration and the
+/// emulation tests share it).
+PlanOptions cuda_plan_options(int64_t multiprocessors);
+
+/// The plan of a paged_attention call on a device with `multiprocessors` SMs.
 AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors);
 
 /// Runs a plan's tasks (a device array), then merges the split states.

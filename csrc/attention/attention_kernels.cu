@@ -353,14 +353,18 @@ struct Attention {
 
 int64_t max_head_dim() { return kMaxPerLane * 32; }
 
-AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors) {
+PlanOptions cuda_plan_options(int64_t multiprocessors) {
   PlanOptions opt;
   opt.parallelism = multiprocessors;
   opt.tasks_per_worker = 2;
   opt.decode_rows = kRowsPerCta;   // a decode task's rows fit one pass
   opt.prefill_rows = kRowsPerCta;  // a prefill task's rows too, unless one token's GQA group is wider
   opt.min_split_keys = 256;
-  return make_attention_plan(a, host, opt);
+  return opt;
+}
+
+AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors) {
+  return make_attention_plan(a, host, cuda_plan_options(multiprocessors));
 }
 
 cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,

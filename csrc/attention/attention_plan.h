@@ -45,8 +45,9 @@ inline int64_t decode_heads_per_page(const PagedLayout& L, int64_t k_row_bytes, 
 struct AttentionPlan {
   struct Split {
     int32_t seq, head_begin, head_end;
-    int64_t first_slot, num_slots;
+    int32_t first_slot, num_slots;  // int32 like the rest: no padding bytes (see AttentionTask)
   };
+  static_assert(sizeof(Split) == 5 * sizeof(int32_t), "Split must have no padding");
   std::vector<AttentionTask> tasks;  // largest first
   std::vector<Split> splits;         // (sequence, head) pairs whose keys were split
   int64_t rows_per_slot = 0;
@@ -88,11 +89,11 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
         for (int64_t k0 = 0; k0 < kv_len; k0 += chunk) {
           const int64_t k1 = std::min(kv_len, k0 + chunk);
           AttentionTask t{int32_t(b), int32_t(h), int32_t(h1), 0, int32_t(q_len), int32_t(k0), int32_t(k1), -1};
-          if (splits > 1) t.partial = plan.num_slots++;
+          if (splits > 1) t.partial = int32_t(plan.num_slots++);
           costed.push_back({q_len * G * (h1 - h) * (k1 - k0), t});
         }
         if (splits > 1) {
-          plan.splits.push_back({int32_t(b), int32_t(h), int32_t(h1), first, plan.num_slots - first});
+          plan.splits.push_back({int32_t(b), int32_t(h), int32_t(h1), int32_t(first), int32_t(plan.num_slots - first)});
           plan.rows_per_slot = std::max(plan.rows_per_slot, q_len * G * (h1 - h));
         }
       } else {

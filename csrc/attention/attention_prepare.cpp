@@ -7,12 +7,12 @@
 
 #include "cache/cache_prepare.h"
 #include "core/check.h"
+#include "core/host_reads.h"
 #include "core/index_checks.h"
+#include "plan/step_plan.h"
 
 namespace kvcache {
 namespace {
-
-at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
 
 void check_float_dtype(const at::Tensor& t, const char* name) {
   const auto s = t.scalar_type();
@@ -31,14 +31,14 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
-AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                const at::Tensor& cu_q_lens, double scale, int64_t window_left,
-                                int64_t sink_tokens, double softcap, const at::Tensor& out,
-                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host,
-                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                                int64_t k_format, int64_t v_format) {
-  const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
+namespace {
+
+/// Every check of a paged_attention call that reads no index values, and the arguments it packs (all but
+/// the index pointers).
+AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   double scale, int64_t window_left, int64_t sink_tokens, double softcap,
+                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                   const PoolFormats& formats, int64_t k_format, int64_t v_format) {
   TORCH_CHECK_VALUE(is_kivi(formats.k_kind) == is_kivi(formats.v_kind),
                     "paged_attention reads kivi keys only with kivi values; got k_format = ", k_format,
                     " and v_format = ", v_format);
@@ -53,20 +53,6 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   const int64_t q_heads = query.size(1);
   TORCH_CHECK_VALUE(q_heads > 0 && q_heads % layout.num_kv_heads == 0, "query has ", q_heads,
                     " heads, which must be a positive multiple of the cache's num_kv_heads = ", layout.num_kv_heads);
-  KVC_CHECK_DIM(seq_lens, 1);
-  KVC_CHECK_DTYPE(seq_lens, at::kInt);
-  KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
-  KVC_CHECK_DIM(cu_q_lens, 1);
-  KVC_CHECK_DTYPE(cu_q_lens, at::kInt);
-  KVC_CHECK_SAME_DEVICE(cu_q_lens, k_cache);
-  const int64_t batch = seq_lens.size(0);
-  KVC_CHECK_SIZE(cu_q_lens, 0, batch + 1, "len(seq_lens) + 1");
-  KVC_CHECK_DIM(block_tables, 2);
-  KVC_CHECK_DTYPE(block_tables, at::kInt);
-  KVC_CHECK_SAME_DEVICE(block_tables, k_cache);
-  KVC_CHECK_SIZE(block_tables, 0, batch, "the batch size (len(seq_lens))");
-  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1,
-                    "block_tables must have unit stride along its last dimension (strides ", block_tables.strides(), ")");
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale = ", scale, " must be finite");
   TORCH_CHECK_VALUE(window_left >= -1, "window_left = ", window_left, " must be -1 (no window) or >= 0");
   TORCH_CHECK_VALUE(sink_tokens >= 0, "sink_tokens = ", sink_tokens, " must be >= 0");
@@ -86,26 +72,6 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
     TORCH_CHECK_VALUE(l.size(0) == query.size(0) && l.size(1) == q_heads, "lse has shape ", l.sizes(),
                       " but must be [total_q, q_heads] = [", query.size(0), ", ", q_heads, "]");
   }
-
-  // Index values, on the host: q offsets, lengths, the blocks those lengths use.
-  const at::Tensor cu_host = host_copy(cu_q_lens);
-  kvc_raise_index_error(check_cu_seq_lens("cu_q_lens", cu_host.data_ptr<int32_t>(), batch, query.size(0),
-                                          "query.shape[0] (total query tokens)", &host->q_lens));
-  const at::Tensor lens_host = host_copy(seq_lens);
-  host->kv_lens.assign(lens_host.data_ptr<int32_t>(), lens_host.data_ptr<int32_t>() + batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    if (host->q_lens[b] > host->kv_lens[b]) {
-      std::ostringstream m;
-      m << "sequence " << b << " has " << host->q_lens[b] << " queries (cu_q_lens) but seq_lens[" << b
-        << "] = " << host->kv_lens[b] << "; the queries are the last tokens of the sequence, so q_len <= seq_len";
-      kvc_raise_index_error(m.str());
-    }
-  }
-  const at::Tensor table_host = host_copy(block_tables);
-  kvc_raise_index_error(check_block_table("block_tables", table_host.data_ptr<int32_t>(), batch,
-                                          block_tables.size(1), block_tables.size(1), "seq_lens",
-                                          host->kv_lens.data(), layout.page_size, layout.num_blocks,
-                                          INT64_MAX, "the maximum"));
   AttentionArgs a;
   a.query = query.data_ptr();
   for (int d = 0; d < 3; ++d) a.q_strides[d] = query.stride(d);
@@ -120,11 +86,6 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   a.k_rot = formats.k_rot;
   a.v_rot = formats.v_rot;
   a.layout = layout;
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.table_stride = block_tables.stride(0);
-  a.kv_lens = seq_lens.data_ptr<int32_t>();
-  a.cu_q_lens = cu_q_lens.data_ptr<int32_t>();
-  a.batch = batch;
   a.q_heads = q_heads;
   a.group = q_heads / layout.num_kv_heads;
   a.scale = static_cast<float>(scale);
@@ -133,6 +94,95 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   a.softcap = static_cast<float>(softcap);
   a.out = out.data_ptr();
   a.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  return a;
+}
+
+}  // namespace
+
+void check_index_tensors(const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                         const at::Tensor& device_of) {
+  KVC_CHECK_DIM(seq_lens, 1);
+  KVC_CHECK_DTYPE(seq_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(seq_lens, device_of);
+  KVC_CHECK_DIM(cu_q_lens, 1);
+  KVC_CHECK_DTYPE(cu_q_lens, at::kInt);
+  KVC_CHECK_SAME_DEVICE(cu_q_lens, device_of);
+  const int64_t batch = seq_lens.size(0);
+  KVC_CHECK_SIZE(cu_q_lens, 0, batch + 1, "len(seq_lens) + 1");
+  KVC_CHECK_DIM(block_tables, 2);
+  KVC_CHECK_DTYPE(block_tables, at::kInt);
+  KVC_CHECK_SAME_DEVICE(block_tables, device_of);
+  KVC_CHECK_SIZE(block_tables, 0, batch, "the batch size (len(seq_lens))");
+  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1,
+                    "block_tables must have unit stride along its last dimension (strides ", block_tables.strides(), ")");
+}
+
+void check_index_values(const int32_t* cu, const int32_t* lens, const int32_t* table, int64_t table_stride,
+                        int64_t table_width, int64_t batch, int64_t total_q, const char* total_q_what,
+                        const PagedLayout& layout, AttentionHostInfo* host) {
+  kvc_raise_index_error(check_cu_seq_lens("cu_q_lens", cu, batch, total_q, total_q_what, &host->q_lens));
+  host->kv_lens.assign(lens, lens + batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (host->q_lens[b] > host->kv_lens[b]) {
+      std::ostringstream m;
+      m << "sequence " << b << " has " << host->q_lens[b] << " queries (cu_q_lens) but seq_lens[" << b
+        << "] = " << host->kv_lens[b] << "; the queries are the last tokens of the sequence, so q_len <= seq_len";
+      kvc_raise_index_error(m.str());
+    }
+  }
+  kvc_raise_index_error(check_block_table("block_tables", table, batch, table_width, table_stride, "seq_lens",
+                                          host->kv_lens.data(), layout.page_size, layout.num_blocks, INT64_MAX,
+                                          "the maximum"));
+}
+
+AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                const at::Tensor& cu_q_lens, double scale, int64_t window_left,
+                                int64_t sink_tokens, double softcap, const at::Tensor& out,
+                                const std::optional<at::Tensor>& lse, AttentionHostInfo* host,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                int64_t k_format, int64_t v_format) {
+  const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
+  AttentionArgs a = check_attention_call(query, k_cache, v_cache, scale, window_left, sink_tokens, softcap, out, lse,
+                                         formats, k_format, v_format);
+  check_index_tensors(block_tables, seq_lens, cu_q_lens, k_cache);
+  const int64_t batch = seq_lens.size(0);
+  // Index values, on the host: q offsets, lengths, the blocks those lengths use.
+  const at::Tensor cu_host = read_on_host(cu_q_lens);
+  const at::Tensor lens_host = read_on_host(seq_lens);
+  const at::Tensor table_host = read_on_host(block_tables);
+  check_index_values(cu_host.data_ptr<int32_t>(), lens_host.data_ptr<int32_t>(), table_host.data_ptr<int32_t>(),
+                     block_tables.size(1), block_tables.size(1), batch, query.size(0),
+                     "query.shape[0] (total query tokens)", a.layout, host);
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.kv_lens = seq_lens.data_ptr<int32_t>();
+  a.cu_q_lens = cu_q_lens.data_ptr<int32_t>();
+  a.batch = batch;
+  return a;
+}
+
+AttentionArgs prepare_attention_planned(const at::Tensor& query, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache, const at::Tensor& plan_host,
+                                        const at::Tensor& plan_device, double scale, int64_t window_left,
+                                        int64_t sink_tokens, double softcap, const at::Tensor& out,
+                                        const std::optional<at::Tensor>& lse,
+                                        const std::optional<at::Tensor>& k_scale,
+                                        const std::optional<at::Tensor>& v_scale, int64_t k_format,
+                                        int64_t v_format, int64_t backend, const StepPlanHeader** header) {
+  const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
+  AttentionArgs a = check_attention_call(query, k_cache, v_cache, scale, window_left, sink_tokens, softcap, out, lse,
+                                         formats, k_format, v_format);
+  const StepPlanHeader& h = check_step_plan(plan_host, plan_device, k_cache, a.layout, k_format, v_format, backend);
+  TORCH_CHECK_VALUE(h.num_tasks >= 0 && h.q_heads == a.q_heads && h.total_q == query.size(0), "query has shape ",
+                    query.sizes(), " but the plan was made for ", h.total_q, " query tokens of ", h.q_heads, " heads");
+  const uint8_t* d = static_cast<const uint8_t*>(plan_device.data_ptr());
+  a.block_tables = reinterpret_cast<const int32_t*>(d + h.tables_at);
+  a.table_stride = h.table_width;
+  a.kv_lens = reinterpret_cast<const int32_t*>(d + h.seq_lens_at);
+  a.cu_q_lens = reinterpret_cast<const int32_t*>(d + h.cu_q_lens_at);
+  a.batch = h.batch;
+  *header = &h;
   return a;
 }
 

@@ -11,6 +11,8 @@
 
 namespace kvcache {
 
+struct StepPlanHeader;
+
 AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& cu_q_lens, double scale, int64_t window_left,
@@ -18,6 +20,28 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
                                 const std::optional<at::Tensor>& lse, AttentionHostInfo* host,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                                 int64_t k_format, int64_t v_format);
+
+/// paged_attention on a plan (plan/step_plan.h): the same checks but no index reads; the index pointers point
+/// into `plan_device`, and `*header` to the plan's header in `plan_host`. `backend`: kPlanForCpu or
+/// kPlanForCuda, the task list the caller runs.
+AttentionArgs prepare_attention_planned(const at::Tensor& query, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache, const at::Tensor& plan_host,
+                                        const at::Tensor& plan_device, double scale, int64_t window_left,
+                                        int64_t sink_tokens, double softcap, const at::Tensor& out,
+                                        const std::optional<at::Tensor>& lse,
+                                        const std::optional<at::Tensor>& k_scale,
+                                        const std::optional<at::Tensor>& v_scale, int64_t k_format,
+                                        int64_t v_format, int64_t backend, const StepPlanHeader** header);
+
+/// Shapes, dtypes and devices of the index tensors of paged_attention (and of a step plan): no value reads.
+void check_index_tensors(const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                         const at::Tensor& device_of);
+
+/// The values of those index tensors (host pointers): q offsets summing to `total_q`, q_len <= seq_len, and
+/// the block ids the lengths use in [0, num_blocks). Raises IndexError; fills `host`.
+void check_index_values(const int32_t* cu, const int32_t* lens, const int32_t* table, int64_t table_stride,
+                        int64_t table_width, int64_t batch, int64_t total_q, const char* total_q_what,
+                        const PagedLayout& layout, AttentionHostInfo* host);
 
 /// Float32 workspace for the partial states of a plan's split tasks (empty when nothing is split);
 /// the tensors own the memory the returned PartialStates points into.

@@ -7,6 +7,7 @@
 #include "cache/cache_cpu_kernels.h"
 #include "cache/cache_prepare.h"
 #include "core/check.h"
+#include "plan/step_plan.h"
 
 namespace kvcache {
 namespace {
@@ -27,11 +28,7 @@ template <typename U> struct AppendFn { static void run(const AppendArgs& a, int
 template <typename U> struct PaddedFn { static void run(const GatherArgs& a, int64_t b, int64_t e) { cpu::gather_padded<U>(a, b, e); } };
 template <typename U> struct RaggedFn { static void run(const GatherArgs& a, int64_t b, int64_t e) { cpu::gather_ragged<U>(a, b, e); } };
 
-void append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
-                const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
-  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
-  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
+void run_append(const AppendArgs& a, const PoolFormats& f, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const int64_t rows = a.batch * a.q_len * a.layout.num_kv_heads;
   if (f.quantized()) {
     const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
@@ -43,6 +40,23 @@ void append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_ca
     return;
   }
   run_by_width<AppendFn>(kv_element_bytes(k_cache), a, rows, /*grain=*/256);
+}
+
+void append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  run_append(prepare_append(key, value, k_cache, v_cache, slot_mapping, f), f, k_cache, v_cache);
+}
+
+void append_planned_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& plan_host, const at::Tensor& plan_device,
+                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                        int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  run_append(prepare_append_planned(key, value, k_cache, v_cache, plan_host, plan_device, f, k_format, v_format,
+                                    kPlanForCpu),
+             f, k_cache, v_cache);
 }
 
 void paged_gather_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -92,6 +106,7 @@ void swap_blocks_cpu(const at::Tensor& k_src, const at::Tensor& v_src, at::Tenso
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
   m.impl("append", &append_cpu);
+  m.impl("append_planned", &append_planned_cpu);
   m.impl("paged_gather", &paged_gather_cpu);
   m.impl("paged_gather_ragged", &paged_gather_ragged_cpu);
   m.impl("copy_blocks", &copy_blocks_cpu);

@@ -8,6 +8,7 @@
 #include "cache/cache_cuda_launch.h"
 #include "cache/cache_prepare.h"
 #include "core/check.h"
+#include "plan/step_plan.h"
 
 namespace kvcache {
 namespace {
@@ -26,21 +27,37 @@ void check_rotated_dim(const PoolFormats& f, int64_t head_dim) {
                     " is too large for Hadamard-rotated formats on CUDA (at most 256)");
 }
 
+void launch_append_call(const AppendArgs& a, const PoolFormats& f, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const char* op) {
+  check_rotated_dim(f, a.layout.head_dim);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (f.quantized()) {
+    const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
+    check_launch(cuda::launch_append_quantized(a, elem, stream), op);
+    return;
+  }
+  check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), stream), op);
+}
+
 void append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
                  const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
   check_on_cuda(k_cache, "k_cache");
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
-  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
-  check_rotated_dim(f, a.layout.head_dim);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (f.quantized()) {
-    const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
-    check_launch(cuda::launch_append_quantized(a, elem, stream), "append");
-    return;
-  }
-  check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), stream), "append");
+  launch_append_call(prepare_append(key, value, k_cache, v_cache, slot_mapping, f), f, k_cache, v_cache, "append");
+}
+
+void append_planned_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& plan_host, const at::Tensor& plan_device,
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                         int64_t k_format, int64_t v_format) {
+  check_on_cuda(k_cache, "k_cache");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  launch_append_call(prepare_append_planned(key, value, k_cache, v_cache, plan_host, plan_device, f, k_format,
+                                            v_format, kPlanForCuda),
+                     f, k_cache, v_cache, "append_planned");
 }
 
 void paged_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -102,6 +119,7 @@ void swap_blocks_cuda(const at::Tensor& k_src, const at::Tensor& v_src, at::Tens
 
 TORCH_LIBRARY_IMPL(kvcache, CUDA, m) {
   m.impl("append", &append_cuda);
+  m.impl("append_planned", &append_planned_cuda);
   m.impl("paged_gather", &paged_gather_cuda);
   m.impl("paged_gather_ragged", &paged_gather_ragged_cuda);
   m.impl("copy_blocks", &copy_blocks_cuda);

@@ -5,15 +5,17 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/host_reads.h"
 #include "core/index_checks.h"
+#include "plan/step_plan.h"
 #include "core/quant.h"
 
 namespace kvcache {
 namespace {
 
-// Index tensors are validated on the host. NOTE: for CUDA-resident indices this is one
-// device-to-host copy per call (a synchronization); callers that keep indices on the host avoid it.
-at::Tensor host_copy(const at::Tensor& t) { return t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous(); }
+// Index tensors are validated on the host (core/host_reads.h): for CUDA-resident indices that is one
+// device-to-host copy per call (a synchronization); a planned step (plan/step_plan.h) validates once.
+at::Tensor host_copy(const at::Tensor& t) { return read_on_host(t); }
 
 bool is_kv_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
@@ -218,8 +220,11 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
   return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_dim);  // head_dim in dims, not bytes
 }
 
-AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& slot_mapping, const PoolFormats& f) {
+namespace {
+
+/// Every check of an append that reads no slot values, and its arguments but the slots.
+AppendArgs check_append_call(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const PoolFormats& f) {
   const PagedLayout layout = check_formatted_pools(k_cache, v_cache, f);
   KVC_CHECK_DIM(key, 4);
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
@@ -232,35 +237,6 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   KVC_CHECK_SAME_DEVICE(value, k_cache);
   KVC_CHECK_SIZE(key, 1, layout.num_kv_heads, "num_kv_heads of the cache");
   KVC_CHECK_SIZE(key, 3, layout.head_dim, "head_dim of the cache");
-  KVC_CHECK_DIM(slot_mapping, 2);
-  KVC_CHECK_DTYPE(slot_mapping, at::kLong);
-  KVC_CHECK_SAME_DEVICE(slot_mapping, k_cache);
-  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0) && slot_mapping.size(1) == key.size(2),
-                    "slot_mapping has shape ", slot_mapping.sizes(), " but must be [batch, q_len] = [",
-                    key.size(0), ", ", key.size(2), "] for key of shape ", key.sizes());
-
-  const at::Tensor slots_host = host_copy(slot_mapping);
-  kvc_raise_index_error(check_slots("slot_mapping", slots_host.data_ptr<int64_t>(), slots_host.numel(),
-                                    layout.num_slots()));
-  if (is_kivi(f.k_kind)) {
-    // KIVI keys take their per-channel statistics over a whole page: each row writes whole pages.
-    const int64_t P = layout.page_size, q_len = key.size(2);
-    TORCH_CHECK_VALUE(q_len % P == 0, "a kivi key pool is written whole pages at a time, but key has q_len = ", q_len,
-                      ", which is not a multiple of page_size = ", P);
-    const int64_t* s = slots_host.data_ptr<int64_t>();
-    for (int64_t b = 0; b < key.size(0); ++b) {
-      for (int64_t t0 = 0; t0 < q_len; t0 += P) {
-        const int64_t first = s[b * q_len + t0];
-        for (int64_t i = 0; i < P; ++i) {
-          const int64_t got = s[b * q_len + t0 + i], want = first < 0 ? -1 : first + i;
-          TORCH_CHECK_VALUE(got == want && (first < 0 || first % P == 0), "slot_mapping[", b, ", ", t0 + i, "] = ", got,
-                            " but a kivi key pool is written whole pages: slots ", t0, "..", t0 + P - 1, " of row ", b,
-                            " must be one page in order (block * ", P, " + 0.. ", P - 1, ") or all -1");
-        }
-      }
-    }
-  }
-
   AppendArgs a;
   a.key = key.data_ptr();
   a.value = value.data_ptr();
@@ -270,9 +246,6 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   }
   a.batch = key.size(0);
   a.q_len = key.size(2);
-  a.slots = slot_mapping.data_ptr<int64_t>();
-  a.slot_strides[0] = slot_mapping.stride(0);
-  a.slot_strides[1] = slot_mapping.stride(1);
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
   a.layout = layout;
@@ -283,6 +256,62 @@ AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const 
   a.v_scale = f.v_kind != KVKind::kFull ? static_cast<float*>((*f.v_scale)->data_ptr()) : nullptr;
   a.k_rot = f.k_rot;
   a.v_rot = f.v_rot;
+  return a;
+}
+
+}  // namespace
+
+void check_slot_values(const int64_t* slots, int64_t rows, int64_t q_len, const PagedLayout& layout, KVKind k_kind) {
+  kvc_raise_index_error(check_slots("slot_mapping", slots, rows * q_len, layout.num_slots()));
+  if (is_kivi(k_kind)) {
+    // KIVI keys take their per-channel statistics over a whole page: each row writes whole pages.
+    const int64_t P = layout.page_size;
+    TORCH_CHECK_VALUE(q_len % P == 0, "a kivi key pool is written whole pages at a time, but key has q_len = ", q_len,
+                      ", which is not a multiple of page_size = ", P);
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t t0 = 0; t0 < q_len; t0 += P) {
+        const int64_t first = slots[b * q_len + t0];
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t got = slots[b * q_len + t0 + i], want = first < 0 ? -1 : first + i;
+          TORCH_CHECK_VALUE(got == want && (first < 0 || first % P == 0), "slot_mapping[", b, ", ", t0 + i, "] = ", got,
+                            " but a kivi key pool is written whole pages: slots ", t0, "..", t0 + P - 1, " of row ", b,
+                            " must be one page in order (block * ", P, " + 0.. ", P - 1, ") or all -1");
+        }
+      }
+    }
+  }
+}
+
+AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping, const PoolFormats& f) {
+  AppendArgs a = check_append_call(key, value, k_cache, v_cache, f);
+  KVC_CHECK_DIM(slot_mapping, 2);
+  KVC_CHECK_DTYPE(slot_mapping, at::kLong);
+  KVC_CHECK_SAME_DEVICE(slot_mapping, k_cache);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0) && slot_mapping.size(1) == key.size(2),
+                    "slot_mapping has shape ", slot_mapping.sizes(), " but must be [batch, q_len] = [",
+                    key.size(0), ", ", key.size(2), "] for key of shape ", key.sizes());
+  const at::Tensor slots_host = host_copy(slot_mapping);
+  check_slot_values(slots_host.data_ptr<int64_t>(), key.size(0), key.size(2), a.layout, f.k_kind);
+  a.slots = slot_mapping.data_ptr<int64_t>();
+  a.slot_strides[0] = slot_mapping.stride(0);
+  a.slot_strides[1] = slot_mapping.stride(1);
+  return a;
+}
+
+AppendArgs prepare_append_planned(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& plan_host,
+                                  const at::Tensor& plan_device, const PoolFormats& f, int64_t k_format,
+                                  int64_t v_format, int64_t backend) {
+  AppendArgs a = check_append_call(key, value, k_cache, v_cache, f);
+  const StepPlanHeader& h = check_step_plan(plan_host, plan_device, k_cache, a.layout, k_format, v_format, backend);
+  TORCH_CHECK_VALUE(h.slot_rows > 0 || h.slot_cols > 0 || key.size(0) * key.size(2) == 0,
+                    "the plan was made without a slot_mapping, so it cannot append");
+  TORCH_CHECK_VALUE(h.slot_rows == key.size(0) && h.slot_cols == key.size(2), "key has shape ", key.sizes(),
+                    " but the plan's slot_mapping is [batch, q_len] = [", h.slot_rows, ", ", h.slot_cols, "]");
+  a.slots = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(plan_device.data_ptr()) + h.slots_at);
+  a.slot_strides[0] = h.slot_cols;
+  a.slot_strides[1] = 1;
   return a;
 }
 

@@ -31,6 +31,17 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
 AppendArgs prepare_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slot_mapping, const PoolFormats& f = {});
 
+/// append on a plan (plan/step_plan.h): the same checks but no slot reads; the slots are the plan's, validated
+/// when it was made.
+AppendArgs prepare_append_planned(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& plan_host,
+                                  const at::Tensor& plan_device, const PoolFormats& f, int64_t k_format,
+                                  int64_t v_format, int64_t backend);
+
+/// The values of a slot_mapping [rows, q_len] (host pointer): -1 or a slot of the pool, none twice; KIVI keys
+/// are written whole pages. Raises IndexError / ValueError.
+void check_slot_values(const int64_t* slots, int64_t rows, int64_t q_len, const PagedLayout& layout, KVKind k_kind);
+
 GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& k_out, const at::Tensor& v_out, const PoolFormats& f = {});

@@ -11,7 +11,9 @@
 #include "cache/cache_cuda_launch.h"
 #include "cache/cache_prepare.h"
 #include "core/check.h"
+#include "core/host_reads.h"
 #include "op_schemas.h"
+#include "plan/step_plan.h"
 
 namespace kvcache {
 namespace {
@@ -22,17 +24,31 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "kvcache_cuda_emulation::", op, ": ", cudaGetErrorString(err));
 }
 
-void append(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
-            const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
-  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
-  const AppendArgs a = prepare_append(key, value, k_cache, v_cache, slot_mapping, f);
+void launch_append_call(const AppendArgs& a, const PoolFormats& f, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache) {
   if (f.quantized()) {
     const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
     check_launch(cuda::launch_append_quantized(a, elem, nullptr), "append");
     return;
   }
   check_launch(cuda::launch_append(a, kv_element_bytes(k_cache), nullptr), "append");
+}
+
+void append(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+            const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  launch_append_call(prepare_append(key, value, k_cache, v_cache, slot_mapping, f), f, k_cache, v_cache);
+}
+
+void append_planned(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& plan_host, const at::Tensor& plan_device,
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                    int64_t k_format, int64_t v_format) {
+  const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
+  launch_append_call(prepare_append_planned(key, value, k_cache, v_cache, plan_host, plan_device, f, k_format,
+                                            v_format, kPlanForCuda),
+                     f, k_cache, v_cache);
 }
 
 void paged_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -88,6 +104,38 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                "paged_attention");
 }
 
+void paged_attention_planned(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& plan_host, const at::Tensor& plan_device, double scale,
+                             int64_t window_left, int64_t sink_tokens, double softcap, at::Tensor& out,
+                             const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale, int64_t k_format, int64_t v_format) {
+  const StepPlanHeader* h = nullptr;
+  const AttentionArgs a = prepare_attention_planned(query, k_cache, v_cache, plan_host, plan_device, scale,
+                                                    window_left, sink_tokens, softcap, out, lse, k_scale, v_scale,
+                                                    k_format, v_format, kPlanForCuda, &h);
+  TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
+                    " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
+  AttentionPlan sizes;
+  sizes.rows_per_slot = h->rows_per_slot;
+  sizes.num_slots = h->num_slots;
+  at::Tensor part_o, part_lse;
+  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
+                                      plan_splits(plan_device, *h, true), h->num_splits, partial, nullptr),
+               "paged_attention_planned");
+}
+
+std::tuple<at::Tensor, at::Tensor> plan_step(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                             const at::Tensor& cu_q_lens, const std::optional<at::Tensor>& slot_mapping,
+                                             int64_t q_heads, const std::optional<at::Tensor>& k_scale,
+                                             const std::optional<at::Tensor>& v_scale, int64_t k_format,
+                                             int64_t v_format) {
+  return build_step_plan(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale, v_scale,
+                         k_format, v_format, kPlanForCuda,
+                         [](const AttentionArgs&) { return cuda::cuda_plan_options(kEmulatedMultiprocessors); });
+}
+
 void merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,
                   at::Tensor& v_out, at::Tensor& lse_out) {
   check_merge_states(v_a, lse_a, v_b, lse_b, v_out, lse_out);
@@ -106,6 +154,9 @@ TORCH_LIBRARY(kvcache_cuda_emulation, m) {
 
 TORCH_LIBRARY_IMPL(kvcache_cuda_emulation, CPU, m) {
   m.impl("append", &append);
+  m.impl("append_planned", &append_planned);
+  m.impl("plan_step", &plan_step);
+  m.impl("paged_attention_planned", &paged_attention_planned);
   m.impl("paged_gather", &paged_gather);
   m.impl("paged_gather_ragged", &paged_gather_ragged);
   m.impl("copy_blocks", &copy_blocks);
@@ -115,3 +166,6 @@ TORCH_LIBRARY_IMPL(kvcache_cuda_emulation, CPU, m) {
 }
 
 }  // namespace kvcache
+
+// The host-read counter of this library (core/host_reads.h), for the tests (ctypes).
+extern "C" int64_t kvcache_emulation_host_index_reads() { return kvcache::host_index_reads().load(); }

@@ -21,10 +21,11 @@ from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
 from .kivi import KIVIPool  # noqa: E402
 from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
-from .hf import PagedCache, PagedStore, install_registration as _install_registration  # noqa: E402
+from .hf import PagedCache, PagedStore, StepPlan, install_registration as _install_registration  # noqa: E402
 from .engine import Engine, Result  # noqa: E402
 from .ops import (  # noqa: E402
-    append, copy_blocks, merge_states, paged_attention, paged_gather, paged_gather_ragged, swap_blocks,
+    append, append_planned, copy_blocks, merge_states, paged_attention, paged_attention_planned, paged_gather,
+    paged_gather_ragged, plan_step, StepPlanTensors, swap_blocks,
 )
 
 _install_registration()  # attn_implementation="kvcache", as soon as transformers is imported
@@ -47,7 +48,10 @@ __all__ = [
     "PrefixCache",
     "Result",
     "Sequence",
+    "StepPlan",
+    "StepPlanTensors",
     "append",
+    "append_planned",
     "build_info",
     "formats",
     "copy_blocks",
@@ -55,8 +59,10 @@ __all__ = [
     "merge_states",
     "ops",
     "paged_attention",
+    "paged_attention_planned",
     "paged_gather",
     "paged_gather_ragged",
+    "plan_step",
     "prefix",
     "quant",
     "reference",

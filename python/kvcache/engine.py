@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import residual as res
-from .hf import PagedCache, PagedStore, _StepPlan, ATTENTION_NAME
+from .hf_cache import ATTENTION_NAME, PagedCache
+from .step import plan_step
+from .store import PagedStore
 from .prefix import Match, Namespace, Sequence
 
 __all__ = ["Engine", "Result"]
@@ -61,29 +63,6 @@ class _Running:
         self.pending = result.prompt[seq.num_tokens:]  # tokens to feed in the next forward
 
 
-class _PackedCache(PagedCache):
-    """The cache as the model sees it during one packed forward: the engine sets the plan, ``update``
-    writes ``[1, kv_heads, total, head_dim]`` through it and tags the K/V for the kernel."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        plan = self._plan.on(key_states.device)
-        pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
-        if plan.residual is not None:
-            residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
-            res.apply(plan.residual, pool, residual, key_states, value_states)
-        else:
-            if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:
-                key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
-            pool.append(key_states, value_states, plan.slot_mapping)
-        k = key_states.view(key_states.shape)
-        k._kvcache = (self, layer_idx, plan)
-        return k, value_states
-
-    @property
-    def fused(self) -> bool:
-        return True
-
-
 class Engine:
     """Batched prefill and decode of many prompts over one paged store.
 
@@ -110,7 +89,7 @@ class Engine:
         self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
                                                 kv_format=fmt)
         self.store.namespace = self.namespace
-        self.cache = _PackedCache(config, store=self.store)
+        self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
                           or config.num_attention_heads,
@@ -232,46 +211,29 @@ class Engine:
     def _forward(self, running: list[_Running], stats: dict) -> torch.Tensor:
         """One packed forward of every request's pending tokens; returns each request's last logits."""
         page, alloc = self.store.page_size, self.store.allocator
-        tokens, positions, slots, q_lens = [], [], [], []
+        tokens, positions, starts, q_lens = [], [], [], []
         for req in running:
             start, n = req.seq.num_tokens, len(req.pending)
             self.store.copy_blocks(alloc.append(req.seq, n))  # copy-on-write of a shared partial page
             tokens += req.pending
             positions += range(start, start + n)
-            slots.append(req.seq.slots(start))
+            starts.append(start)
             q_lens.append(n)
             if not req.result.tokens:
                 stats["prefill_tokens"] += n
         device = next(self.model.parameters()).device
-        batch = len(running)
-        max_blocks = max(len(r.seq.blocks) for r in running)
-        tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
-        for b, req in enumerate(running):
-            tables[b, : len(req.seq.blocks)] = req.seq.blocks
-        seq_lens = torch.tensor([r.seq.num_tokens for r in running], dtype=torch.int32)
-        cu_q = torch.zeros(batch + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(q_lens), 0, out=cu_q[1:])
-        num_blocks = int(tables.max()) + 1
-        self.store.ensure_blocks(num_blocks)
-        residual = None
-        if self.store.residual is not None:  # the same plan as a padded batch, then packed
-            width = max(q_lens)
-            lens = torch.tensor(q_lens).view(-1, 1)
-            starts = (seq_lens.view(-1, 1) - lens).to(torch.int64)
-            valid = torch.arange(width).view(1, -1) < lens
-            residual = self.store.residual.plan([r.seq.blocks.tolist() for r in running], starts.view(-1).tolist(),
-                                                seq_lens.tolist(), starts + torch.arange(width), valid)
-            residual.slot_mapping = residual.slot_mapping[valid].view(1, -1)
-            residual = residual.on(device)
-        self.cache._plan = _StepPlan(0, len(tokens), -1, torch.cat(slots).view(1, -1).to(device), tables.to(device),
-                                     seq_lens.to(device), cu_q.to(device), None, num_blocks, residual)
+        self.store.ensure_blocks(max(int(r.seq.blocks.max()) for r in running) + 1)
+        plan = plan_step([r.seq for r in running], starts, q_lens, packed=True, page_size=page, device=device,
+                         residual=self.store.residual)
+        self.cache.set_step_plan(plan)
+        cu_q = plan.cu_q_lens
         used = alloc.num_blocks - alloc.num_free
         stats["peak_blocks"] = max(stats["peak_blocks"], used)
-        stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], int(seq_lens.sum()))
+        stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(r.seq.num_tokens for r in running))
         stats["steps"] += 1
         out = self.model(input_ids=torch.tensor([tokens], device=device),
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=(cu_q[1:] - 1).to(device))
+                         use_cache=True, logits_to_keep=cu_q[1:] - 1)
         return out.logits[0].float()
 
     @staticmethod

@@ -27,6 +27,10 @@ _KINDS = {
     "int4": 4, "kivi4": 4, "kivi2": 2,
 }  # fmt: skip
 _TORCH_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FULL_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
+# Storage kinds as the kernels number them (csrc/core/kv_format.h: KVKind); + ROTATED for ``hadamard``.
+_KERNEL_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "kivi4": 5, "kivi2": 6}
+ROTATED = 16
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,63 @@ class KVFormat:
         return head_dim * self.bits / 8 + self.metadata_bytes_per_token_head(head_dim, page_size, role)
 
     # ---- text form ----------------------------------------------------------------------------
+    # ---- how the pages store it: the one owner of kernel ids and tensor shapes ----------------------
+    @property
+    def kernel_id(self) -> int:
+        """The kernels' number of this format (``k_format`` / ``v_format`` of the ops; 0 = full precision)."""
+        if not self.quantized:
+            return 0
+        if self.kind not in _KERNEL_IDS or self.group != 32:
+            raise NotImplementedError(f"KV format {self} is not implemented by the kernels yet "
+                                      f"(int8, fp8_e4m3, fp8_e5m2, int4, kivi4 and kivi2 with groups of 32 are)")
+        return _KERNEL_IDS[self.kind] + (ROTATED if self.hadamard else 0)
+
+    @classmethod
+    def from_kernel_id(cls, kernel_id: int, dtype: torch.dtype = torch.float32) -> "KVFormat":
+        """The format the kernels number ``kernel_id`` (full precision: ``dtype``'s)."""
+        if kernel_id == 0:
+            return cls.parse(dtype)
+        kind = next((k for k, i in _KERNEL_IDS.items() if i == kernel_id % ROTATED), None)
+        if kind is None or kernel_id < 0 or kernel_id >= 2 * ROTATED:
+            raise ValueError(f"{kernel_id} is not a kernel format id (0, {sorted(_KERNEL_IDS.values())}, + {ROTATED})")
+        return cls(kind, hadamard=kernel_id >= ROTATED)
+
+    @property
+    def dims_per_code(self) -> int:
+        """Dims per stored element: 2 for int4 and kivi4 (two per byte), 4 for kivi2, else 1."""
+        return 8 // self.bits if self.kind in ("int4", "kivi4", "kivi2") else 1
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """The dtype of the pool's code tensor."""
+        if not self.quantized:
+            return _FULL_DTYPES[self.kind]
+        return torch.int8 if self.kind == "int8" else torch.uint8
+
+    def code_shape(self, num_blocks: int, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of the pool's code tensor."""
+        return (num_blocks, num_kv_heads, page_size, head_dim // self.dims_per_code)
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        """The dtype of the pool's scale tensor (None: full precision stores none)."""
+        if not self.quantized:
+            return None
+        return torch.float16 if self.grouped else torch.float32
+
+    def scale_shape(self, num_blocks: int, num_kv_heads: int, page_size: int, head_dim: int,
+                    role: str) -> tuple[int, ...] | None:
+        """The shape of the pool's scale tensor for keys (``role="k"``) or values (``"v"``)."""
+        if not self.quantized:
+            return None
+        if self.kind == "int8":
+            return (num_blocks, num_kv_heads, page_size)
+        if self.kind.startswith("fp8"):
+            return (num_kv_heads,)
+        if self.kind.startswith("kivi") and role == "k":  # per channel over a page: 32 scales, 32 zeros per chunk
+            return (num_blocks, num_kv_heads, head_dim // 32, 2, 32)
+        return (num_blocks, num_kv_heads, page_size, head_dim // 32, 2)  # (scale, zero) per group of 32
+
     def __str__(self) -> str:
         args = []
         if self.grouped and self.group != 32:

@@ -2,12 +2,17 @@
 
 The ops are defined in C++ (``csrc/ops.cpp``) and called here through their ``.default`` overloads:
 no Python ``torch.library.custom_op`` sits on the hot path. Every op that writes its arguments returns
-nothing, so torch.compile generates its fake (meta) kernel itself; none needs a Python one.
+nothing, so torch.compile generates its fake (meta) kernel itself; only ``plan_step``, whose outputs' sizes
+depend on the data, has a Python one.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from .formats import KVFormat
 
 _ops = torch.ops.kvcache
 
@@ -57,7 +62,7 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= {4: 2, 5: 2, 6: 4}.get(k_format % 16, 1)  # packed codes: int4 / kivi4 2, kivi2 4 dims per byte
+        dim *= KVFormat.from_kernel_id(k_format).dims_per_code  # packed codes: several dims per byte
         shape = (seq_lens.shape[0], heads, max_len, dim)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
         out = (k_cache.new_empty(shape, dtype=dtype), v_cache.new_empty(shape, dtype=dtype))
@@ -79,7 +84,7 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     if out is None:
         total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= {4: 2, 5: 2, 6: 4}.get(k_format % 16, 1)  # packed codes: int4 / kivi4 2, kivi2 4 dims per byte
+        dim *= KVFormat.from_kernel_id(k_format).dims_per_code  # packed codes: several dims per byte
         dtype = k_cache.dtype if k_format == 0 else torch.float32
         out = (k_cache.new_empty((total, heads, dim), dtype=dtype), v_cache.new_empty((total, heads, dim), dtype=dtype))
     _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
@@ -137,6 +142,90 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                  int(window_left), int(sink_tokens), float(softcap), out, lse, k_scale, v_scale,
                                  k_format, v_format)
     return (out, lse) if return_lse else out
+
+
+class StepPlanTensors(NamedTuple):
+    """What :func:`plan_step` returns: ``host`` (CPU, uint8: the header and the task list) and ``device``
+    (uint8 on the pools' device: the validated tables, lengths and slots, and the task list). Read-only."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+
+
+def plan_step(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              cu_q_lens: torch.Tensor, slot_mapping: torch.Tensor | None = None, *, q_heads: int,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, k_format: int = 0,
+              v_format: int = 0) -> StepPlanTensors:
+    """Plans one step (decode or prefill) for every layer whose pools share this shape and format.
+
+    Reads ``block_tables``, ``seq_lens``, ``cu_q_lens`` (as for :func:`paged_attention`) and ``slot_mapping``
+    (as for :func:`append`; optional) on the host once, validates them against the pools with the same
+    errors as those ops, and splits the attention into tasks. The index tensors may stay on the host while
+    the pools live on a device: the plan is uploaded once. Per layer, :func:`paged_attention_planned` and
+    :func:`append_planned` then check only shapes, dtypes, devices and formats, read no index values on the
+    host (no synchronization on a GPU), and give bit-identical results to the unplanned ops. A plan serves
+    pools with at least as many blocks as it uses; ``q_heads`` is the query's head count.
+
+    >>> import torch, kvcache
+    >>> k_cache, v_cache = kvcache.PageLayout(4, 16, 2, 64, torch.float32).allocate(fill=0.0)
+    >>> table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([17], dtype=torch.int32)
+    >>> cu = torch.tensor([0, 1], dtype=torch.int32)
+    >>> slots = torch.tensor([[16]])  # token 16 of the sequence: block 0 (the table's 2nd page), offset 0
+    >>> plan = kvcache.plan_step(k_cache, v_cache, table, lens, cu, slots, q_heads=4)
+    >>> for layer in range(2):  # per layer: no index reads
+    ...     kvcache.append_planned(plan, torch.ones(1, 2, 1, 64), torch.ones(1, 2, 1, 64), k_cache, v_cache)
+    ...     out = kvcache.paged_attention_planned(plan, torch.randn(1, 4, 64), k_cache, v_cache)
+    >>> out.shape
+    torch.Size([1, 4, 64])
+    """
+    host, device = _ops.plan_step.default(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping,
+                                          int(q_heads), k_scale, v_scale, k_format, v_format)
+    return StepPlanTensors(host, device)
+
+
+def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            scale: float | None = None, *, window_left: int = -1, sink_tokens: int = 0,
+                            softcap: float = 0.0, return_lse: bool = False, out: torch.Tensor | None = None,
+                            lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, k_format: int = 0,
+                            v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if return_lse and lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    _ops.paged_attention_planned.default(query, k_cache, v_cache, plan[0], plan[1], float(scale), int(window_left),
+                                         int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
+                                         v_format)
+    return (out, lse) if return_lse else out
+
+
+def append_planned(plan: StepPlanTensors, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   k_format: int = 0, v_format: int = 0) -> None:
+    """:func:`append` of one layer at the slot_mapping of a step's :func:`plan_step`."""
+    _ops.append_planned.default(key, value, k_cache, v_cache, plan[0], plan[1], k_scale, v_scale, k_format, v_format)
+
+
+def host_index_reads() -> int:
+    """How many times the ops have read index values (lengths, tables, slots) on the host since the library
+    was loaded: on a GPU each such read is a device-to-host copy, i.e. a synchronization. A debugging aid:
+    the per-layer calls of a planned step add none."""
+    from . import _C
+
+    return int(_C.host_index_reads())
+
+
+@torch.library.register_fake("kvcache::plan_step")
+def _plan_step_fake(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale=None,
+                    v_scale=None, k_format=0, v_format=0):
+    # the plan's sizes depend on the lengths (its task list): data-dependent
+    ctx = torch.library.get_ctx()
+    host = torch.empty(ctx.new_dynamic_size(), dtype=torch.uint8, device="cpu")
+    device = torch.empty(ctx.new_dynamic_size(), dtype=torch.uint8, device=k_cache.device)
+    return host, device
 
 
 def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor,

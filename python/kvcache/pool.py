@@ -22,20 +22,12 @@ from .formats import CacheFormat, KVFormat
 from .layout import PageLayout
 from .quant import FP8_MAX, rot_scales, rotate
 
-# Storage kinds as the kernels number them (csrc/core/kv_format.h); + ROTATED for the hadamard option.
-_KIND_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "kivi4": 5, "kivi2": 6}
-ROTATED = 16
-_FULL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ROTATED = 16  # added to a kernel format id for the hadamard option (kvcache.formats.ROTATED)
 
 
 def format_id(fmt: KVFormat) -> int:
-    """The kernels' number of a format (0 = full precision)."""
-    if not fmt.quantized:
-        return 0
-    if fmt.kind not in _KIND_IDS or fmt.group != 32:
-        raise NotImplementedError(f"KV format {fmt} is not implemented by the kernels yet "
-                                  f"(int8, fp8_e4m3, fp8_e5m2, int4, kivi4 and kivi2 with groups of 32 are)")
-    return _KIND_IDS[fmt.kind] + (ROTATED if fmt.hadamard else 0)
+    """The kernels' number of a format (0 = full precision): ``fmt.kernel_id``."""
+    return fmt.kernel_id
 
 
 @dataclass
@@ -68,29 +60,20 @@ class KVPool:
         layout = PageLayout(num_blocks, page_size, num_kv_heads, head_dim)  # validates the geometry
         tensors = {}
         for role, f in (("k", fmt.k), ("v", fmt.v)):
-            format_id(f)  # rejects formats the kernels do not implement yet
+            f.kernel_id  # rejects formats the kernels do not implement yet
             if f.hadamard:
                 rot_scales(head_dim)  # rejects a head_dim that is not a power of two
-            if not f.quantized:
-                codes = torch.empty(layout.shape, dtype=_FULL_DTYPES[f.kind], device=device)
-                scale = None
-            elif f.kind == "int8":
-                codes = torch.zeros(layout.shape, dtype=torch.int8, device=device)
-                scale = torch.zeros(layout.shape[:3], dtype=torch.float32, device=device)
-            elif f.kind.startswith("kivi"):  # planar codes; keys per channel per page, values as int4
-                if head_dim % 32:
-                    raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for {f.kind}")
-                codes = torch.zeros((*layout.shape[:3], head_dim * f.bits // 8), dtype=torch.uint8, device=device)
-                meta = (num_blocks, num_kv_heads, head_dim // 32, 2, 32) if role == "k" else (*layout.shape[:3], head_dim // 32, 2)
-                scale = torch.zeros(meta, dtype=torch.float16, device=device)
-            elif f.kind == "int4":  # two codes per byte; (scale, zero) fp16 per 32 dims
-                if head_dim % 32:
-                    raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for int4")
-                codes = torch.zeros((*layout.shape[:3], head_dim // 2), dtype=torch.uint8, device=device)
-                scale = torch.zeros((*layout.shape[:3], head_dim // 32, 2), dtype=torch.float16, device=device)
-            else:  # fp8: one scale per kv head, given or computed from the first tokens
-                codes = torch.zeros(layout.shape, dtype=torch.uint8, device=device)
-                scale = torch.full((num_kv_heads,), f.scale or 1.0, dtype=torch.float32, device=device)
+            if f.grouped and head_dim % 32:
+                raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for {f.kind}")
+            shape = f.code_shape(num_blocks, num_kv_heads, page_size, head_dim)
+            # full precision starts uninitialized (every slot is written before it is read); codes at zero
+            codes = (torch.empty if not f.quantized else torch.zeros)(shape, dtype=f.code_dtype, device=device)
+            scale = None
+            if f.quantized:
+                scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, head_dim, role)
+                # fp8: one scale per kv head, given or computed from the first tokens
+                fill = (f.scale or 1.0) if f.kind.startswith("fp8") else 0.0
+                scale = torch.full(scale_shape, fill, dtype=f.scale_dtype, device=device)
             tensors[role], tensors[f"{role}_scale"] = codes, scale
         pool = cls(num_blocks, page_size, num_kv_heads, head_dim, fmt, **tensors)
         pool._scales_set = {"k": fmt.k.scale is not None, "v": fmt.v.scale is not None}
@@ -103,11 +86,12 @@ class KVPool:
     def op_kwargs(self) -> dict:
         """The format arguments of append / paged_gather / paged_attention for this pool."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale,
-                "k_format": format_id(self.format.k), "v_format": format_id(self.format.v)}
+                "k_format": self.format.k.kernel_id, "v_format": self.format.v.kernel_id}
 
     # ---- ops -----------------------------------------------------------------------------------
-    def append(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Writes (quantizing) K/V ``[batch, kv_heads, q_len, head_dim]`` at ``slot_mapping``.
+    def append(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: "torch.Tensor | ops.StepPlanTensors") -> None:
+        """Writes (quantizing) K/V ``[batch, kv_heads, q_len, head_dim]`` at ``slot_mapping``, or at the
+        slot_mapping of a step's :func:`kvcache.plan_step` (no index reads on the host).
 
         fp8 formats without a fixed scale take theirs from the first tokens appended: per kv head,
         the absolute maximum (of the rotated rows, for ``hadamard``) mapped onto the format's largest value.
@@ -120,7 +104,10 @@ class KVPool:
                 scale = torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
                 getattr(self, f"{role}_scale").copy_(scale)
                 self._scales_set[role] = True
-        ops.append(key, value, self.k, self.v, slot_mapping, **self.op_kwargs())
+        if isinstance(slot_mapping, ops.StepPlanTensors):
+            ops.append_planned(slot_mapping, key, value, self.k, self.v, **self.op_kwargs())
+        else:
+            ops.append(key, value, self.k, self.v, slot_mapping, **self.op_kwargs())
 
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +126,17 @@ class KVPool:
         """:func:`kvcache.paged_attention` over this pool (K/V dequantized in registers)."""
         return ops.paged_attention(query, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
                                    **kwargs, **self.op_kwargs())
+
+    def attention_planned(self, query: torch.Tensor, plan: "ops.StepPlanTensors", scale: float | None = None,
+                          **kwargs):
+        """:func:`kvcache.paged_attention_planned` over this pool, on a step's :func:`kvcache.plan_step`."""
+        return ops.paged_attention_planned(plan, query, self.k, self.v, scale, **kwargs, **self.op_kwargs())
+
+    def plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor,
+             slot_mapping: torch.Tensor | None = None, *, q_heads: int) -> "ops.StepPlanTensors":
+        """:func:`kvcache.plan_step` for this pool (and every pool of its shape and format)."""
+        return ops.plan_step(self.k, self.v, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads=q_heads,
+                             **self.op_kwargs())
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import quant
+from .formats import ROTATED, KVFormat
 from .layout import PageLayout
 
 
@@ -124,6 +125,27 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             lse[cu[b]:cu[b + 1]] = l
 
 
+def plan_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor,
+              slot_mapping: torch.Tensor | None = None) -> dict:
+    """A step's plan as the reference sees it: the index tensors themselves (a kernel plan adds validation,
+    done once, and a task list, neither of which changes what the planned ops compute)."""
+    return {"block_tables": block_tables, "seq_lens": seq_lens, "cu_q_lens": cu_q_lens, "slot_mapping": slot_mapping}
+
+
+def paged_attention_planned(plan: dict, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            scale: float, window_left: int, sink_tokens: int, softcap: float, out: torch.Tensor,
+                            lse: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.float32) -> None:
+    """:func:`paged_attention` with the plan's tables, lengths and query offsets."""
+    paged_attention(query, k_cache, v_cache, plan["block_tables"], plan["seq_lens"], plan["cu_q_lens"], scale,
+                    window_left, sink_tokens, softcap, out, lse, compute_dtype)
+
+
+def append_planned(plan: dict, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+    """:func:`append` at the plan's slot_mapping."""
+    append(key, value, k_cache, v_cache, plan["slot_mapping"])
+
+
 def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor,
                  v_out: torch.Tensor, lse_out: torch.Tensor) -> None:
     """The state over the union of two disjoint key sets: weights exp(lse_x - lse), lse = logaddexp."""
@@ -136,9 +158,6 @@ def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_
 
 # ---- quantized pools (kvcache.KVPool): format ids 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = int4 -------
 # (+ 16: rows Hadamard-rotated before quantizing, kvcache.quant.rotate); 5 = kivi4, 6 = kivi2
-_FP8_KIND = {2: "e4m3", 3: "e5m2"}
-_ROTATED = 16
-_KIVI_BITS = {5: 4, 6: 2}
 
 
 def _kivi_key_pages(key: torch.Tensor, slot_mapping: torch.Tensor, pool: torch.Tensor, meta: torch.Tensor,
@@ -167,46 +186,49 @@ def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
     slots = slot_mapping[keep]
     page = k_cache.shape[2]
     block, offset = torch.div(slots, page, rounding_mode="floor"), slots % page
-    for x, pool, scale, fmt in ((key, k_cache, k_scale, k_format), (value, v_cache, v_scale, v_format)):
+    for x, pool, scale, fmt_id in ((key, k_cache, k_scale, k_format), (value, v_cache, v_scale, v_format)):
+        fmt = KVFormat.from_kernel_id(fmt_id, pool.dtype if pool.is_floating_point() else torch.float32)
         rows = x.transpose(1, 2)[keep]                                   # [n, kv_heads, head_dim]
-        if fmt >= _ROTATED:
-            rows, fmt = quant.rotate(rows), fmt - _ROTATED
-        if fmt in _KIVI_BITS and pool is k_cache:
-            _kivi_key_pages(x, slot_mapping, pool, scale, _KIVI_BITS[fmt])
-        elif fmt in _KIVI_BITS:  # values: per token, groups of 32, planar codes
-            codes, group_scale, zero = quant.group_quantize(rows, _KIVI_BITS[fmt], 32)
-            pool[block, :, offset, :] = quant.pack_planar(codes, _KIVI_BITS[fmt])
+        if fmt.hadamard:
+            rows = quant.rotate(rows)
+        if fmt.kind.startswith("kivi") and pool is k_cache:
+            _kivi_key_pages(x, slot_mapping, pool, scale, fmt.bits)
+        elif fmt.kind.startswith("kivi"):  # values: per token, groups of 32, planar codes
+            codes, group_scale, zero = quant.group_quantize(rows, fmt.bits, 32)
+            pool[block, :, offset, :] = quant.pack_planar(codes, fmt.bits)
             scale[block, :, offset] = torch.stack([group_scale.half(), zero.half()], dim=-1)
-        elif fmt == 0:
+        elif not fmt.quantized:
             pool[block, :, offset, :] = rows
-        elif fmt == 1:
+        elif fmt.kind == "int8":
             codes, row_scale = quant.int8_quantize(rows)
             pool[block, :, offset, :] = codes
             scale[block, :, offset] = row_scale
-        elif fmt == 4:  # int4: groups of 32, codes packed two per byte, fp16 (scale, zero)
+        elif fmt.kind == "int4":  # groups of 32, codes packed two per byte, fp16 (scale, zero)
             codes, group_scale, zero = quant.group_quantize(rows, 4, 32)
             pool[block, :, offset, :] = quant.pack(codes, 4)
             scale[block, :, offset] = torch.stack([group_scale.half(), zero.half()], dim=-1)
         else:
             per_head = scale.view(1, -1, 1)
-            pool[block, :, offset, :] = quant.fp8_quantize(rows, per_head, _FP8_KIND[fmt]).to(pool.dtype)
+            pool[block, :, offset, :] = quant.fp8_quantize(rows, per_head, fmt.kind.removeprefix("fp8_")).to(pool.dtype)
 
 
-def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor | None, fmt: int) -> torch.Tensor:
-    """The values a pool of any format stands for, in float32, shaped like the pool."""
-    if fmt >= _ROTATED:
-        return quant.unrotate(dequantize_pool(pool, scale, fmt - _ROTATED))
-    if fmt in _KIVI_BITS:
-        codes = quant.unpack_planar(pool, _KIVI_BITS[fmt]).float()        # [blocks, heads, page, d]
+def dequantize_pool(pool: torch.Tensor, scale: torch.Tensor | None, fmt_id: int) -> torch.Tensor:
+    """The values a pool of any format (its kernel id, :attr:`kvcache.KVFormat.kernel_id`) stands for, in
+    float32, shaped like the pool."""
+    fmt = KVFormat.from_kernel_id(fmt_id)
+    if fmt.hadamard:
+        return quant.unrotate(dequantize_pool(pool, scale, fmt_id - ROTATED))
+    if fmt.kind.startswith("kivi"):
+        codes = quant.unpack_planar(pool, fmt.bits).float()              # [blocks, heads, page, d]
         if scale.shape[-1] == 32:                                         # keys: [blocks, heads, d / 32, 2, 32]
             s = scale[:, :, :, 0].reshape(*scale.shape[:2], 1, -1).float()
             z = scale[:, :, :, 1].reshape(*scale.shape[:2], 1, -1).float()
             return codes * s + z
         return quant.group_dequantize(codes.to(torch.uint8), scale[..., 0].float(), scale[..., 1].float())
-    if fmt == 0:
+    if not fmt.quantized:
         return pool.float()
-    if fmt == 1:
+    if fmt.kind == "int8":
         return quant.int8_dequantize(pool, scale)
-    if fmt == 4:
+    if fmt.kind == "int4":
         return quant.group_dequantize(quant.unpack(pool, 4), scale[..., 0].float(), scale[..., 1].float())
-    return quant.fp8_dequantize(pool.view(torch.uint8), scale.view(1, -1, 1, 1), _FP8_KIND[fmt])
+    return quant.fp8_dequantize(pool.view(torch.uint8), scale.view(1, -1, 1, 1), fmt.kind.removeprefix("fp8_"))

@@ -1,0 +1,120 @@
+"""The ``"kvcache"`` attention implementation for transformers: :func:`kvcache_attention` reads the pages of a
+:class:`kvcache.PagedCache` in place (the kernels' plan of the step, made once per forward); anything the
+kernel cannot express goes through PyTorch. :func:`kvcache_mask` is its mask function."""
+
+from __future__ import annotations
+
+import torch
+
+from . import residual as res
+from .hf_cache import PagedCache
+from .padding import PENDING_PADDING, Padding, leading_pads
+from .step import StepPlan
+
+__all__ = ["kvcache_attention", "kvcache_mask"]
+
+
+def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """Mask function of the ``"kvcache"`` implementation: the 2-D padding mask (or None when nothing is
+    padded); causality, windows and sinks are the kernel's. Leaves the padding for the cache's update."""
+    from transformers import masking_utils
+
+    mask = masking_utils.flash_attention_mask(batch_size, *args, attention_mask=attention_mask, **kwargs)
+    q_length = args[0] if args else kwargs.get("q_length", kwargs.get("cache_position"))
+    q_length = int(q_length.shape[0]) if torch.is_tensor(q_length) else int(q_length)
+    PENDING_PADDING.set(None if mask is None else Padding(mask, q_length))
+    return mask
+
+
+def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """Attention over the pages of a :class:`PagedCache` (the tag ``update`` left on ``key``); anything
+    else (no cache, another cache, masks the kernel cannot express) goes through PyTorch's SDPA."""
+    tag = getattr(key, "_kvcache", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    if tag is not None:
+        cache, layer_idx, plan = tag
+        if _fused_ok(cache, plan, attention_mask, query) and not (sliding_window and plan.residual is not None):
+            return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
+        key, value = cache._dense(layer_idx, query.dtype)
+    return _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
+                            sliding_window, softcap), None
+
+
+def _fused_ok(cache: PagedCache, plan: StepPlan, mask, query) -> bool:
+    """Whether the kernel's view (stored tokens, bottom-right causal) is exactly what the mask asks for."""
+    if mask is None:
+        return not any(cache.pads)
+    if mask.dim() != 2 or mask.shape[0] != len(cache.pads):
+        return False
+    key = (id(mask), plan.version, plan.length)
+    if getattr(cache, "_mask_checked", None) == key:
+        return cache._mask_ok
+    pads = leading_pads(mask)
+    total = plan.length + plan.q_len
+    ok = pads is not None and [p + total - mask.shape[1] for p in pads] == cache.pads
+    cache._mask_checked, cache._mask_ok = key, ok
+    cache._mask_ref = mask  # keeps id(mask) from being reused while the key is live
+    return ok
+
+
+def _paged(cache: PagedCache, layer_idx: int, plan: StepPlan, query: torch.Tensor, scaling: float,
+           sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    batch, heads, q_len, dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    if plan.query_rows is not None:
+        q = q.index_select(0, plan.query_rows)
+    pool = cache.store.pools[layer_idx]
+    if plan.residual is not None:  # (sliding windows went to the dense path: positions span two pools)
+        out = res.attention(plan.residual, pool, cache.store.residual_pools[layer_idx], q, plan.cu_q_lens,
+                            float(scaling), softcap=float(softcap or 0.0))
+    else:  # on the step's kernel plan: no index reads on the host per layer
+        out = pool.attention_planned(q, plan.kernel_plan(pool, heads), float(scaling),
+                                     window_left=-1 if not sliding_window else int(sliding_window) - 1,
+                                     sink_tokens=cache.sink_tokens if sliding_window else 0,
+                                     softcap=float(softcap or 0.0))
+    if plan.query_rows is not None:
+        full = out.new_zeros(batch * q_len, heads, dim)
+        full.index_copy_(0, plan.query_rows, out)
+        out = full
+    return out.view(batch, q_len, heads, dim)
+
+
+def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap):
+    """Bottom-right causal attention with a 2-D padding mask (or a ready 4-D mask) in PyTorch."""
+    batch, heads, q_len, _ = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if mask2d is not None and mask2d.dim() == 4:
+        allowed = mask2d if mask2d.dtype == torch.bool else None
+        additive = None if allowed is not None else mask2d
+    else:
+        i = torch.arange(q_len, device=query.device).unsqueeze(1) + (kv_len - q_len)
+        j = torch.arange(kv_len, device=query.device).unsqueeze(0)
+        allowed = j <= i
+        if sliding_window:
+            allowed = allowed & (j > i - int(sliding_window))
+        allowed = allowed.view(1, 1, q_len, kv_len)
+        if mask2d is not None:
+            allowed = allowed & mask2d[:, -kv_len:].to(torch.bool).view(batch, 1, 1, kv_len)
+        additive = None
+    if heads != kv_heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    if softcap:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        if additive is not None:
+            scores = scores + additive
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        out = torch.matmul(probs, value)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed if allowed is not None else additive, dropout_p=dropout,
+            scale=scaling)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,465 @@
+"""The transformers ``Cache``: :class:`PagedCache` (and its per-layer view :class:`PagedLayer`), usable as
+``past_key_values`` of Hugging Face models; the pages live in a :class:`kvcache.PagedStore`."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .formats import CacheFormat
+from . import residual as res
+from .padding import PENDING_PADDING, Padding, leading_pads
+from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
+from .step import StepPlan, plan_step
+from .store import PagedStore
+
+__all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME"]
+
+ATTENTION_NAME = "kvcache"  # the attention (and mask) implementation registered with transformers
+
+try:  # transformers is optional for the rest of kvcache
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover - exercised only without transformers
+    Cache, CacheLayerMixin = object, object
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`PagedCache`: its length; the pages live in the store."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: "PagedCache", index: int):
+        super().__init__()
+        self.cache, self.index, self.length = cache, index, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.cache.update(key_states, value_states, self.index)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
+        q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
+        return self.length + q, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1 if self.cache.store.max_tokens is None else self.cache.store.max_tokens
+
+    def get_max_cache_shape(self) -> int:
+        return self.get_max_length()
+
+    # Cache-level methods act on all layers at once (the block tables are shared); these keep the
+    # layer API complete for code that walks ``cache.layers``.
+    def reset(self) -> None:
+        self.length = 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("reorder a PagedCache as a whole: cache.reorder_cache(beam_idx)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop a PagedCache as a whole: cache.crop(n)")
+
+    def offload(self) -> None:  # pages stay where they are
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"PagedLayer(index={self.index}, length={self.length})"
+
+
+
+class PagedCache(Cache):
+    """A paged, optionally quantized KV cache usable as ``past_key_values`` of transformers models.
+
+    Args:
+        config: the model config (``model.config``): gives the number of layers and lets the cache see
+            which attention implementation the model uses. Without it, layers are created as they come.
+        page_size: tokens per page (a power of two).
+        kv_format: storage format of K and V, e.g. ``"int8"``, ``"k=int8,v=int4"``,
+            :class:`kvcache.CacheFormat`; default: the model's dtype (full precision).
+        max_tokens: size the pool for this many tokens (all rows together) up front; by default it grows.
+        device, dtype: only checked against the tensors the model passes (pages follow the model).
+        sink_tokens: with a sliding-window model and ``"kvcache"`` attention, the first tokens stay
+            visible (StreamingLLM attention sinks).
+        residual_length: with a quantized ``kv_format``, the newest ``residual_length`` tokens of every row
+            stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
+            pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 for KIVI
+            formats (which also keep the page being written in full precision), 0 for the others.
+        residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
+        store: share the pages (and allocator, prefix cache) of another cache or an Engine.
+        prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
+            (its allocator then numbers the pages); see :meth:`load_prefix` / :meth:`save_prefix`.
+        allocator: number the pages with this :class:`kvcache.BlockAllocator` (its size bounds the pool).
+    """
+
+    def __init__(self, config=None, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, sink_tokens: int = 0,
+                 store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
+                 allocator: BlockAllocator | None = None, num_layers: int | None = None,
+                 residual_length: int | None = None, residual_sink_tokens: int = 0):
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if num_layers is None and text_config is not None:
+            num_layers = getattr(text_config, "num_hidden_layers", None)
+        if store is None:
+            store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
+                               prefix_cache=prefix_cache, allocator=allocator, residual_length=residual_length,
+                               residual_sink_tokens=residual_sink_tokens)
+        self.store = store
+        self.config = text_config
+        self.device = None if device is None else torch.device(device)
+        self.dtype = dtype
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens={sink_tokens} must be >= 0")
+        self.sink_tokens = int(sink_tokens)
+        if self.sink_tokens and store.residual is not None:
+            raise ValueError(f"sink_tokens={sink_tokens} (attention sinks of a sliding window) cannot be combined with "
+                             f"residual pages ({store.residual_label}, format {store.kv_format}): the kernel's window "
+                             f"needs every token at its position in one pool")
+        self.rows: list[Sequence] = []   # per batch row: its stored tokens (pads not stored)
+        self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
+        self._version = 0
+        self._plan: StepPlan | None = None
+        self._external_plan: StepPlan | None = None
+        self._dense_row_mode = False
+        layers = [PagedLayer(self, i) for i in range(num_layers)] if num_layers else []
+        super().__init__(layers=layers)
+
+    # ---- what transformers calls -----------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """Whether the model attends with the ``"kvcache"`` implementation (update then only writes)."""
+        return getattr(self.config, "_attn_implementation", None) == ATTENTION_NAME
+
+    def set_step_plan(self, plan: StepPlan | None) -> None:
+        """For an owner that schedules its own (packed) steps, such as :class:`kvcache.Engine`: the next
+        forwards write their K/V at ``plan``'s slots and attend with the ``"kvcache"`` kernel over its
+        tables, without this cache's rows; ``None`` returns to the cache's own bookkeeping."""
+        self._external_plan = plan
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Writes the new K/V ``[batch, kv_heads, q_len, head_dim]`` of layer ``layer_idx`` into the pages.
+
+        Returns the layer's whole K/V (dense mode) or the new K/V tagged for the ``"kvcache"``
+        attention function (fused mode)."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(PagedLayer(self, len(self.layers)))
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            self._check_placement(key_states)
+            layer.lazy_initialization(key_states, value_states)
+        if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
+            plan = self._external_plan.on(key_states.device)
+            self.write(layer_idx, key_states, value_states, plan)
+            return self._tagged(key_states, value_states, layer_idx, plan)
+        batch, _, q_len, _ = key_states.shape
+        pending = PENDING_PADDING.get()
+        if layer_idx == 0 and pending is not None:
+            PENDING_PADDING.set(None)  # one forward's padding: consumed (or dropped) by its first layer
+        if not self.rows:
+            self._start_rows(batch, q_len, layer.length, pending)
+        elif batch != len(self.rows):
+            raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
+                             f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave)")
+        if self.sink_tokens and not self.fused:
+            raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention: "
+                             f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
+        plan = self._step_plan(layer.length, q_len).on(key_states.device)
+        self.write(layer_idx, key_states, value_states, plan)
+        layer.length += q_len
+        if self.fused:
+            return self._tagged(key_states, value_states, layer_idx, plan)
+        return self._dense(layer_idx, key_states.dtype)
+
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
+        """Writes a layer's new K/V at the slots of ``plan`` (the step's :class:`kvcache.StepPlan`): through
+        the kernels' plan of the step, so no index values are read on the host per layer."""
+        pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
+        if plan.residual is not None:  # seal what aged, write the new tokens in full precision
+            residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
+            res.apply(plan.residual, pool, residual, key_states, value_states)
+            return
+        if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
+            key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
+        # the attention's query heads, so that append and attention share one kernel plan per step
+        q_heads = getattr(self.config, "num_attention_heads", None) or pool.num_kv_heads
+        pool.append(key_states, value_states, plan.kernel_plan(pool, q_heads))
+
+    def _tagged(self, key_states, value_states, layer_idx: int, plan: StepPlan):
+        """The new K/V, the key tagged for the ``"kvcache"`` attention function: (cache, layer, plan)."""
+        k = key_states.view(key_states.shape)  # a fresh tensor object to carry the tag
+        k._kvcache = (self, layer_idx, plan)
+        return k, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].length
+
+    def reset(self) -> None:
+        """Empties the cache (its pages go back to the allocator); the pools stay allocated."""
+        self._release_rows()
+        for layer in self.layers:
+            layer.length = 0
+
+    def free(self) -> None:
+        """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
+        self.reset()
+        if self.store.prefix_cache is None and self.store.allocator.num_free == self.store.allocator.num_blocks:
+            self.store.clear()
+
+    def __enter__(self) -> "PagedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``beam_idx[i]``: block tables are rewired, pages shared copy-on-write."""
+        self._select_rows([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows([i for i in range(len(self.rows)) for _ in range(int(repeats))])
+
+    def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
+        """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
+        transformers < 5.14 convention) keeps the first ``n``. Exact for every format: the dropped slots
+        are simply rewritten later."""
+        if tokens_to_remove is None:  # older keyword names
+            tokens_to_remove = next(kwargs[k] for k in ("max_length", "maximum_length", "tokens_to_remove") if k in kwargs)
+        n = int(tokens_to_remove)
+        length = self.get_seq_length()
+        new_len = max(0, length + n) if n < 0 else (length if n == 0 else min(n, length))
+        if new_len == length:
+            return
+        if any(layer.length != length for layer in self.layers):
+            raise RuntimeError("crop in the middle of a forward (layers hold different lengths)")
+        alloc, page = self.store.allocator, self.store.page_size
+        for b, seq in enumerate(self.rows):
+            self.pads[b] = min(self.pads[b], new_len)
+            stored = new_len - self.pads[b]
+            keep = -(-stored // page)
+            if keep < len(seq.blocks):
+                alloc.free(seq.blocks[keep:])
+                seq.blocks = seq.blocks[:keep].clone()
+            seq.num_tokens = stored
+        for layer in self.layers:
+            layer.length = new_len
+        self._version += 1
+
+    def activate_past_recording(self) -> None:  # nothing is ever evicted from the pages
+        pass
+
+    def __deepcopy__(self, memo) -> "PagedCache":
+        """An independent copy that shares the pages copy-on-write (no data is copied until a write)."""
+        other = copy.copy(self)
+        other.layers = []
+        for layer in self.layers:
+            new_layer = copy.copy(layer)
+            new_layer.cache = other
+            other.layers.append(new_layer)
+        other.rows = [self.store.allocator.fork(seq) for seq in self.rows]
+        other.pads = list(self.pads)
+        other._plan = None
+        return other
+
+    def __del__(self):
+        try:
+            self._release_rows()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # ---- prefix reuse ------------------------------------------------------------------------------
+    def _namespace(self):
+        ns = self.store.namespace
+        if ns is None:
+            fmt = self.store.kv_format
+            label = "" if fmt is None else "+".join(filter(None, (str(fmt), self.store.residual_label)))
+            ns = Namespace(model=str(getattr(self.config, "_name_or_path", "") or type(self.config).__name__),
+                           kv_format=label)
+        return ns
+
+    def load_prefix(self, input_ids: torch.Tensor) -> int:
+        """Starts an empty batch-1 cache with the longest cached prefix of ``input_ids`` (from the store's
+        prefix cache) and returns its length; ``generate`` then prefills only the rest. At least one token
+        is left to compute."""
+        if self.store.prefix_cache is None:
+            raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
+        tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
+        if self.rows or self.get_seq_length():
+            raise ValueError("load_prefix needs an empty cache")
+        m = self.store.prefix_cache.match(tokens[:-1], self._namespace())
+        if m.length == 0:
+            return 0
+        # a partial last page is shared too: it is copied on the first write (copy-on-write)
+        seq = self.store.allocator.sequence(m)
+        self.rows, self.pads = [seq], [0]
+        if not self.layers:
+            raise ValueError("load_prefix needs the number of layers (PagedCache(config=...))")
+        for layer in self.layers:
+            layer.length = m.length
+        self._version += 1
+        return m.length
+
+    def save_prefix(self, input_ids: torch.Tensor, row: int = 0) -> int:
+        """Caches row ``row``'s first ``len(input_ids)`` tokens (which must be what it holds) in the prefix
+        cache; returns how many were cached already."""
+        if self.store.prefix_cache is None:
+            raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
+        tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
+        if self.pads[row]:
+            tokens = tokens[self.pads[row]:]
+        seq = self.rows[row]
+        n = min(len(tokens), seq.num_tokens, self.get_seq_length() - self.pads[row])
+        return self.store.prefix_cache.insert(tokens[:n], seq.blocks[: -(-n // self.store.page_size)],
+                                              self._namespace()).prefix_length
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Tokens, blocks, bytes (stored, reserved by the pools), internal waste, and the bytes an
+        equivalent ``DynamicCache`` would hold in the model's dtype. With residual pages, ``residual_blocks``
+        of the blocks are also held in full precision, and ``bytes`` counts both copies."""
+        page = self.store.page_size
+        length = self.get_seq_length()
+        tokens = sum(length - p for p in self.pads)
+        blocks = sum(len(s.blocks) for s in self.rows)
+        per_block = self.store.bytes_per_block()
+        residual_blocks = 0
+        if self.store.residual is not None:
+            open_blocks = self.store.residual.slot_of
+            residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
+        dense = 0
+        for pool in self.store.pools.values():
+            elem = torch.finfo(self.layers[0].dtype).bits // 8 if self.layers and self.layers[0].is_initialized else 2
+            dense += 2 * len(self.rows) * length * pool.num_kv_heads * pool.head_dim * elem
+        fmt = self.store.kv_format
+        if fmt is None and self.layers and self.layers[0].is_initialized:
+            fmt = CacheFormat.parse(self.layers[0].dtype)
+        label = "+".join(filter(None, (str(fmt), self.store.residual_label))) if fmt is not None else "model dtype"
+        return {
+            "format": label,
+            "rows": len(self.rows),
+            "seq_length": length,
+            "tokens": tokens,
+            "blocks": blocks,
+            "page_size": page,
+            "residual_blocks": residual_blocks,
+            "bytes": blocks * per_block + residual_blocks * self.store.residual_bytes_per_block(),
+            "pool_bytes": self.store.nbytes,
+            "waste_tokens": blocks * page - tokens,
+            "waste_fraction": (blocks * page - tokens) / (blocks * page) if blocks else 0.0,
+            "dynamic_cache_bytes": dense,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        mode = "kvcache attention" if self.fused else "dense"
+        return (f"PagedCache(layers={len(self.layers)}, rows={s['rows']}, seq_length={s['seq_length']}, "
+                f"format={s['format']}, page_size={s['page_size']}, blocks={s['blocks']}, "
+                f"bytes={_human(s['bytes'])} vs DynamicCache {_human(s['dynamic_cache_bytes'])}, mode={mode})")
+
+    def _repr_html_(self) -> str:
+        s = self.stats()
+        rows = "".join(f"<tr><td>{k}</td><td>{_human(v) if 'bytes' in k else v}</td></tr>" for k, v in s.items())
+        return f"<b>kvcache.PagedCache</b> ({'kvcache attention' if self.fused else 'dense'})<table>{rows}</table>"
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _check_placement(self, key: torch.Tensor) -> None:
+        if self.device is not None and key.device != self.device:
+            raise ValueError(f"PagedCache(device={self.device}) got key_states on {key.device}")
+        if self.dtype is not None and key.dtype != self.dtype:
+            raise ValueError(f"PagedCache(dtype={self.dtype}) got key_states of dtype {key.dtype}")
+
+    @property
+    def _max_block(self) -> int:
+        return max((int(s.blocks.max()) for s in self.rows if len(s.blocks)), default=-1)
+
+    def _start_rows(self, batch: int, q_len: int, length: int, pending: Padding | None) -> None:
+        pads = [0] * batch
+        if (self.fused and length == 0 and pending is not None and pending.mask.shape[0] == batch
+                and pending.mask.shape[1] == q_len):
+            pads = leading_pads(pending.mask) or pads
+        self.rows = [self.store.allocator.sequence() for _ in range(batch)]
+        self.pads = pads
+        self._version += 1
+
+    def _release_rows(self) -> None:
+        for seq in self.rows:
+            self.store.allocator.release(seq)
+        self.rows, self.pads = [], []
+        self._plan = None
+        self._version += 1
+
+    def _select_rows(self, sources: list[int]) -> None:
+        if not self.rows:
+            return
+        n = len(self.rows)
+        bad = [s for s in sources if not 0 <= s < n]
+        if bad:
+            raise IndexError(f"row index {bad[0]} is out of range for a cache of {n} rows")
+        alloc = self.store.allocator
+        new_rows = [alloc.fork(self.rows[s]) for s in sources]
+        new_pads = [self.pads[s] for s in sources]
+        self._release_rows()
+        self.rows, self.pads = new_rows, new_pads
+
+    def _step_plan(self, length: int, q_len: int) -> StepPlan:
+        plan = self._plan
+        if plan is not None and plan.length == length and plan.q_len == q_len and plan.version == self._version:
+            return plan
+        alloc = self.store.allocator
+        end = length + q_len
+        for b, seq in enumerate(self.rows):  # room for the new tokens (copy-on-write of shared pages)
+            need = end - self.pads[b] - seq.num_tokens
+            if need > 0:
+                copies = alloc.append(seq, need)
+                self.store.copy_blocks(copies)
+        self.store.ensure_blocks(self._max_block + 1)
+        self._version += 1
+        device = next((p.k.device for p in self.store.pools.values()), None) or self.layers[0].device
+        self._plan = plan = plan_step(self.rows, [length - p for p in self.pads], [q_len] * len(self.rows),
+                                      packed=False, page_size=self.store.page_size, device=device,
+                                      residual=self.store.residual, length=length, version=self._version)
+        return plan
+
+    def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V as ``[batch, kv_heads, length, head_dim]`` (pad slots that were not stored are zero)."""
+        layer, pool = self.layers[layer_idx], self.store.pools[layer_idx]
+        plan = self._plan.on(pool.k.device)
+        length = layer.length
+        if plan.residual is not None:
+            k, v = res.gather(plan.residual, pool, self.store.residual_pools[layer_idx], plan.block_tables,
+                              plan.seq_lens, length, dtype)
+        elif pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
+            k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length)
+            k, v = (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+        else:
+            k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length, dtype=dtype)
+        if not any(self.pads):
+            return k, v
+        k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
+        for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
+            k_out[b, :, pad:] = k[b, :, : length - pad]
+            v_out[b, :, pad:] = v[b, :, : length - pad]
+        return k_out, v_out
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+

@@ -1,0 +1,183 @@
+"""The pages of every layer of a model and the allocator of their block ids: :class:`PagedStore`, shared by
+:class:`kvcache.PagedCache` objects and :class:`kvcache.Engine`."""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import CacheFormat
+from .pool import KVPool
+from .prefix import BlockAllocator, Namespace, PrefixCache
+from .residual import ResidualPages
+
+__all__ = ["PagedStore", "KIVI_RESIDUAL_LENGTH"]
+
+# KIVI's default full-precision window (the paper's residual length R)
+KIVI_RESIDUAL_LENGTH = 128
+
+# Block ids the allocator may hand out when no max_tokens is given: the pools themselves grow on demand,
+# so this is a budget, not memory (4M tokens at page 16).
+_UNBOUNDED_BLOCKS = 1 << 18
+
+
+class PagedStore:
+    """The pages of every layer plus the allocator of their block ids (and an optional prefix cache).
+
+    One store may back several :class:`PagedCache` objects (copies, an :class:`kvcache.Engine`'s
+    requests): each holds references on the blocks it uses. Pools are allocated per layer on first use,
+    with that layer's kv heads, head_dim and device, and grow (doubling) as block ids are handed out,
+    unless ``max_tokens`` fixes their size up front.
+
+    With a quantized format, ``residual_length`` (the newest tokens of every sequence; default
+    ``None``: 128 for KIVI formats, as in the KIVI paper, else 0) and ``residual_sink_tokens`` (its first
+    tokens, in whole pages) stay in the model's dtype, in residual pools beside the quantized ones
+    (:mod:`kvcache.residual`); KIVI formats always use them, since a KIVI page is quantized only once it
+    is complete.
+    """
+
+    def __init__(self, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
+                 prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None,
+                 allocator: BlockAllocator | None = None, residual_length: int | None = None,
+                 residual_sink_tokens: int = 0):
+        if max_tokens is not None and max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens} must be positive")
+        if (residual_length or 0) < 0 or residual_sink_tokens < 0:
+            raise ValueError(f"residual_length={residual_length} and residual_sink_tokens={residual_sink_tokens} "
+                             f"must be >= 0")
+        self.page_size = int(page_size)
+        self.kv_format = None if kv_format is None else CacheFormat.parse(kv_format)
+        self.max_tokens = max_tokens
+        budget = _UNBOUNDED_BLOCKS if max_tokens is None else -(-max_tokens // self.page_size)
+        if isinstance(prefix_cache, PrefixCache):
+            self.prefix_cache = prefix_cache
+            self.allocator = prefix_cache.allocator
+            if self.allocator.page_size != self.page_size:
+                raise ValueError(f"the prefix cache's page_size={self.allocator.page_size} differs from "
+                                 f"page_size={self.page_size}")
+        else:
+            self.allocator = allocator or BlockAllocator(budget, self.page_size)
+            if self.allocator.page_size != self.page_size:
+                raise ValueError(f"the allocator's page_size={self.allocator.page_size} differs from "
+                                 f"page_size={self.page_size}")
+            self.prefix_cache = PrefixCache(self.allocator) if prefix_cache else None
+        if allocator is not None or isinstance(prefix_cache, PrefixCache):
+            self.max_tokens = self.allocator.num_blocks * self.page_size  # someone else's budget: fixed
+        self.namespace = namespace
+        self.pools: dict[int, KVPool] = {}
+        self.fixed_size = self.max_tokens is not None
+        fmt = self.kv_format
+        quantized = fmt is not None and (fmt.k.quantized or fmt.v.quantized)
+        kivi = fmt is not None and (fmt.k.kind.startswith("kivi") or fmt.v.kind.startswith("kivi"))
+        if residual_length is None:
+            residual_length = KIVI_RESIDUAL_LENGTH if kivi else 0
+        self.residual: ResidualPages | None = None
+        self.residual_pools: dict[int, KVPool] = {}
+        if quantized and (residual_length or residual_sink_tokens or kivi):
+            self.residual = ResidualPages(self.page_size, residual_length, -(-residual_sink_tokens // self.page_size))
+            self.residual.is_live = lambda block: self.allocator.refcount(block) > 0
+
+    @property
+    def residual_label(self) -> str:
+        """The residual settings as text (part of the prefix cache's namespace): "" when there are none."""
+        r = self.residual
+        if r is None:
+            return ""
+        return f"residual={r.window}" + (f",sinks={r.sink_pages * self.page_size}" if r.sink_pages else "")
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def pool(self, layer: int, key: torch.Tensor, value: torch.Tensor, min_blocks: int) -> KVPool:
+        """Layer ``layer``'s pool, created from the first K/V it sees and grown to ``min_blocks``."""
+        pool = self.pools.get(layer)
+        if pool is None:
+            _, heads, _, dim = key.shape
+            if value.shape[1] != heads or value.shape[3] != dim:
+                raise ValueError(f"layer {layer}: value heads/head_dim {tuple(value.shape[1::2])} differ from the "
+                                 f"key's ({heads}, {dim}); kvcache pages need equal K and V shapes")
+            fmt = self.kv_format or CacheFormat.parse(key.dtype)
+            blocks = self.capacity_blocks if self.fixed_size else _grown(0, min_blocks)
+            pool = KVPool.allocate(blocks, self.page_size, heads, dim, fmt, device=key.device)
+            self.pools[layer] = pool
+        elif pool.num_blocks < min_blocks:
+            pool = self.pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
+        return pool
+
+    def residual_pool(self, layer: int, key: torch.Tensor, min_blocks: int) -> KVPool:
+        """Layer ``layer``'s full-precision residual pool (the model's dtype), grown to ``min_blocks``."""
+        pool = self.residual_pools.get(layer)
+        if pool is None:
+            _, heads, _, dim = key.shape
+            pool = KVPool.allocate(_grown(0, min_blocks), self.page_size, heads, dim, key.dtype, device=key.device)
+            self.residual_pools[layer] = pool
+        elif pool.num_blocks < min_blocks:
+            pool = self.residual_pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
+        return pool
+
+    def ensure_blocks(self, min_blocks: int) -> None:
+        """Grows every pool so that block ids below ``min_blocks`` are valid."""
+        for layer, pool in list(self.pools.items()):
+            if pool.num_blocks < min_blocks:
+                self.pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
+
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """Applies the allocator's copy-on-write (src, dst) pairs to every layer's pool."""
+        if len(copies):
+            self.ensure_blocks(int(copies.max()) + 1)
+            from . import ops
+            for pool in self.pools.values():
+                if not (pool.format.k.quantized or pool.format.v.quantized):
+                    ops.copy_blocks(pool.k, pool.v, copies)
+                    continue
+                src, dst = copies[:, 0].to(pool.k.device), copies[:, 1].to(pool.k.device)
+                for role in ("k", "v"):  # codes, and the per-row / per-group scales that travel with them
+                    for t in (getattr(pool, role), getattr(pool, f"{role}_scale")):
+                        if t is not None and t.dim() >= 3:
+                            t.index_copy_(0, dst, t.index_select(0, src))
+            if self.residual is not None:  # open pages are copied in the residual pools
+                moves = self.residual.copy_on_write([tuple(p) for p in copies.tolist()])
+                for layer, pool in list(self.residual_pools.items()):
+                    if moves:
+                        pool = self.residual_pool(layer, pool.k, self.residual.num_slots)
+                        ops.copy_blocks(pool.k, pool.v, torch.tensor(moves, dtype=torch.int64, device=pool.k.device))
+
+    def clear(self) -> None:
+        """Drops every pool's memory (the allocator must hold no blocks)."""
+        self.pools.clear()
+        self.residual_pools.clear()
+        if self.residual is not None:
+            self.residual.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values()) + sum(p.nbytes for p in self.residual_pools.values())
+
+    def residual_bytes_per_block(self) -> int:
+        return sum(p.nbytes // p.num_blocks for p in self.residual_pools.values())
+
+    def bytes_per_block(self) -> int:
+        return sum(p.nbytes // p.num_blocks for p in self.pools.values())
+
+
+def _grown(current: int, needed: int) -> int:
+    return max(needed, 2 * current, 16)
+
+
+def _grow_pool(pool: KVPool, blocks: int) -> KVPool:
+    """A copy of ``pool`` with ``blocks`` blocks (the old ones copied, fp8 per-head scales kept)."""
+    new = KVPool.allocate(blocks, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.format, device=pool.k.device)
+    n = pool.num_blocks
+    new.k[:n].copy_(pool.k)
+    new.v[:n].copy_(pool.v)
+    for role in ("k", "v"):
+        old, grown = getattr(pool, f"{role}_scale"), getattr(new, f"{role}_scale")
+        if old is None:
+            continue
+        if old.dim() == 1:  # per kv head (fp8): the whole tensor
+            grown.copy_(old)
+        else:
+            grown[:n].copy_(old)
+    new._scales_set = dict(pool._scales_set)
+    return new
+
