@@ -854,6 +854,7 @@ def test_lookups_in_unknown_namespaces_leave_no_state_behind():
         for key in ("lookups", "lookup_tokens", "hit_rate", "inserts"):
             s.pop(key)
     assert after == before
+    assert alloc.stats()["used"] == before["device_blocks"]
     assert every_lookup(cache, tokens, "a", lock=False)[0][0] == len(tokens)   # the known one still hits
     cache.check()
 
@@ -897,6 +898,28 @@ def test_namespaces_are_reclaimed_when_their_last_node_goes():
         assert (s["namespaces"], s["host_nodes"], s["nodes"]) == (1, 1, 1), s   # "b" pushed "a" out
     assert cache.match(tokens, "a").length == 0 and cache.match(tokens, "b").length == 8
     cache.check()
+
+
+def test_device_blocks_counts_distinct_blocks_and_device_block_refs_the_references():
+    """A block is referenced by every node that touches its page (a page split between a parent and its
+    child, the same blocks cached under two namespaces): device_blocks counts blocks, the number the
+    allocator shows as used and clear() frees; device_block_refs counts the references (issue 21: 8,236
+    "blocks" reported for 8,046)."""
+    alloc = kvcache.BlockAllocator(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    table = alloc.allocate(3)                                # 10 tokens: pages 0, 1, 2
+    cache.insert(list(range(6)), table[:2], "a")             # [0, 6): pages 0, 1
+    cache.insert(list(range(10)), table, "a")                # [6, 10): pages 1, 2 (page 1 in both nodes)
+    cache.insert(list(range(10)), table, "b")                # [0, 10) again, another namespace: 3 more refs
+    alloc.free(table)
+    s = cache.stats()
+    assert (s["device_blocks"], s["device_block_refs"]) == (3, 7)
+    assert s["device_block_refs"] == len(cache.block_references())
+    assert s["device_blocks"] == len(set(cache.block_references())) == alloc.stats()["used"]
+    assert (s["host_blocks"], s["host_block_refs"]) == (0, 0)
+    assert cache.clear() == s["device_blocks"]
+    s = cache.stats()
+    assert (s["device_blocks"], s["device_block_refs"], alloc.num_free) == (0, 0, 16)
 
 
 def resident_bytes() -> int:
@@ -1219,10 +1242,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert s["free"] == real.count(0) and s["used"] == len(real) - real.count(0)
 
     @invariant()
-    def stats_count_live_namespaces(self):
+    def stats_count_live_namespaces_and_distinct_blocks(self):
         if not hasattr(self, "cache"):
             return
-        assert self.cache.stats()["namespaces"] == sum(1 for root in self.model.roots.values() if root.children)
+        s, refs = self.cache.stats(), self.model.tree_refs()
+        assert s["namespaces"] == sum(1 for root in self.model.roots.values() if root.children)
+        assert (s["device_blocks"], s["device_block_refs"]) == (len(refs), sum(refs.values()))
 
     @invariant()
     def sequences_keep_their_kv(self):
@@ -1304,6 +1329,10 @@ class HostTierMachine(RuleBasedStateMachine):
         host_alloc = self.cache.host_allocator
         assert [host_alloc.refcount(b) for b in range(host_alloc.num_blocks)] == [
             host[b] for b in range(host_alloc.num_blocks)]
+        s = self.cache.stats()
+        assert (s["device_blocks"], s["device_block_refs"]) == (len(tree), sum(tree.values()))
+        assert (s["host_blocks"], s["host_block_refs"]) == (len(host), sum(host.values()))
+        assert s["host_blocks"] == host_alloc.num_blocks - host_alloc.num_free
         for seq, ns, tokens in self.seqs:
             assert self.pools.holds(seq.blocks, ns, tokens)
 

@@ -718,20 +718,29 @@ TreeStats RadixTree::stats() const {
   std::lock_guard<std::mutex> g(mu_);
   TreeStats s = counters_;
   s.namespaces = static_cast<int64_t>(roots_.size());
+  std::vector<bool> seen[2] = {std::vector<bool>(static_cast<size_t>(device_->num_blocks())),
+                               std::vector<bool>(static_cast<size_t>(host_ ? host_->num_blocks() : 0))};
   for (const Node& nd : nodes_) {
     if (!nd.alive || nd.is_root) continue;
     ++s.nodes;
     s.locked_nodes += nd.lock > 0;
     s.evictable_leaves += !nd.on_host && evictable(static_cast<int32_t>(&nd - nodes_.data()));
+    int64_t distinct = 0;
+    for (const int32_t b : nd.blocks) {
+      distinct += !seen[nd.on_host][static_cast<size_t>(b)];
+      seen[nd.on_host][static_cast<size_t>(b)] = true;
+    }
     const int64_t tokens = nd.tokens.size();
-    const int64_t blocks = static_cast<int64_t>(nd.blocks.size());
+    const int64_t refs = static_cast<int64_t>(nd.blocks.size());
     if (nd.on_host) {
       ++s.host_nodes;
       s.host_tokens += tokens;
-      s.host_blocks += blocks;
+      s.host_blocks += distinct;
+      s.host_block_refs += refs;
     } else {
       s.device_tokens += tokens;
-      s.device_blocks += blocks;
+      s.device_blocks += distinct;
+      s.device_block_refs += refs;
     }
   }
   return s;

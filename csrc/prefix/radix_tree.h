@@ -99,7 +99,12 @@ struct TreeStats {
   int64_t namespaces = 0;  // namespaces with at least one node
   int64_t nodes = 0, host_nodes = 0, locked_nodes = 0, evictable_leaves = 0;
   int64_t device_tokens = 0, host_tokens = 0;  // tokens on the edges of device / host nodes
-  int64_t device_blocks = 0, host_blocks = 0;  // block references the tree holds
+  // Distinct blocks the tree holds a reference on: what evicting everything would release, and (for
+  // blocks nobody else holds) what the allocator counts as used.
+  int64_t device_blocks = 0, host_blocks = 0;
+  // References the tree holds: more than the blocks when several nodes touch one page (a page split
+  // between a parent and its child, or the same blocks inserted in two namespaces).
+  int64_t device_block_refs = 0, host_block_refs = 0;
 };
 
 class RadixTree : public Reclaimer {

@@ -538,6 +538,47 @@ TEST(RadixTree, HostTierKeepsANamespaceUntilItDropsItsLastNode) {
   f.expect_ok();
 }
 
+TEST(RadixTree, StatsCountDistinctBlocksAndTheirReferences) {
+  // A page split between a parent and its child is one block with two references, and so are the
+  // same blocks inserted in two namespaces: device_blocks counts blocks (what evicting everything
+  // frees), device_block_refs references.
+  Fixture f(16, 4);
+  std::vector<int32_t> t = seq(0, 10), table;
+  f.alloc->append(&table, 0, 10);                       // pages 0, 1, 2
+  f.tree->insert("a", t.data(), 6, table.data(), 2);    // [0, 6): pages 0, 1
+  f.tree->insert("a", t.data(), 10, table.data(), 3);   // [6, 10): pages 1, 2
+  f.tree->insert("b", t.data(), 10, table.data(), 3);   // [0, 10) again: pages 0, 1, 2
+  f.alloc->free(table.data(), 3);
+  auto s = f.tree->stats();
+  EXPECT_EQ(s.device_blocks, 3);
+  EXPECT_EQ(s.device_block_refs, 7);
+  EXPECT_EQ(static_cast<int64_t>(f.tree->block_references(false).size()), s.device_block_refs);
+  EXPECT_EQ(f.alloc->stats().used, s.device_blocks);
+  EXPECT_EQ(f.tree->evict(100), s.device_blocks);
+  s = f.tree->stats();
+  EXPECT_EQ(s.device_blocks, 0);
+  EXPECT_EQ(s.device_block_refs, 0);
+
+  // On the host: every demoted node gets blocks of its own.
+  HostFixture h(8, 8, 4);
+  table.clear();
+  h.alloc->append(&table, 0, 10);
+  h.tree->insert("m", t.data(), 6, table.data(), 2);
+  h.tree->insert("m", t.data(), 10, table.data(), 3);  // page 1 in both nodes
+  h.alloc->free(table.data(), 3);
+  s = h.tree->stats();
+  EXPECT_EQ(s.device_blocks, 3);
+  EXPECT_EQ(s.device_block_refs, 4);
+  EXPECT_EQ(h.tree->evict(3), 3);  // the leaf, then its parent, to the host
+  s = h.tree->stats();
+  EXPECT_EQ(s.host_nodes, 2);
+  EXPECT_EQ(s.host_blocks, 4);
+  EXPECT_EQ(s.host_block_refs, 4);
+  EXPECT_EQ(h.host->stats().used, s.host_blocks);
+  EXPECT_EQ(s.device_blocks, 0);
+  h.expect_ok();
+}
+
 TEST(RadixTree, RaggedMatchWhoseLoadsEvictAndDropNodesFetchedAhead) {
   // match_ragged looks up each sequence's first node a few sequences ahead; loading an earlier
   // sequence from the host can demote, or drop, those nodes meanwhile. Every sequence must still

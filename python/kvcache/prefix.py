@@ -458,9 +458,25 @@ class PrefixCache:
 
     def stats(self) -> dict:
         """Counters (``lookups``, ``lookup_tokens``, ``hit_tokens``, ``inserts``, ``inserted_tokens``,
-        ``evicted_nodes``, ``evicted_blocks``, host ``demoted_*`` / ``loaded_*``), the current tree
-        (``nodes``, ``locked_nodes``, ``device_tokens``, ``device_blocks``, ``host_*``, ...) and
-        ``hit_rate`` = hit tokens / looked-up tokens."""
+        ``evicted_nodes``, ``evicted_blocks``, host ``demoted_*`` / ``loaded_*``), ``hit_rate`` = hit
+        tokens / looked-up tokens, and the current tree:
+
+        - ``namespaces``: namespaces holding at least one node; ``nodes``, ``locked_nodes``,
+          ``evictable_leaves``, ``host_nodes``; ``device_tokens`` / ``host_tokens`` on their edges.
+        - ``device_blocks`` / ``host_blocks``: distinct blocks the cache holds a reference on; with no
+          sequence sharing them, what :meth:`clear` frees and what the allocator counts as used.
+        - ``device_block_refs`` / ``host_block_refs``: the references themselves (``len(block_references())``),
+          more than the blocks when several nodes hold one page: a page split between a prefix and its
+          continuation, or the same blocks cached in two namespaces.
+
+        >>> alloc = BlockAllocator(8, 4); cache = PrefixCache(alloc)
+        >>> cache.insert([1, 2, 3, 4, 5, 6], alloc.allocate(2)).prefix_length   # blocks 0, 1
+        0
+        >>> cache.insert([1, 2, 3, 9], alloc.allocate(1)).prefix_length   # splits [1..6] inside block 0
+        3
+        >>> s = cache.stats(); s["device_blocks"], s["device_block_refs"]   # block 0 is in both halves
+        (3, 4)
+        """
         s = dict(self.native.stats())
         s["hit_rate"] = s["hit_tokens"] / s["lookup_tokens"] if s["lookup_tokens"] else 0.0
         return s
