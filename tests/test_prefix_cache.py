@@ -922,6 +922,62 @@ def test_device_blocks_counts_distinct_blocks_and_device_block_refs_the_referenc
     assert (s["device_blocks"], s["device_block_refs"], alloc.num_free) == (0, 0, 16)
 
 
+def test_every_type_of_the_prefix_api_is_importable_from_kvcache():
+    """alloc.sequence() takes a Match, which a user of match_into / match_ragged_into builds; every result
+    type is importable from kvcache itself (issue 21), and is the type the calls return."""
+    from kvcache import Insert, Match, MatchInto, RaggedMatch, RaggedMatchInto
+
+    alloc, cache = cached()
+    flat, cu = ragged_queries()
+    table = torch.zeros(len(QUERIES), 3, dtype=torch.int32)
+    assert type(cache.match(QUERIES[0], "a")) is Match
+    assert type(cache.match_many(QUERIES[:2], "a")[1]) is Match
+    assert type(cache.match_into(QUERIES[0], table[0], "a")) is MatchInto
+    assert type(cache.match_ragged(flat, cu, "a")) is RaggedMatch
+    assert type(cache.match_ragged_into(flat, cu, table, "a")) is RaggedMatchInto
+    assert type(cache.insert([9], alloc.allocate(1), "a")) is Insert
+    lengths, _ = cache.match_ragged_into(flat, cu, table, "a")
+    seq = alloc.sequence(Match(int(lengths[0]), table[0, :2], 0))   # what a match_ragged_into user writes
+    assert seq.num_tokens == 5 and seq.blocks.tolist() == cache.match(QUERIES[0], "a").blocks.tolist()
+    alloc.release(seq)
+
+
+def test_public_signatures_take_and_return_only_types_importable_from_kvcache():
+    """Every kvcache type named in the annotations of a public function or method (of kvcache.__all__,
+    and of the __all__ of the submodules it exports) can be imported from kvcache, or from that submodule."""
+    import inspect
+    import types
+    import typing
+
+    def kvcache_types(hint):
+        if isinstance(hint, type) and hint.__module__.split(".")[0] == "kvcache":
+            yield hint
+        for arg in typing.get_args(hint):
+            yield from kvcache_types(arg)
+
+    def functions(owner):
+        for name, value in vars(owner).items():
+            value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            value = value.fget if isinstance(value, property) else value
+            if inspect.isfunction(value) and (not name.startswith("_") or name == "__init__"):
+                yield f"{owner.__name__}.{name}", value
+
+    missing, checked = [], 0
+    modules = [getattr(kvcache, name) for name in kvcache.__all__]
+    for home, names in [(kvcache, kvcache.__all__)] + [
+            (m, getattr(m, "__all__", ())) for m in modules if isinstance(m, types.ModuleType)]:
+        for name in names:
+            obj = getattr(home, name)
+            found = functions(obj) if inspect.isclass(obj) else [(name, obj)] if inspect.isfunction(obj) else []
+            for where, fn in found:
+                for hint in typing.get_type_hints(fn).values():
+                    for t in kvcache_types(hint):
+                        checked += 1
+                        if getattr(kvcache, t.__name__, None) is not t and getattr(home, t.__name__, None) is not t:
+                            missing.append(f"{t.__module__}.{t.__name__} (in {home.__name__}.{where})")
+    assert checked > 40 and not missing, sorted(set(missing))
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

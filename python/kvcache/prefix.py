@@ -87,7 +87,10 @@ class Match(NamedTuple):
     """A cached prefix: ``length`` tokens whose KV is in ``blocks`` (int32, ``ceil(length / page_size)``
     ids; the last page is partial when ``length`` is not a multiple of the page size). ``node`` is the
     handle of the tree node holding the last matched token, for :meth:`PrefixCache.lock`; 0 (the empty
-    prefix, whose lock and unlock do nothing) when nothing matched."""
+    prefix, whose lock and unlock do nothing) when nothing matched.
+
+    :meth:`BlockAllocator.sequence` takes one; a user of :meth:`PrefixCache.match_into` builds it from
+    what that wrote: ``Match(length, row[:ceil(length / page_size)], node)``."""
 
     length: int
     blocks: torch.Tensor
