@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import gc
+import os
 import random
 import sys
 import threading
@@ -272,7 +273,7 @@ def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
         calls[case]()
     after = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
     for s in (before[0], after[0]):   # a rejected lookup may still count as a lookup; nothing else moves
-        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate"), s.pop("namespaces")
+        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate")
     assert before == after
     cache.check()
 
@@ -766,7 +767,7 @@ def test_fast_path_rejects_bad_input_with_state_unchanged(case, exc, match):
         calls[case]()
     after = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
     for s in (before[0], after[0]):   # a rejected lookup may still count as a lookup; nothing else moves
-        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate"), s.pop("namespaces")
+        s.pop("lookups"), s.pop("lookup_tokens"), s.pop("hit_rate")
     assert before == after
     cache.check()
 
@@ -803,6 +804,220 @@ def test_both_ways_in_reject_bad_input_alike(call):
         call(fast)
     assert type(via_pybind.value) is type(via_torch.value)
     assert str(via_pybind.value) == str(via_torch.value).splitlines()[0]
+
+
+# ---- namespaces, block counts and exported types (issue 21) ------------------------------------
+def every_lookup(cache, tokens, ns, *, lock):
+    """Each lookup form once (both front ends, and an insert of nothing), in namespace ``ns``: the
+    lengths and node handles they returned."""
+    key = ns.key if isinstance(ns, kvcache.Namespace) else ns
+    flat, cu, page = torch.tensor(tokens + tokens), [0, len(tokens), 2 * len(tokens)], cache.allocator.page_size
+    row, table = torch.zeros(-(-len(tokens) // page), dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    m, into = cache.match(tokens, ns, lock=lock), cache.match_into(tokens, row, ns, lock=lock)
+    ragged = cache.match_ragged(flat, cu, ns, lock=lock)
+    ragged_into = cache.match_ragged_into(flat, cu, table, ns, lock=lock)
+    many = cache.match_many([tokens, tokens[:1]], ns, lock=lock)
+    length, _, node = cache.native.match(torch.tensor(tokens), key, lock)
+    native_ragged = cache.native.match_ragged(flat, torch.tensor(cu), key, lock)
+    empty = cache.insert([], [], ns, lock=lock)
+    empty_ragged = cache.insert_ragged([], [0, 0], [], [0, 0], ns, lock=lock)
+    lengths = [m.length, into.length, *ragged.lengths.tolist(), *ragged_into.lengths.tolist(),
+               *(x.length for x in many), length, *native_ragged[0].tolist(), empty.prefix_length,
+               *empty_ragged[0].tolist()]
+    nodes = [m.node, into.node, *ragged.nodes.tolist(), *ragged_into.nodes.tolist(), *(x.node for x in many), node,
+             *native_ragged[3].tolist(), empty.node, *empty_ragged[1].tolist()]
+    return lengths, nodes
+
+
+def test_lookups_in_unknown_namespaces_leave_no_state_behind():
+    """A lookup in a namespace the cache never saw used to register it for good (issue 21: 10,000
+    salted misses, 10,001 namespaces). Every lookup form, locking or not, in 1,000 fresh namespaces
+    (salted Namespaces and plain keys) now misses without a trace: the same namespaces, nodes, locks and
+    blocks as before. A miss's node is 0, the empty prefix's handle: locking it pins nothing."""
+    alloc, cache = cached()
+    before = cache.stats()
+    tokens = PROMPTS[0]
+    for i in range(1000):
+        ns = kvcache.Namespace(model="m", salt=f"user-{i}") if i % 2 else f"tenant-{i}"
+        lock = i % 3 == 0
+        lengths, nodes = every_lookup(cache, tokens, ns, lock=lock)
+        assert cache.stats()["namespaces"] == 1, f"namespace {i} was registered by a lookup"
+        assert set(lengths) == {0} and set(nodes) == {0}, (lengths, nodes)
+        if lock:
+            for node in nodes:
+                cache.unlock(node)
+        cache.lock(0)       # the empty prefix: nothing to pin, nothing to count
+        cache.unlock(0)
+    after = cache.stats()
+    assert (after["namespaces"], before["namespaces"]) == (1, 1)
+    for s in (before, after):   # counted, but state: nothing else moved
+        for key in ("lookups", "lookup_tokens", "hit_rate", "inserts"):
+            s.pop(key)
+    assert after == before
+    assert alloc.stats()["used"] == before["device_blocks"]
+    assert every_lookup(cache, tokens, "a", lock=False)[0][0] == len(tokens)   # the known one still hits
+    cache.check()
+
+
+def test_namespaces_are_reclaimed_when_their_last_node_goes():
+    """A namespace lives as long as it has nodes: eviction of its last leaf, clear(), or its last host
+    node dropped from a full host tier reclaims it, and it works as new afterwards."""
+    alloc = kvcache.BlockAllocator(32, 4)
+    cache = kvcache.PrefixCache(alloc)
+    tokens = list(range(8))
+    for ns in ("a", "b", "c"):                 # 2 blocks each; "a" is the least recently used
+        table = alloc.allocate(2)
+        cache.insert(tokens, table, ns)
+        alloc.free(table)
+    assert cache.stats()["namespaces"] == 3
+    assert cache.evict(1) == 2 and cache.stats()["namespaces"] == 2     # a's only leaf went, and "a" with it
+    assert cache.match(tokens, "a").length == 0 and cache.stats()["namespaces"] == 2
+    m = cache.match(tokens, "b", lock=True)     # a locked path keeps its namespace through clear()
+    assert cache.clear() == 2 and cache.stats()["namespaces"] == 1
+    cache.unlock(m.node)
+    assert cache.clear() == 2
+    s = cache.stats()
+    assert (s["namespaces"], s["nodes"], alloc.num_free) == (0, 0, 32)
+    table = alloc.allocate(2)                   # a reclaimed namespace is a namespace like any other
+    cache.insert(tokens, table, "a")
+    alloc.free(table)
+    assert cache.match(tokens, "a").length == 8 and cache.stats()["namespaces"] == 1
+    cache.check()
+
+    # With a host tier, nodes on the host keep their namespace until the host drops them.
+    device = kvcache.PageLayout(4, 4, 1, 1, torch.float32).allocate(fill=0.0)
+    host = kvcache.PageLayout(2, 4, 1, 1, torch.float32).allocate(fill=0.0)
+    alloc = kvcache.BlockAllocator(4, 4)
+    cache = kvcache.PrefixCache(alloc, host_pools=host, device_pools=device)
+    for ns in ("a", "b"):
+        table = alloc.allocate(2)
+        cache.insert(tokens, table, ns)
+        alloc.free(table)
+        assert cache.evict(2) == 2            # to the host (2 blocks: room for one prefix)
+        s = cache.stats()
+        assert (s["namespaces"], s["host_nodes"], s["nodes"]) == (1, 1, 1), s   # "b" pushed "a" out
+    assert cache.match(tokens, "a").length == 0 and cache.match(tokens, "b").length == 8
+    cache.check()
+
+
+def test_device_blocks_counts_distinct_blocks_and_device_block_refs_the_references():
+    """A block is referenced by every node that touches its page (a page split between a parent and its
+    child, the same blocks cached under two namespaces): device_blocks counts blocks, the number the
+    allocator shows as used and clear() frees; device_block_refs counts the references (issue 21: 8,236
+    "blocks" reported for 8,046)."""
+    alloc = kvcache.BlockAllocator(16, 4)
+    cache = kvcache.PrefixCache(alloc)
+    table = alloc.allocate(3)                                # 10 tokens: pages 0, 1, 2
+    cache.insert(list(range(6)), table[:2], "a")             # [0, 6): pages 0, 1
+    cache.insert(list(range(10)), table, "a")                # [6, 10): pages 1, 2 (page 1 in both nodes)
+    cache.insert(list(range(10)), table, "b")                # [0, 10) again, another namespace: 3 more refs
+    alloc.free(table)
+    s = cache.stats()
+    assert (s["device_blocks"], s["device_block_refs"]) == (3, 7)
+    assert s["device_block_refs"] == len(cache.block_references())
+    assert s["device_blocks"] == len(set(cache.block_references())) == alloc.stats()["used"]
+    assert (s["host_blocks"], s["host_block_refs"]) == (0, 0)
+    assert cache.clear() == s["device_blocks"]
+    s = cache.stats()
+    assert (s["device_blocks"], s["device_block_refs"], alloc.num_free) == (0, 0, 16)
+
+
+def test_every_type_of_the_prefix_api_is_importable_from_kvcache():
+    """alloc.sequence() takes a Match, which a user of match_into / match_ragged_into builds; every result
+    type is importable from kvcache itself (issue 21), and is the type the calls return."""
+    from kvcache import Insert, Match, MatchInto, RaggedMatch, RaggedMatchInto
+
+    alloc, cache = cached()
+    flat, cu = ragged_queries()
+    table = torch.zeros(len(QUERIES), 3, dtype=torch.int32)
+    assert type(cache.match(QUERIES[0], "a")) is Match
+    assert type(cache.match_many(QUERIES[:2], "a")[1]) is Match
+    assert type(cache.match_into(QUERIES[0], table[0], "a")) is MatchInto
+    assert type(cache.match_ragged(flat, cu, "a")) is RaggedMatch
+    assert type(cache.match_ragged_into(flat, cu, table, "a")) is RaggedMatchInto
+    assert type(cache.insert([9], alloc.allocate(1), "a")) is Insert
+    lengths, _ = cache.match_ragged_into(flat, cu, table, "a")
+    seq = alloc.sequence(Match(int(lengths[0]), table[0, :2], 0))   # what a match_ragged_into user writes
+    assert seq.num_tokens == 5 and seq.blocks.tolist() == cache.match(QUERIES[0], "a").blocks.tolist()
+    alloc.release(seq)
+
+
+def test_public_signatures_take_and_return_only_types_importable_from_kvcache():
+    """Every kvcache type named in the annotations of a public function or method (of kvcache.__all__,
+    and of the __all__ of the submodules it exports) can be imported from kvcache, or from that submodule."""
+    import inspect
+    import types
+    import typing
+
+    def kvcache_types(hint):
+        if isinstance(hint, type) and hint.__module__.split(".")[0] == "kvcache":
+            yield hint
+        for arg in typing.get_args(hint):
+            yield from kvcache_types(arg)
+
+    def functions(owner):
+        for name, value in vars(owner).items():
+            value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            value = value.fget if isinstance(value, property) else value
+            if inspect.isfunction(value) and (not name.startswith("_") or name == "__init__"):
+                yield f"{owner.__name__}.{name}", value
+
+    missing, checked = [], 0
+    modules = [getattr(kvcache, name) for name in kvcache.__all__]
+    for home, names in [(kvcache, kvcache.__all__)] + [
+            (m, getattr(m, "__all__", ())) for m in modules if isinstance(m, types.ModuleType)]:
+        for name in names:
+            obj = getattr(home, name)
+            found = functions(obj) if inspect.isclass(obj) else [(name, obj)] if inspect.isfunction(obj) else []
+            for where, fn in found:
+                for hint in typing.get_type_hints(fn).values():
+                    for t in kvcache_types(hint):
+                        checked += 1
+                        if getattr(kvcache, t.__name__, None) is not t and getattr(home, t.__name__, None) is not t:
+                            missing.append(f"{t.__module__}.{t.__name__} (in {home.__name__}.{where})")
+    assert checked > 40 and not missing, sorted(set(missing))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)")
+def test_lookups_in_changing_namespaces_keep_memory_flat():
+    """A server that salts per user and mostly misses: 100,000 lookups, each in a namespace never seen
+    before, grow the process's resident memory by less than 8 MB after a warm-up (each such namespace
+    used to cost ~200 bytes for good: ~20 MB here, ~39 MB for the issue's 200,000)."""
+    alloc, cache = cached()
+    row = torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    flat, cu = torch.tensor(PROMPTS[0] + PROMPTS[1][:1]), torch.tensor([0, 7, 8])
+
+    def lookups(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            ns = f"user-{i}"
+            if i % 4 == 0:
+                cache.match(PROMPTS[0], ns)
+            elif i % 4 == 1:
+                cache.match_into(PROMPTS[1], row, ns, lock=True)
+            elif i % 4 == 2:
+                cache.match_ragged_into(flat, cu, table, ns)
+            else:
+                cache.match_into(PROMPTS[0], row, kvcache.Namespace(model="m", salt=ns))
+
+    lookups(0, 20_000)           # warm-up: allocator pools, thread-local scratch, interned objects
+    gc.collect()
+    before = resident_bytes()
+    t0 = time.perf_counter()
+    lookups(20_000, 100_000)
+    elapsed = time.perf_counter() - t0
+    gc.collect()
+    growth = resident_bytes() - before
+    print(f"100,000 lookups in fresh namespaces: {growth / 2**20:+.2f} MB resident, {elapsed:.2f} s")
+    assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MB over 100,000 lookups"
+    s = cache.stats()
+    assert (s["namespaces"], s["locked_nodes"]) == (1, 0)
+    cache.check()
 
 
 # ---- property-based: random operations against a pure-Python model -------------------------------
@@ -1083,6 +1298,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert s["free"] == real.count(0) and s["used"] == len(real) - real.count(0)
 
     @invariant()
+    def stats_count_live_namespaces_and_distinct_blocks(self):
+        if not hasattr(self, "cache"):
+            return
+        s, refs = self.cache.stats(), self.model.tree_refs()
+        assert s["namespaces"] == sum(1 for root in self.model.roots.values() if root.children)
+        assert (s["device_blocks"], s["device_block_refs"]) == (len(refs), sum(refs.values()))
+
+    @invariant()
     def sequences_keep_their_kv(self):
         for seq, ns, tokens in getattr(self, "seqs", []):
             assert seq.num_tokens == len(tokens) and self.pools.holds(seq.blocks, ns, tokens)
@@ -1162,6 +1385,10 @@ class HostTierMachine(RuleBasedStateMachine):
         host_alloc = self.cache.host_allocator
         assert [host_alloc.refcount(b) for b in range(host_alloc.num_blocks)] == [
             host[b] for b in range(host_alloc.num_blocks)]
+        s = self.cache.stats()
+        assert (s["device_blocks"], s["device_block_refs"]) == (len(tree), sum(tree.values()))
+        assert (s["host_blocks"], s["host_block_refs"]) == (len(host), sum(host.values()))
+        assert s["host_blocks"] == host_alloc.num_blocks - host_alloc.num_free
         for seq, ns, tokens in self.seqs:
             assert self.pools.holds(seq.blocks, ns, tokens)
 

@@ -298,7 +298,8 @@ struct PrefixCacheClass : torch::CustomClassHolder {
              {"loaded_blocks", s.loaded_blocks}, {"namespaces", s.namespaces}, {"nodes", s.nodes},
              {"host_nodes", s.host_nodes}, {"locked_nodes", s.locked_nodes},
              {"evictable_leaves", s.evictable_leaves}, {"device_tokens", s.device_tokens},
-             {"host_tokens", s.host_tokens}, {"device_blocks", s.device_blocks}, {"host_blocks", s.host_blocks}}) {
+             {"host_tokens", s.host_tokens}, {"device_blocks", s.device_blocks}, {"host_blocks", s.host_blocks},
+             {"device_block_refs", s.device_block_refs}, {"host_block_refs", s.host_block_refs}}) {
       d.insert(key, value);
     }
     return d;

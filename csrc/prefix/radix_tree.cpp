@@ -131,32 +131,59 @@ int32_t RadixTree::new_node() {
   }
   Node& nd = nodes_[id];
   nd.reset();
-  ++nd.generation;
+  if (++nd.generation == 0) ++nd.generation;  // a wrapped slot 0 must not hand out kEmptyPrefix
   nd.alive = true;
   return id;
 }
 
-int32_t RadixTree::root_of(std::string_view ns) {
+int32_t RadixTree::find_root(std::string_view ns) {
   if (last_root_ >= 0 && ns == last_ns_) return last_root_;
-  std::string key(ns);
-  auto it = roots_.find(key);
-  int32_t id;
-  if (it != roots_.end()) {
-    id = it->second;
-  } else {
-    id = new_node();
-    nodes_[id].is_root = true;
-    roots_.emplace(key, id);
+  const auto it = roots_.find(std::string(ns));
+  if (it == roots_.end()) return -1;  // and nothing remembered: a lookup there leaves no trace
+  last_root_ = -1;  // until last_ns_ holds the key (assign may throw)
+  last_ns_.assign(ns);
+  last_root_ = it->second;
+  return last_root_;
+}
+
+int32_t RadixTree::make_root(std::string_view ns) {
+  const int32_t found = find_root(ns);
+  if (found >= 0) return found;
+  const int32_t id = new_node();
+  try {
+    const auto it = roots_.emplace(std::string(ns), id).first;
+    try {
+      root_names_.emplace(id, &it->first);
+    } catch (...) {
+      roots_.erase(it);
+      throw;
+    }
+  } catch (...) {  // out of memory: the slot goes back unused
+    nodes_[id].reset();
+    free_nodes_.push_back(id);
+    throw;
   }
-  last_ns_ = std::move(key);
-  last_root_ = id;
+  nodes_[id].is_root = true;
   return id;
+}
+
+void RadixTree::drop_root_if_empty(int32_t root) {
+  Node& nd = nodes_[root];
+  if (!nd.alive || !nd.is_root || !nd.children.empty()) return;
+  // No lock to keep: locks are taken on nodes (a root has no handle), and pass through a root only
+  // on the way up from one of its children.
+  free_nodes_.push_back(root);
+  const auto name = root_names_.find(root);
+  roots_.erase(roots_.find(*name->second));
+  root_names_.erase(name);
+  if (last_root_ == root) last_root_ = -1;
+  nd.reset();
 }
 
 int32_t RadixTree::resolve(int64_t handle) const {
   const int64_t id = handle & 0xffffffff;
   const int64_t generation = handle >> 32;
-  if (handle < 0 || id >= static_cast<int64_t>(nodes_.size()) || !nodes_[id].alive ||
+  if (handle < 0 || id >= static_cast<int64_t>(nodes_.size()) || !nodes_[id].alive || nodes_[id].is_root ||
       nodes_[id].generation != generation) {
     throw std::out_of_range(cat("node handle ", handle, " is unknown or stale (its node was evicted)"));
   }
@@ -315,7 +342,7 @@ int64_t RadixTree::match_into(std::string_view ns, const int32_t* tokens, int64_
                               std::vector<int32_t>* blocks, int64_t* node) {
   if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
   std::lock_guard<std::mutex> g(mu_);
-  return match_locked(root_of(ns), tokens, n, lock, blocks, node);
+  return match_locked(find_root(ns), tokens, n, lock, blocks, node);
 }
 
 bool RadixTree::try_match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock,
@@ -323,7 +350,7 @@ bool RadixTree::try_match_into(std::string_view ns, const int32_t* tokens, int64
   if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || host_) return false;
-  *length = match_locked(root_of(ns), tokens, n, lock, blocks, node);
+  *length = match_locked(find_root(ns), tokens, n, lock, blocks, node);
   return true;
 }
 
@@ -331,7 +358,7 @@ void RadixTree::match_ragged(std::string_view ns, const Ragged& tokens, bool loc
                              std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
   check_ragged(tokens, "cu_lens", "len(tokens)");
   std::lock_guard<std::mutex> g(mu_);
-  match_ragged_locked(root_of(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
+  match_ragged_locked(find_root(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
 }
 
 bool RadixTree::try_match_ragged(std::string_view ns, const Ragged& tokens, bool lock, int64_t* lengths,
@@ -339,7 +366,7 @@ bool RadixTree::try_match_ragged(std::string_view ns, const Ragged& tokens, bool
   check_ragged(tokens, "cu_lens", "len(tokens)");
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || host_) return false;
-  match_ragged_locked(root_of(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
+  match_ragged_locked(find_root(ns), tokens, lock, lengths, blocks, cu_blocks, nodes);
   return true;
 }
 
@@ -347,6 +374,13 @@ void RadixTree::match_ragged_locked(int32_t root, const Ragged& tokens, bool loc
                                     std::vector<int32_t>* blocks, int64_t* cu_blocks, int64_t* nodes) {
   const size_t base = blocks->size();
   cu_blocks[0] = 0;
+  if (root < 0) {  // a namespace without nodes: every sequence misses (counted, nothing to fetch ahead)
+    for (int64_t i = 0; i < tokens.batch; ++i) {
+      lengths[i] = match_locked(root, tokens.at(i), tokens.length(i), lock, blocks, &nodes[i]);
+      cu_blocks[i + 1] = 0;
+    }
+    return;
+  }
   // With a host tier, a match may evict device nodes to load what it found; it must not evict what
   // this call returned for an earlier sequence, whose caller has had no chance to lock it yet. So
   // every sequence's path stays locked until the batch is done.
@@ -393,7 +427,7 @@ void RadixTree::match_ragged_locked(int32_t root, const Ragged& tokens, bool loc
     // with everything in cache, 810 -> 740 ns with the tokens flushed).
     lengths[i] = match_locked(root, tokens.at(i), tokens.length(i), lock || hold, blocks, &nodes[i]);
     cu_blocks[i + 1] = static_cast<int64_t>(blocks->size() - base);
-    if (hold) held.ids.push_back(resolve(nodes[i]));
+    if (hold && nodes[i] != kEmptyPrefix) held.ids.push_back(resolve(nodes[i]));
   }
 }
 
@@ -402,6 +436,10 @@ int64_t RadixTree::match_locked(int32_t root, const int32_t* tokens, int64_t n, 
   const uint64_t tick = ++clock_;
   ++counters_.lookups;
   counters_.lookup_tokens += n;
+  if (root < 0) {  // a namespace without nodes
+    *node = kEmptyPrefix;
+    return 0;
+  }
 
   // 1. The longest common prefix, through device and host nodes alike.
   path_.clear();
@@ -447,9 +485,12 @@ int64_t RadixTree::match_locked(int32_t root, const int32_t* tokens, int64_t n, 
     blocks->insert(blocks->end(), nd.blocks.begin(), nd.blocks.end());
   }
   blocks->resize(base + static_cast<size_t>(pages_for(pos)));
-  const int32_t last = path_.empty() ? root : path_.back();
-  if (lock) lock_path(last, +1);
-  *node = handle(last);
+  if (path_.empty()) {
+    *node = kEmptyPrefix;  // nothing to lock: the empty prefix holds no block
+  } else {
+    if (lock) lock_path(path_.back(), +1);
+    *node = handle(path_.back());
+  }
   counters_.hit_tokens += pos;
   return pos;
 }
@@ -463,7 +504,13 @@ InsertResult RadixTree::insert(std::string_view ns, const int32_t* tokens, int64
   }
   std::lock_guard<std::mutex> g(mu_);
   device_->check_held("blocks", blocks, num_blocks);
-  return insert_locked(root_of(ns), tokens, n, blocks, lock);
+  const int32_t root = n > 0 ? make_root(ns) : find_root(ns);  // an empty insert is a lookup
+  try {
+    return insert_locked(root, tokens, n, blocks, lock);
+  } catch (...) {
+    if (root >= 0) drop_root_if_empty(root);  // made for this insert, which failed
+    throw;
+  }
 }
 
 void RadixTree::insert_ragged(std::string_view ns, const Ragged& tokens, const Ragged& blocks, bool lock,
@@ -483,11 +530,16 @@ void RadixTree::insert_ragged(std::string_view ns, const Ragged& tokens, const R
   }
   std::lock_guard<std::mutex> g(mu_);
   device_->check_held("blocks", blocks.values, blocks.size);
-  const int32_t root = root_of(ns);
-  for (int64_t i = 0; i < tokens.batch; ++i) {
-    const InsertResult r = insert_locked(root, tokens.at(i), tokens.length(i), blocks.at(i), lock);
-    prefix_lengths[i] = r.prefix_length;
-    nodes[i] = r.node;
+  const int32_t root = tokens.size > 0 ? make_root(ns) : find_root(ns);  // a batch of empty inserts is a lookup
+  try {
+    for (int64_t i = 0; i < tokens.batch; ++i) {
+      const InsertResult r = insert_locked(root, tokens.at(i), tokens.length(i), blocks.at(i), lock);
+      prefix_lengths[i] = r.prefix_length;
+      nodes[i] = r.node;
+    }
+  } catch (...) {
+    if (root >= 0) drop_root_if_empty(root);
+    throw;
   }
 }
 
@@ -495,6 +547,7 @@ InsertResult RadixTree::insert_locked(int32_t root, const int32_t* tokens, int64
   const int64_t num_blocks = pages_for(n);
   const uint64_t tick = ++clock_;
   ++counters_.inserts;
+  if (n == 0) return {};  // the empty prefix (root is -1 if the namespace has no nodes)
 
   int32_t id = root;
   int64_t pos = 0;
@@ -537,6 +590,7 @@ InsertResult RadixTree::insert_locked(int32_t root, const int32_t* tokens, int64
 }
 
 void RadixTree::lock(int64_t node) {
+  if (node == kEmptyPrefix) return;
   std::lock_guard<std::mutex> g(mu_);
   const int32_t id = resolve(node);
   if (nodes_[id].on_host) {
@@ -546,6 +600,7 @@ void RadixTree::lock(int64_t node) {
 }
 
 void RadixTree::unlock(int64_t node) {
+  if (node == kEmptyPrefix) return;
   std::lock_guard<std::mutex> g(mu_);
   const int32_t id = resolve(node);
   if (nodes_[id].lock == 0) throw std::invalid_argument(cat("node handle ", node, " is not locked; unlock without lock"));
@@ -639,9 +694,10 @@ int64_t RadixTree::delete_subtree(int32_t id) {
 
 int64_t RadixTree::delete_leaf(int32_t id) {
   Node& nd = nodes_[id];
+  const int32_t parent_id = nd.parent;
   const int64_t released = pool(nd.on_host).free(nd.blocks.data(), static_cast<int64_t>(nd.blocks.size()));
   const int64_t freed = nd.on_host ? 0 : released;
-  Node& parent = nodes_[nd.parent];
+  Node& parent = nodes_[parent_id];
   std::vector<int32_t>& siblings = parent.children;
   *std::find(siblings.begin(), siblings.end(), id) = siblings.back();
   siblings.pop_back();
@@ -652,6 +708,7 @@ int64_t RadixTree::delete_leaf(int32_t id) {
   free_nodes_.push_back(id);
   ++counters_.evicted_nodes;
   counters_.evicted_blocks += freed;
+  drop_root_if_empty(parent_id);  // the namespace's last node: reclaim the namespace
   return freed;
 }
 
@@ -661,20 +718,29 @@ TreeStats RadixTree::stats() const {
   std::lock_guard<std::mutex> g(mu_);
   TreeStats s = counters_;
   s.namespaces = static_cast<int64_t>(roots_.size());
+  std::vector<bool> seen[2] = {std::vector<bool>(static_cast<size_t>(device_->num_blocks())),
+                               std::vector<bool>(static_cast<size_t>(host_ ? host_->num_blocks() : 0))};
   for (const Node& nd : nodes_) {
     if (!nd.alive || nd.is_root) continue;
     ++s.nodes;
     s.locked_nodes += nd.lock > 0;
     s.evictable_leaves += !nd.on_host && evictable(static_cast<int32_t>(&nd - nodes_.data()));
+    int64_t distinct = 0;
+    for (const int32_t b : nd.blocks) {
+      distinct += !seen[nd.on_host][static_cast<size_t>(b)];
+      seen[nd.on_host][static_cast<size_t>(b)] = true;
+    }
     const int64_t tokens = nd.tokens.size();
-    const int64_t blocks = static_cast<int64_t>(nd.blocks.size());
+    const int64_t refs = static_cast<int64_t>(nd.blocks.size());
     if (nd.on_host) {
       ++s.host_nodes;
       s.host_tokens += tokens;
-      s.host_blocks += blocks;
+      s.host_blocks += distinct;
+      s.host_block_refs += refs;
     } else {
       s.device_tokens += tokens;
-      s.device_blocks += blocks;
+      s.device_blocks += distinct;
+      s.device_block_refs += refs;
     }
   }
   return s;
@@ -717,6 +783,28 @@ std::string RadixTree::check_invariants() const {
   }
   for (bool host : {false, true}) {
     if (heaps_[host].size() > nodes_.size()) return "an eviction heap holds more entries than there are nodes";
+  }
+  if (root_names_.size() != roots_.size()) {
+    return cat(roots_.size(), " namespaces but ", root_names_.size(), " root names");
+  }
+  size_t roots = 0;
+  for (const Node& nd : nodes_) roots += nd.alive && nd.is_root;
+  if (roots != roots_.size()) return cat(roots, " roots for ", roots_.size(), " namespaces");
+  for (const auto& [name, id] : roots_) {
+    const Node& root = nodes_[id];
+    const auto it = root_names_.find(id);
+    if (!root.alive || !root.is_root || it == root_names_.end() || *it->second != name) {
+      return cat("namespace ", name, " maps to node ", id, ", which is not its root");
+    }
+    if (root.children.empty()) return cat("namespace ", name, " has no nodes but was not reclaimed");
+    int32_t child_locks = 0;
+    for (int32_t c : root.children) child_locks += nodes_[c].lock;
+    if (root.lock != child_locks) {
+      return cat("the root of namespace ", name, " holds ", root.lock, " locks but its children ", child_locks);
+    }
+  }
+  if (last_root_ >= 0 && (roots_.count(last_ns_) == 0 || roots_.at(last_ns_) != last_root_)) {
+    return cat("the remembered root ", last_root_, " is not the root of namespace ", last_ns_);
   }
   const size_t children = nodes_.size() - free_nodes_.size() - roots_.size();  // every alive non-root node
   if (edges_.size() != children) return cat("the edge map has ", edges_.size(), " entries for ", children, " nodes");

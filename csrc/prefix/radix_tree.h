@@ -1,7 +1,9 @@
 // RadixTree: a page-aware prefix cache of KV blocks, keyed by token ids within a namespace.
 //
 // Structure. One root per namespace (a string that captures everything that changes K/V: model and
-// revision, adapter, KV format, positional encoding, salt); namespaces never share nodes. Each edge
+// revision, adapter, KV format, positional encoding, salt); namespaces never share nodes. A root exists
+// only while its namespace has nodes: an insert makes it, the removal of its last node reclaims it, and
+// a lookup never makes one (a miss in a namespace the tree never saw leaves no trace). Each edge
 // holds a run of tokens; a node covers the sequence positions [start, end) and owns one block
 // reference for every page it touches:
 //
@@ -27,9 +29,9 @@
 // the host pool is full.
 //
 // Handles are (generation << 32 | node index), so a handle of an evicted node is rejected rather than
-// aliasing a reused slot. Every call validates its input before changing anything. Thread-safe (one
-// internal mutex; lock order: tree, then allocators; a ragged batch holds it once for all its
-// sequences). Torch-free C++17.
+// aliasing a reused slot. Roots have no handles: a match of nothing returns kEmptyPrefix. Every call
+// validates its input before changing anything. Thread-safe (one internal mutex; lock order: tree,
+// then allocators; a ragged batch holds it once for all its sequences). Torch-free C++17.
 #pragma once
 
 #include <cstdint>
@@ -53,15 +55,20 @@ enum class CopyDirection { kDeviceToHost, kHostToDevice };
 /// Copies blocks between the device and host pools: (src id, dst id) pairs in the given direction.
 using CopyFn = std::function<void(CopyDirection, const std::vector<BlockCopy>&)>;
 
+/// The handle of the empty prefix: what a match of nothing (or an insert of nothing) returns, in any
+/// namespace. lock() and unlock() of it do nothing: it holds no block. No node ever has this handle
+/// (generations start at 1).
+constexpr int64_t kEmptyPrefix = 0;
+
 struct MatchResult {
   int64_t length = 0;           // matched tokens
   std::vector<int32_t> blocks;  // ceil(length / page_size) device blocks; the last may be partial
-  int64_t node = 0;             // handle of the node holding the last matched token (or the root)
+  int64_t node = kEmptyPrefix;  // handle of the node holding the last matched token; kEmptyPrefix if length is 0
 };
 
 struct InsertResult {
-  int64_t prefix_length = 0;  // tokens that were already cached (the caller's blocks for them are unused)
-  int64_t node = 0;           // handle of the node holding the last inserted token
+  int64_t prefix_length = 0;    // tokens that were already cached (the caller's blocks for them are unused)
+  int64_t node = kEmptyPrefix;  // handle of the node holding the last inserted token; kEmptyPrefix if n is 0
 };
 
 /// A ragged batch, varlen style: sequence i is values[cu[i], cu[i + 1]), for i < batch (cu has
@@ -89,9 +96,15 @@ struct TreeStats {
   int64_t demoted_nodes = 0, demoted_blocks = 0;  // moved to the host tier
   int64_t loaded_nodes = 0, loaded_blocks = 0;    // brought back from it
   // Current state.
-  int64_t namespaces = 0, nodes = 0, host_nodes = 0, locked_nodes = 0, evictable_leaves = 0;
-  int64_t device_tokens = 0, host_tokens = 0;     // tokens on the edges of device / host nodes
-  int64_t device_blocks = 0, host_blocks = 0;     // block references the tree holds
+  int64_t namespaces = 0;  // namespaces with at least one node
+  int64_t nodes = 0, host_nodes = 0, locked_nodes = 0, evictable_leaves = 0;
+  int64_t device_tokens = 0, host_tokens = 0;  // tokens on the edges of device / host nodes
+  // Distinct blocks the tree holds a reference on: what evicting everything would release, and (for
+  // blocks nobody else holds) what the allocator counts as used.
+  int64_t device_blocks = 0, host_blocks = 0;
+  // References the tree holds: more than the blocks when several nodes touch one page (a page split
+  // between a parent and its child, or the same blocks inserted in two namespaces).
+  int64_t device_block_refs = 0, host_block_refs = 0;
 };
 
 class RadixTree : public Reclaimer {
@@ -137,7 +150,8 @@ class RadixTree : public Reclaimer {
   /// prefix_lengths[batch] and nodes[batch].
   void insert_ragged(std::string_view ns, const Ragged& tokens, const Ragged& blocks, bool lock,
                      int64_t* prefix_lengths, int64_t* nodes);
-  /// Pins a node and its ancestors against eviction (counted: every lock needs one unlock).
+  /// Pins a node and its ancestors against eviction (counted: every lock needs one unlock). Both do
+  /// nothing for kEmptyPrefix.
   void lock(int64_t node);
   void unlock(int64_t node);
   /// Evicts unlocked leaves until `num_blocks` device blocks went back to the allocator (or nothing
@@ -230,10 +244,14 @@ class RadixTree : public Reclaimer {
   void match_ragged_locked(int32_t root, const Ragged& tokens, bool lock, int64_t* lengths, std::vector<int32_t>* blocks,
                            int64_t* cu_blocks, int64_t* nodes);
   InsertResult insert_locked(int32_t root, const int32_t* tokens, int64_t n, const int32_t* blocks, bool lock);
-  int32_t root_of(std::string_view ns);
+  int32_t find_root(std::string_view ns);  // -1 if the namespace has no nodes: lookups never make a root
+  int32_t make_root(std::string_view ns);  // find_root(), making the root if there is none
+  void drop_root_if_empty(int32_t root);   // reclaims a root without children (and its namespace)
   int32_t new_node();
   int32_t resolve(int64_t handle) const;
-  int64_t handle(int32_t id) const { return (static_cast<int64_t>(nodes_[id].generation) << 32) | id; }
+  int64_t handle(int32_t id) const {
+    return nodes_[id].is_root ? kEmptyPrefix : (static_cast<int64_t>(nodes_[id].generation) << 32) | id;
+  }
   int64_t pages_for(int64_t tokens) const { return (tokens + page_ - 1) / page_; }
   BlockAllocator& pool(bool host) const { return host ? *host_ : *device_; }
 
@@ -264,9 +282,10 @@ class RadixTree : public Reclaimer {
   std::vector<Node> nodes_;
   std::vector<int32_t> free_nodes_;
   EdgeMap edges_;                                  // (parent << 32 | first token) -> child
-  std::unordered_map<std::string, int32_t> roots_;
-  std::string last_ns_;                            // the namespace of the last call and its root (roots
-  int32_t last_root_ = -1;                         // live as long as the tree): no hashing per call
+  std::unordered_map<std::string, int32_t> roots_;  // namespace -> root, for namespaces with nodes
+  std::unordered_map<int32_t, const std::string*> root_names_;  // root -> its key in roots_ (stable)
+  std::string last_ns_;                            // the namespace of the last call that found its root,
+  int32_t last_root_ = -1;                         // and that root (-1 once reclaimed): no hashing per call
   std::vector<Candidate> heaps_[2];                // device / host eviction candidates (min-heaps)
   size_t stale_touches_[2] = {0, 0};               // touches of queued nodes since the last refresh
   std::vector<int32_t> path_;                      // scratch of match

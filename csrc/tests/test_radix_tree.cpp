@@ -19,6 +19,7 @@ using kvcache::prefix::BlockAllocator;
 using kvcache::prefix::BlockCopy;
 using kvcache::prefix::CopyDirection;
 using kvcache::prefix::EvictionPolicy;
+using kvcache::prefix::kEmptyPrefix;
 using kvcache::prefix::MatchResult;
 using kvcache::prefix::OutOfBlocks;
 using kvcache::prefix::RadixTree;
@@ -121,13 +122,103 @@ TEST(RadixTree, NamespacesNeverMatchEachOther) {
   f.put(seq(0, 8), "llama-3|bf16");
   EXPECT_EQ(f.get(seq(0, 8), "llama-3|fp8").length, 0);
   EXPECT_EQ(f.get(seq(0, 8), "llama-3|bf16").length, 8);
-  EXPECT_EQ(f.tree->stats().namespaces, 2);
+  EXPECT_EQ(f.tree->stats().namespaces, 1);  // a lookup makes no namespace
   f.put(seq(0, 4), "llama-3|fp8");  // alternating namespaces (the tree remembers the last one's root)
+  EXPECT_EQ(f.tree->stats().namespaces, 2);
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(f.get(seq(0, 8), "llama-3|fp8").length, 4);
     EXPECT_EQ(f.get(seq(0, 8), "llama-3|bf16").length, 8);
   }
   f.expect_ok();
+}
+
+TEST(RadixTree, LookupsInUnknownNamespacesLeaveNoTrace) {
+  // A lookup in a namespace the tree never saw used to make its root for good (issue 21: memory grew
+  // with every salted miss). Every lookup form, locking or not, and inserts of nothing, now miss
+  // without a trace; a miss's node is kEmptyPrefix, whose lock and unlock do nothing.
+  Fixture f(16, 4);
+  f.put(seq(0, 8), "known");
+  const auto before = f.tree->stats();
+  const std::vector<int32_t> q = seq(0, 8), none;
+  std::vector<int32_t> flat = q;
+  flat.insert(flat.end(), q.begin(), q.end());
+  const std::vector<int64_t> cu{0, 8, 16}, empty_cu{0, 0};
+  const Ragged batch{flat.data(), 16, cu.data(), 2}, empty{none.data(), 0, empty_cu.data(), 1};
+  for (int i = 0; i < 100; ++i) {
+    const std::string ns = "salt-" + std::to_string(i);
+    const bool lock = i % 2 == 1;
+    const MatchResult m = f.get(q, ns, lock);
+    EXPECT_EQ(m.length, 0);
+    EXPECT_EQ(m.node, kEmptyPrefix);
+    EXPECT_TRUE(m.blocks.empty());
+    std::vector<int32_t> blocks;
+    int64_t node = -1, length = -1;
+    ASSERT_TRUE(f.tree->try_match_into(ns, q.data(), 8, lock, &blocks, &node, &length));
+    EXPECT_EQ(length, 0);
+    EXPECT_EQ(node, kEmptyPrefix);
+    for (bool wait : {false, true}) {
+      std::vector<int64_t> lengths(2, -1), cu_blocks(3, -1), nodes(2, -1);
+      if (wait) {
+        f.tree->match_ragged(ns, batch, lock, lengths.data(), &blocks, cu_blocks.data(), nodes.data());
+      } else {
+        ASSERT_TRUE(f.tree->try_match_ragged(ns, batch, lock, lengths.data(), &blocks, cu_blocks.data(), nodes.data()));
+      }
+      EXPECT_EQ(lengths, (std::vector<int64_t>{0, 0}));
+      EXPECT_EQ(cu_blocks, (std::vector<int64_t>{0, 0, 0}));
+      EXPECT_EQ(nodes, (std::vector<int64_t>{kEmptyPrefix, kEmptyPrefix}));
+    }
+    EXPECT_TRUE(blocks.empty());
+    EXPECT_EQ(f.tree->insert(ns, none.data(), 0, none.data(), 0, lock).node, kEmptyPrefix);
+    std::vector<int64_t> prefix(1, -1), nodes(1, -1);
+    f.tree->insert_ragged(ns, empty, empty, lock, prefix.data(), nodes.data());
+    EXPECT_EQ(nodes[0], kEmptyPrefix);
+    f.tree->lock(kEmptyPrefix);
+    f.tree->unlock(kEmptyPrefix);
+    f.tree->unlock(kEmptyPrefix);  // counted nowhere: nothing to unlock without a lock
+    ASSERT_EQ(f.tree->stats().namespaces, 1) << ns;
+  }
+  const auto after = f.tree->stats();
+  EXPECT_EQ(after.lookups, before.lookups + 100 * 6);
+  EXPECT_EQ(after.nodes, before.nodes);
+  EXPECT_EQ(after.locked_nodes, 0);
+  EXPECT_EQ(after.device_blocks, before.device_blocks);
+  const MatchResult miss = f.get(seq(50, 4), "known", true);  // a miss in a known namespace: no handle either
+  EXPECT_EQ(miss.node, kEmptyPrefix);
+  EXPECT_EQ(f.tree->stats().locked_nodes, 0);
+  EXPECT_EQ(f.get(q, "known").length, 8);
+  f.expect_ok();
+}
+
+TEST(RadixTree, NamespacesAreReclaimedWithTheirLastNode) {
+  Fixture f(32, 4);
+  f.put(seq(0, 8), "x");
+  f.put(seq(0, 8), "y");
+  EXPECT_EQ(f.tree->stats().namespaces, 2);
+  EXPECT_EQ(f.tree->evict(1), 2);  // x's only leaf, the least recently used
+  EXPECT_EQ(f.tree->stats().namespaces, 1);
+  f.expect_ok();
+  const MatchResult locked = f.get(seq(0, 8), "y", true);
+  EXPECT_EQ(f.tree->evict(100), 0);  // a locked path keeps its namespace
+  EXPECT_EQ(f.tree->stats().namespaces, 1);
+  f.tree->unlock(locked.node);
+  EXPECT_EQ(f.tree->evict(100), 2);
+  EXPECT_EQ(f.tree->stats().namespaces, 0);
+  EXPECT_EQ(f.tree->stats().nodes, 0);
+  f.expect_ok();
+
+  // The tree remembers the last namespace's root; once reclaimed, its slot may become another
+  // namespace's root, which a lookup in the old namespace must not reach.
+  Fixture g(32, 4);
+  g.put(seq(0, 8), "a");
+  EXPECT_EQ(g.get(seq(0, 8), "a").length, 8);  // "a" remembered
+  EXPECT_EQ(g.tree->evict(100), 2);
+  g.put(seq(50, 4), "c");                      // takes the freed slots, root first
+  EXPECT_EQ(g.get(seq(50, 4), "a").length, 0);
+  EXPECT_EQ(g.get(seq(50, 4), "c").length, 4);
+  g.put(seq(0, 8), "a");                       // a reclaimed namespace works as new
+  EXPECT_EQ(g.get(seq(0, 8), "a").length, 8);
+  EXPECT_EQ(g.tree->stats().namespaces, 2);
+  g.expect_ok();
 }
 
 TEST(RadixTree, SplitInsideAPageSharesThatPage) {
@@ -424,6 +515,68 @@ TEST(RadixTree, HostTierDropsItsOldestLeavesWhenFull) {
   EXPECT_EQ(f.get(seq(0, 8)).length, 0);
   EXPECT_EQ(f.get(seq(100, 8)).length, 8);
   f.expect_ok();
+}
+
+TEST(RadixTree, HostTierKeepsANamespaceUntilItDropsItsLastNode) {
+  HostFixture f(4, 2, 4);
+  std::vector<int32_t> t = seq(0, 8), table;
+  for (const char* ns : {"a", "b"}) {
+    table.clear();
+    f.alloc->append(&table, 0, 8);
+    f.tree->insert(ns, t.data(), 8, table.data(), 2);
+    f.alloc->free(table.data(), 2);
+    EXPECT_EQ(f.tree->evict(2), 2);  // to the host, which has room for one prefix: b's pushes a's out
+    const auto s = f.tree->stats();
+    EXPECT_EQ(s.namespaces, 1) << ns;
+    EXPECT_EQ(s.host_nodes, 1) << ns;
+    f.expect_ok();
+  }
+  EXPECT_EQ(f.get(t, "a").length, 0);
+  EXPECT_EQ(f.get(t, "b").length, 8);  // loaded back
+  EXPECT_EQ(f.tree->evict(100), 2);     // to the host again
+  EXPECT_EQ(f.tree->stats().namespaces, 1);
+  f.expect_ok();
+}
+
+TEST(RadixTree, StatsCountDistinctBlocksAndTheirReferences) {
+  // A page split between a parent and its child is one block with two references, and so are the
+  // same blocks inserted in two namespaces: device_blocks counts blocks (what evicting everything
+  // frees), device_block_refs references.
+  Fixture f(16, 4);
+  std::vector<int32_t> t = seq(0, 10), table;
+  f.alloc->append(&table, 0, 10);                       // pages 0, 1, 2
+  f.tree->insert("a", t.data(), 6, table.data(), 2);    // [0, 6): pages 0, 1
+  f.tree->insert("a", t.data(), 10, table.data(), 3);   // [6, 10): pages 1, 2
+  f.tree->insert("b", t.data(), 10, table.data(), 3);   // [0, 10) again: pages 0, 1, 2
+  f.alloc->free(table.data(), 3);
+  auto s = f.tree->stats();
+  EXPECT_EQ(s.device_blocks, 3);
+  EXPECT_EQ(s.device_block_refs, 7);
+  EXPECT_EQ(static_cast<int64_t>(f.tree->block_references(false).size()), s.device_block_refs);
+  EXPECT_EQ(f.alloc->stats().used, s.device_blocks);
+  EXPECT_EQ(f.tree->evict(100), s.device_blocks);
+  s = f.tree->stats();
+  EXPECT_EQ(s.device_blocks, 0);
+  EXPECT_EQ(s.device_block_refs, 0);
+
+  // On the host: every demoted node gets blocks of its own.
+  HostFixture h(8, 8, 4);
+  table.clear();
+  h.alloc->append(&table, 0, 10);
+  h.tree->insert("m", t.data(), 6, table.data(), 2);
+  h.tree->insert("m", t.data(), 10, table.data(), 3);  // page 1 in both nodes
+  h.alloc->free(table.data(), 3);
+  s = h.tree->stats();
+  EXPECT_EQ(s.device_blocks, 3);
+  EXPECT_EQ(s.device_block_refs, 4);
+  EXPECT_EQ(h.tree->evict(3), 3);  // the leaf, then its parent, to the host
+  s = h.tree->stats();
+  EXPECT_EQ(s.host_nodes, 2);
+  EXPECT_EQ(s.host_blocks, 4);
+  EXPECT_EQ(s.host_block_refs, 4);
+  EXPECT_EQ(h.host->stats().used, s.host_blocks);
+  EXPECT_EQ(s.device_blocks, 0);
+  h.expect_ok();
 }
 
 TEST(RadixTree, RaggedMatchWhoseLoadsEvictAndDropNodesFetchedAhead) {

@@ -20,7 +20,10 @@ from .formats import CacheFormat, KVFormat  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .pool import KVPool  # noqa: E402
 from .kivi import KIVIPool  # noqa: E402
-from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence  # noqa: E402
+from .prefix import (  # noqa: E402
+    BlockAllocator, Insert, Match, MatchInto, Namespace, OutOfBlocksError, PrefixCache, RaggedMatch, RaggedMatchInto,
+    Sequence,
+)
 from .hf import PagedCache, PagedStore, StepPlan, install_registration as _install_registration  # noqa: E402
 from .engine import Engine, Result  # noqa: E402
 from .ops import (  # noqa: E402
@@ -37,15 +40,20 @@ __all__ = [
     "BlockAllocator",
     "CacheFormat",
     "Engine",
+    "Insert",
     "KVFormat",
     "KIVIPool",
     "KVPool",
+    "Match",
+    "MatchInto",
     "Namespace",
     "OutOfBlocksError",
     "PageLayout",
     "PagedCache",
     "PagedStore",
     "PrefixCache",
+    "RaggedMatch",
+    "RaggedMatchInto",
     "Result",
     "Sequence",
     "StepPlan",

@@ -29,7 +29,9 @@ Sequence(num_tokens=6, blocks=[0, 1])
 ([0, 2], 3)
 
 Namespaces keep caches that differ in anything affecting K/V apart: model and revision, adapter,
-KV format, positional encoding, and a user salt. The C++ objects are ``torch.classes.kvcache.
+KV format, positional encoding, and a user salt. A namespace takes memory only while it holds cached
+prefixes: a lookup never registers one (a miss in a namespace the cache never saw leaves no trace),
+and one whose last prefix is evicted is forgotten. The C++ objects are ``torch.classes.kvcache.
 BlockAllocator`` and ``torch.classes.kvcache.PrefixCache`` (``.native`` on the wrappers); their
 methods run without the GIL and lock internally, so both are safe to share between Python threads.
 :class:`PrefixCache` calls its tree's hot methods (match, insert, their ragged forms, lock, unlock,
@@ -84,7 +86,11 @@ def _pool_list(pools) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class Match(NamedTuple):
     """A cached prefix: ``length`` tokens whose KV is in ``blocks`` (int32, ``ceil(length / page_size)``
     ids; the last page is partial when ``length`` is not a multiple of the page size). ``node`` is the
-    handle of the tree node holding the last matched token, for :meth:`PrefixCache.lock`."""
+    handle of the tree node holding the last matched token, for :meth:`PrefixCache.lock`; 0 (the empty
+    prefix, whose lock and unlock do nothing) when nothing matched.
+
+    :meth:`BlockAllocator.sequence` takes one; a user of :meth:`PrefixCache.match_into` builds it from
+    what that wrote: ``Match(length, row[:ceil(length / page_size)], node)``."""
 
     length: int
     blocks: torch.Tensor
@@ -308,6 +314,9 @@ class PrefixCache:
     A match returns blocks without taking references: either take them (``allocator.sequence(m)``),
     which keeps the data alive, and/or lock the node (``lock=True`` or :meth:`lock`), which keeps the
     prefix in the cache until :meth:`unlock`.
+
+    Lookups (the ``match*`` methods) change no state but the counters, the recency of what they hit and
+    the locks they were asked for: a lookup in a namespace the cache holds nothing in costs no memory.
     """
 
     def __init__(self, allocator: BlockAllocator, *, policy: str = "lru", host_pools=None, device_pools=None):
@@ -433,10 +442,12 @@ class PrefixCache:
         return [r.match(i) for i in range(len(seqs))]
 
     def lock(self, node: int) -> None:
-        """Pins ``node`` and its ancestors (counted; each lock needs one :meth:`unlock`)."""
+        """Pins ``node`` and its ancestors (counted; each lock needs one :meth:`unlock`). The empty
+        prefix's handle 0, what a match of nothing returns, pins nothing: its lock and unlock do nothing."""
         self._lock(int(node))
 
     def unlock(self, node: int) -> None:
+        """Undoes one :meth:`lock` of ``node`` (or a lock taken by ``lock=True``)."""
         self._unlock(int(node))
 
     def evict(self, num_blocks: int) -> int:
@@ -450,9 +461,25 @@ class PrefixCache:
 
     def stats(self) -> dict:
         """Counters (``lookups``, ``lookup_tokens``, ``hit_tokens``, ``inserts``, ``inserted_tokens``,
-        ``evicted_nodes``, ``evicted_blocks``, host ``demoted_*`` / ``loaded_*``), the current tree
-        (``nodes``, ``locked_nodes``, ``device_tokens``, ``device_blocks``, ``host_*``, ...) and
-        ``hit_rate`` = hit tokens / looked-up tokens."""
+        ``evicted_nodes``, ``evicted_blocks``, host ``demoted_*`` / ``loaded_*``), ``hit_rate`` = hit
+        tokens / looked-up tokens, and the current tree:
+
+        - ``namespaces``: namespaces holding at least one node; ``nodes``, ``locked_nodes``,
+          ``evictable_leaves``, ``host_nodes``; ``device_tokens`` / ``host_tokens`` on their edges.
+        - ``device_blocks`` / ``host_blocks``: distinct blocks the cache holds a reference on; with no
+          sequence sharing them, what :meth:`clear` frees and what the allocator counts as used.
+        - ``device_block_refs`` / ``host_block_refs``: the references themselves (``len(block_references())``),
+          more than the blocks when several nodes hold one page: a page split between a prefix and its
+          continuation, or the same blocks cached in two namespaces.
+
+        >>> alloc = BlockAllocator(8, 4); cache = PrefixCache(alloc)
+        >>> cache.insert([1, 2, 3, 4, 5, 6], alloc.allocate(2)).prefix_length   # blocks 0, 1
+        0
+        >>> cache.insert([1, 2, 3, 9], alloc.allocate(1)).prefix_length   # splits [1..6] inside block 0
+        3
+        >>> s = cache.stats(); s["device_blocks"], s["device_block_refs"]   # block 0 is in both halves
+        (3, 4)
+        """
         s = dict(self.native.stats())
         s["hit_rate"] = s["hit_tokens"] / s["lookup_tokens"] if s["lookup_tokens"] else 0.0
         return s
