@@ -24,6 +24,7 @@ from .prefix import (  # noqa: E402
     BlockAllocator, Insert, Match, MatchInto, Namespace, OutOfBlocksError, PrefixCache, RaggedMatch, RaggedMatchInto,
     Sequence,
 )
+from .residual import ResidualPlan  # noqa: E402
 from .hf import PagedCache, PagedStore, StepPlan, install_registration as _install_registration  # noqa: E402
 from .engine import Engine, Result  # noqa: E402
 from .ops import (  # noqa: E402
@@ -54,6 +55,7 @@ __all__ = [
     "PrefixCache",
     "RaggedMatch",
     "RaggedMatchInto",
+    "ResidualPlan",
     "Result",
     "Sequence",
     "StepPlan",
