@@ -51,6 +51,7 @@ class KVPool:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     _scales_set: dict = field(default_factory=dict, repr=False)
+    _kwargs: tuple = field(default=(), repr=False)  # (k_scale, v_scale, op_kwargs, plan_key), made once
 
     @classmethod
     def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -85,8 +86,24 @@ class KVPool:
 
     def op_kwargs(self) -> dict:
         """The format arguments of append / paged_gather / paged_attention for this pool."""
-        return {"k_scale": self.k_scale, "v_scale": self.v_scale,
-                "k_format": self.format.k.kernel_id, "v_format": self.format.v.kernel_id}
+        return dict(self._cached()[2])
+
+    @property
+    def plan_key(self) -> tuple:
+        """What a step's kernel plan depends on (:meth:`kvcache.StepPlan.kernel_plan`): device, page and head
+        shapes, formats. Pools that share it (a model's layers) share one plan per step."""
+        return self._cached()[3]
+
+    def _cached(self) -> tuple:
+        # made once per pool (a per-layer cost otherwise); remade if the scale tensors are replaced
+        c = self._kwargs
+        if not c or c[0] is not self.k_scale or c[1] is not self.v_scale:
+            kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale,
+                      "k_format": self.format.k.kernel_id, "v_format": self.format.v.kernel_id}
+            key = (self.k.device, self.page_size, self.num_kv_heads, self.head_dim, kwargs["k_format"],
+                   kwargs["v_format"])
+            c = self._kwargs = (self.k_scale, self.v_scale, kwargs, key)
+        return c
 
     # ---- ops -----------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: "torch.Tensor | ops.StepPlanTensors") -> None:

@@ -59,11 +59,10 @@ class StepPlan:
         """The kernels' plan of this step for pools shaped and stored like ``pool`` and ``q_heads`` query
         heads (made on first use, then shared by every such layer): append and attention read their indices
         from it, with no host reads per layer."""
-        fmt = pool.op_kwargs()
-        key = (pool.k.device, pool.page_size, pool.num_kv_heads, pool.head_dim, fmt["k_format"], fmt["v_format"],
-               q_heads)
+        key = (pool.plan_key, q_heads)
         plan = self._kernel_plans.get(key)
         if plan is None:
+            fmt = pool.op_kwargs()
             # from the host copies: planning reads them, and on a GPU a read of device tensors is a sync
             tables, seq_lens, cu_q_lens, slots = self._host or (self.block_tables, self.seq_lens, self.cu_q_lens,
                                                                 self.slot_mapping)
