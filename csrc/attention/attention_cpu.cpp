@@ -97,11 +97,8 @@ void run_dynamic(int64_t n, Fn fn) {
 void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
               const AttentionPlan::Split* splits, int64_t num_splits, int64_t rows_per_slot, int64_t num_slots,
               const at::TensorOptions& options) {
-  AttentionPlan sizes;  // the workspace of the split states
-  sizes.rows_per_slot = rows_per_slot;
-  sizes.num_slots = num_slots;
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, options, &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(num_slots, rows_per_slot, a.layout.head_dim, options, &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
   const GemmF32 gemm = cpu_gemm();
   run_dynamic(num_tasks, [&](int64_t i) { fn(a, tasks[i], partial, gemm); });

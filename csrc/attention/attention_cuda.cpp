@@ -48,7 +48,8 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
   const AttentionPlan plan = cuda::plan_cuda_attention(a, host, multiprocessors(k_cache.device()));
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(plan.num_slots, plan.rows_per_slot, a.layout.head_dim,
+                                                  query.options(), &part_o, &part_lse);
   const at::Tensor d_tasks = to_device(plan.tasks, k_cache.device());
   const at::Tensor d_splits = to_device(plan.splits, k_cache.device());
   check_launch(cuda::launch_attention(a, reinterpret_cast<const AttentionTask*>(d_tasks.data_ptr()),
@@ -74,11 +75,9 @@ void paged_attention_planned_cuda(const at::Tensor& query, const at::Tensor& k_c
                                                     k_format, v_format, kPlanForCuda, &h);
   TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
-  AttentionPlan sizes;
-  sizes.rows_per_slot = h->rows_per_slot;
-  sizes.num_slots = h->num_slots;
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(h->num_slots, h->rows_per_slot, a.layout.head_dim, query.options(),
+                                                  &part_o, &part_lse);
   // The task lists were uploaded once, with the plan: nothing crosses to the device here.
   check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
                                       plan_splits(plan_device, *h, true), h->num_splits, partial,

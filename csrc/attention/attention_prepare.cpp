@@ -186,12 +186,12 @@ AttentionArgs prepare_attention_planned(const at::Tensor& query, const at::Tenso
   return a;
 }
 
-PartialStates allocate_partials(const AttentionPlan& plan, int64_t head_dim, const at::TensorOptions& options,
-                                at::Tensor* o, at::Tensor* lse) {
-  if (plan.num_slots == 0) return {};
-  *o = at::empty({plan.num_slots, plan.rows_per_slot, head_dim}, options.dtype(at::kFloat));
-  *lse = at::empty({plan.num_slots, plan.rows_per_slot}, options.dtype(at::kFloat));
-  return {o->data_ptr<float>(), lse->data_ptr<float>(), plan.rows_per_slot};
+PartialStates allocate_partials(int64_t num_slots, int64_t rows_per_slot, int64_t head_dim,
+                                const at::TensorOptions& options, at::Tensor* o, at::Tensor* lse) {
+  if (num_slots == 0) return {};
+  *o = at::empty({num_slots, rows_per_slot, head_dim}, options.dtype(at::kFloat));
+  *lse = at::empty({num_slots, rows_per_slot}, options.dtype(at::kFloat));
+  return {o->data_ptr<float>(), lse->data_ptr<float>(), rows_per_slot};
 }
 
 void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,

@@ -43,10 +43,10 @@ void check_index_values(const int32_t* cu, const int32_t* lens, const int32_t* t
                         int64_t table_width, int64_t batch, int64_t total_q, const char* total_q_what,
                         const PagedLayout& layout, AttentionHostInfo* host);
 
-/// Float32 workspace for the partial states of a plan's split tasks (empty when nothing is split);
+/// Float32 workspace for the partial states of a plan's split tasks (its num_slots x rows_per_slot) (empty when nothing is split);
 /// the tensors own the memory the returned PartialStates points into.
-PartialStates allocate_partials(const AttentionPlan& plan, int64_t head_dim, const at::TensorOptions& options,
-                                at::Tensor* o, at::Tensor* lse);
+PartialStates allocate_partials(int64_t num_slots, int64_t rows_per_slot, int64_t head_dim,
+                                const at::TensorOptions& options, at::Tensor* o, at::Tensor* lse);
 
 /// Checks merge_states' arguments: v_* [tokens, heads, head_dim], lse_* [tokens, heads] float32.
 void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b,

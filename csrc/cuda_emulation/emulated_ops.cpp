@@ -98,7 +98,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
   const AttentionPlan plan = cuda::plan_cuda_attention(a, host, kEmulatedMultiprocessors);
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(plan, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(plan.num_slots, plan.rows_per_slot, a.layout.head_dim,
+                                                  query.options(), &part_o, &part_lse);
   check_launch(cuda::launch_attention(a, plan.tasks.data(), static_cast<int64_t>(plan.tasks.size()),
                                       plan.splits.data(), static_cast<int64_t>(plan.splits.size()), partial, nullptr),
                "paged_attention");
@@ -115,11 +116,9 @@ void paged_attention_planned(const at::Tensor& query, const at::Tensor& k_cache,
                                                     k_format, v_format, kPlanForCuda, &h);
   TORCH_CHECK_VALUE(a.layout.head_dim <= cuda::max_head_dim(), "head_dim = ", a.layout.head_dim,
                     " is not supported by the CUDA kernels (at most ", cuda::max_head_dim(), ")");
-  AttentionPlan sizes;
-  sizes.rows_per_slot = h->rows_per_slot;
-  sizes.num_slots = h->num_slots;
   at::Tensor part_o, part_lse;
-  const PartialStates partial = allocate_partials(sizes, a.layout.head_dim, query.options(), &part_o, &part_lse);
+  const PartialStates partial = allocate_partials(h->num_slots, h->rows_per_slot, a.layout.head_dim, query.options(),
+                                                  &part_o, &part_lse);
   check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
                                       plan_splits(plan_device, *h, true), h->num_splits, partial, nullptr),
                "paged_attention_planned");

@@ -222,9 +222,9 @@ class Engine:
             if not req.result.tokens:
                 stats["prefill_tokens"] += n
         device = next(self.model.parameters()).device
-        self.store.ensure_blocks(max(int(r.seq.blocks.max()) for r in running) + 1)
         plan = plan_step([r.seq for r in running], starts, q_lens, packed=True, page_size=page, device=device,
                          residual=self.store.residual)
+        self.store.ensure_blocks(plan.num_blocks)
         self.cache.set_step_plan(plan)
         cu_q = plan.cu_q_lens
         used = alloc.num_blocks - alloc.num_free

@@ -107,6 +107,18 @@ def swap_blocks(k_src: torch.Tensor, v_src: torch.Tensor, k_dst: torch.Tensor, v
     _ops.swap_blocks.default(k_src, v_src, k_dst, v_dst, block_mapping)
 
 
+def _attention_outputs(query: torch.Tensor, scale: float | None, return_lse: bool, out: torch.Tensor | None,
+                       lse: torch.Tensor | None):
+    """The attention ops' defaults: scale ``head_dim ** -0.5``, a contiguous ``out`` like the query, an lse."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)  # (2x cheaper than torch.empty)
+    if return_lse and lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    return scale, out, lse
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float | None = None, *,
                     window_left: int = -1, sink_tokens: int = 0, softcap: float = 0.0,
@@ -132,12 +144,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     many are a prefill chunk; a batch may mix both. GQA/MQA: query head ``h`` reads KV head
     ``h // (q_heads // kv_heads)``.
     """
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)  # (2x cheaper than torch.empty)
-    if return_lse and lse is None:
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
     _ops.paged_attention.default(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale),
                                  int(window_left), int(sink_tokens), float(softcap), out, lse, k_scale, v_scale,
                                  k_format, v_format)
@@ -190,12 +197,7 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
                             v_scale: torch.Tensor | None = None, k_format: int = 0,
                             v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)  # (2x cheaper than torch.empty)
-    if return_lse and lse is None:
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
     _ops.paged_attention_planned.default(query, k_cache, v_cache, plan[0], plan[1], float(scale), int(window_left),
                                          int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
                                          v_format)
