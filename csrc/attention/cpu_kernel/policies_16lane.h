@@ -462,15 +462,18 @@ inline __m512 group_max4(const __m512 v[4]) {
 
 /// The (scale, zero) pairs of chunk c (4 groups of 32 dims) of 16 keys' int4 rows, as columns: S[g] and
 /// Z[g] hold the scales and zeros of group 4 c + g, lane j for key j. Two 8 x 8 transposes side by side
-/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles.
+/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles. kTwoGroups: rows of 2 groups (head_dim
+/// 64), read no further; S and Z of groups 2-3 are 0.
+template <bool kTwoGroups = false>
 inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4], __m512 Z[4]) {
+  const auto pairs = [&](int i) {
+    const uint16_t* m = meta[i] + 8 * c;
+    const __m128i x = kTwoGroups ? _mm_maskz_loadu_epi16(0x0f, m) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+    return _mm256_cvtph_ps(x);
+  };
   __m512 b[8];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i] + 8 * c)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i + 8] + 8 * c)));
-    b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-  }
+  for (int i = 0; i < 8; ++i) b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(pairs(i)), pairs(i + 8), 1);
   __m512 t[8], u[8];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
@@ -502,27 +505,95 @@ inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4
   }
 }
 
-/// int4 values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd + sum_j p_j z_jg.
-/// Per row, tile and group, the coefficients p_j s_jg are quantized to unsigned 8 bits against their
-/// largest and multiply 4 keys' codes interleaved byte-wise (vpdpbusd: 4 keys x 16 dims); the zero terms
-/// are 4 dot products of 16 per row, added in fp32. 128 dims at a time, in two passes: low nibbles (even dims),
-/// then high (odd dims). Needs head_dim % 128 == 0. Outputs, per 128-dim chunk and pass h: accumulator k
-/// lane 4L + m is byte 16L + 4k + m of the chunk's codes, dim 2 (16L + 4k + m) + h; 128-bit lane L is
-/// group L, which is what lets one vpshufd spread a quad of coefficients per group.
-template <int R = 4>
-struct PvB4 {
-  static constexpr int kRows = R;
-  static int64_t storage(int64_t d) {
+/// Where PvB4 finds a 128-dim chunk's codes: int4 rows, 64 bytes, a byte's low nibble the even dim and
+/// its high nibble the odd one, group g in bytes 16 g .. 16 g + 15.
+struct Int4Codes {
+  static constexpr bool kHalfChunks = false;
+  /// Chunk c of a row, pass h: 128-bit lane g holds 16 codes of group g as bytes.
+  template <bool kHalf>
+  static __m512i codes(const uint8_t* row, int64_t c, int h) {
+    const __m512i x = _mm512_loadu_si512(row + 64 * c);
+    return _mm512_and_si512(h == 0 ? x : _mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0f));
+  }
+  static int64_t storage(int64_t d, int64_t /*D*/) {
     const int64_t c = d / 128, e = d % 128, i = e / 2, h = e % 2;
     return 128 * c + 64 * h + 16 * (i % 16 / 4) + 4 * (i / 16) + i % 4;
   }
+};
+
+/// KIVI value rows (4 or 2 bits, planar per 32-dim chunk = group): pass h takes dims 16 h .. 16 h + 15 of
+/// each group (kivi4: the low or high nibbles of its 16 bytes, as int4's; kivi2: fields 2 h and 2 h + 1 of
+/// its 8 bytes, the 8 bytes copied to both halves of its 128-bit lane and shifted per half). Head_dim 64
+/// (two groups) runs as one pass: 128-bit lanes 0-1 hold pass 0 of groups 0-1 and lanes 2-3 pass 1. (maskz
+/// forms of the broadcast and shuffles: GCC 12 warns about the plain intrinsics' undefined pass-through.)
+template <int kBits>
+struct KiviCodes {
+  static constexpr bool kHalfChunks = true;
+  template <bool kHalf>
+  static __m512i codes(const uint8_t* row, int64_t c, int h) {
+    if constexpr (kBits == 4 && kHalf) {  // 32 bytes: lanes [g0, g1, g0, g1], the upper two to their high nibbles
+      const __m512i x = _mm512_maskz_broadcast_i64x4(0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      const __m512i counts = _mm512_setr_epi64(0, 0, 0, 0, kWords4, kWords4, kWords4, kWords4);
+      return _mm512_and_si512(_mm512_srlv_epi16(x, counts), _mm512_set1_epi8(0x0f));
+    } else if constexpr (kBits == 4) {
+      return Int4Codes::codes<false>(row, c, h);
+    } else if constexpr (kHalf) {  // 16 bytes: lane L holds group L % 2's 8 bytes twice, fields 2 (L / 2), 2 (L / 2) + 1
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      const __m512i y =
+          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1), _mm512_castsi128_si512(x));
+      const __m512i counts = _mm512_setr_epi64(0, 2, 0, 2, 4, 6, 4, 6);
+      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
+    } else {  // 32 bytes: lane g holds group g's 8 bytes twice
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+      const __m512i y =
+          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), _mm512_castsi256_si512(x));
+      const __m512i counts = h == 0 ? _mm512_setr_epi64(0, 2, 0, 2, 0, 2, 0, 2)  // fields 0 | 1 of each group
+                                    : _mm512_setr_epi64(4, 6, 4, 6, 4, 6, 4, 6);  // fields 2 | 3
+      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
+    }
+  }
+  /// Accumulator k lane 4 L + m holds byte 4 k + m of 128-bit lane L: dim 16 h + 4 k + m of its group.
+  static int64_t storage(int64_t d, int64_t D) {
+    const int64_t g = d % 128 / 32, h = d % 32 / 16, k = d % 16 / 4, m = d % 4;
+    if (D == 64) return 16 * k + 4 * (g + 2 * h) + m;
+    return d / 128 * 128 + 64 * h + 16 * k + 4 * g + m;
+  }
+
+ private:
+  static constexpr int64_t kWords4 = 0x0004000400040004;  // a shift by 4 in each 16-bit lane of a qword
+};
+
+/// int4 and KIVI values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd +
+/// sum_j p_j z_jg. Per row, tile and group, the coefficients p_j s_jg are quantized to unsigned 8 bits
+/// against their largest and multiply 4 keys' codes interleaved byte-wise (vpdpbusd: 4 keys x 16 dims); the
+/// zero terms are 4 dot products of 16 per row, added in fp32. 128 dims at a time, in two passes of 16
+/// dims per group; 128-bit lane L is group L, which is what lets one vpshufd spread a quad of coefficients
+/// per group. `Codes` says where a pass finds its codes and so the output order (storage): Int4Codes (low
+/// nibbles = even dims, then high = odd dims; accumulator k lane 4L + m is dim 2 (16L + 4k + m) + h) or
+/// KiviCodes (KIVI's planar codes; head_dim 64 as one pass of 2 groups, whose lanes 2-3 take pass 1 with
+/// groups 0-1's coefficients). Needs head_dim % 128 == 0, or 64 with KiviCodes.
+template <int R = 4, class Codes = Int4Codes>
+struct PvB4 {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d, int64_t D) { return Codes::storage(d, D); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
-                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
+    if constexpr (Codes::kHalfChunks) {
+      if (D == 64) return accumulate_n<true>(o, D, p, vrow, vmeta, n, pf_state);
+    }
+    accumulate_n<false>(o, D, p, vrow, vmeta, n, pf_state);
+  }
+  template <bool kHalf>  // head_dim 64 as one pass (KiviCodes)
+  static void accumulate_n(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
+                           const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
     LocalPrefetcher pf(pf_state);
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    for (int64_t c = 0; c < D / 128; ++c) {
+    for (int64_t c = 0; c < (kHalf ? 1 : D / 128); ++c) {
       __m512 S[4], Z[4];
-      int4_meta_columns(vmeta, c, S, Z);
+      int4_meta_columns<kHalf>(vmeta, c, S, Z);
+      if constexpr (kHalf) {  // lanes 2-3 (pass 1) take groups 0-1's coefficients; their Z stay 0
+        S[2] = S[0];
+        S[3] = S[1];
+      }
       alignas(64) uint8_t cb[R][64];  // row r: group g's 16 coefficient bytes in 128-bit lane g
       __m512 cs[R], zv[R];             // row r: lane 4 g + m, group g's coefficient scale and zero term
       __m512 rS[4];                    // 1 / scale (0 for a scale of 0)
@@ -559,11 +630,12 @@ struct PvB4 {
       const __m512 zsum = (__m512)reduce16(zprod);  // lane 4 r + g
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        const __m512i spread = kHalf ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                     : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         zv[r] = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * r)), zsum);
       }
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // low nibbles (even dims), then high nibbles (odd dims)
+      for (int h = 0; h < (kHalf ? 1 : 2); ++h) {  // int4: low nibbles (even dims), then high nibbles (odd dims)
         __m512i acc[R][4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
@@ -572,10 +644,7 @@ struct PvB4 {
           const uint8_t* const* v = vrow + 4 * JQ;
           __m512i n[4];
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) {
-            const __m512i x = _mm512_loadu_si512(v[i] + 64 * c);
-            n[i] = _mm512_and_si512(h == 0 ? x : _mm512_srli_epi16(x, 4), nib);
-          }
+          for (int i = 0; i < 4; ++i) n[i] = Codes::template codes<kHalf>(v[i], c, h);
           const __m512i t0 = _mm512_unpacklo_epi8(n[0], n[1]), t1 = _mm512_unpackhi_epi8(n[0], n[1]);
           const __m512i t2 = _mm512_unpacklo_epi8(n[2], n[3]), t3 = _mm512_unpackhi_epi8(n[2], n[3]);
           const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
