@@ -12,7 +12,7 @@ from kvcache import quant
 from kvcache import reference as ref
 from kvcache.pool import format_id
 
-from conftest import DEVICES, attention_vs_reference
+from conftest import DEVICES, SUPPORTED_ISAS, attention_vs_reference
 
 FORMATS = ["kivi4", "kivi2", "k=kivi4,v=kivi2", "k=kivi2,v=kivi4"]
 
@@ -110,6 +110,41 @@ def test_long_decode_reads_several_heads_per_task(isa, fmt):
     q = torch.randn(3, 8, 128).to(torch.bfloat16)
     cu = torch.arange(4, dtype=torch.int32)
     check_attention(pool, table, lens, q, cu)
+
+
+# (format, GQA group, head_dim, page): every format, group and head_dim at page 16, larger pages, and a page
+# smaller than a tile, where bf16 queries keep the fp32 path
+BF16_DECODES = ([(f, g, d, 16) for f in ("kivi4", "kivi2", "k=kivi2,v=kivi4") for g in (1, 4, 8) for d in (64, 128)] +
+                [("kivi4", 4, 128, 64), ("kivi2", 8, 64, 64), ("k=kivi4,v=kivi2", 1, 128, 32), ("kivi2", 4, 128, 8)])
+
+
+@pytest.mark.parametrize("fmt, group, dim, page", BF16_DECODES)
+def test_bf16_query_long_decode(isa, fmt, group, dim, page):
+    # bf16 queries on the avx512bf16 build: dot products on both sides (ScoreKivi: 16-bit; PvB4 with KIVI
+    # codes: bytes), over many pages, with several heads per task and the keys split across tasks (>= 4096)
+    pool, table, lens, _, _ = kivi_pool(fmt, [4160 // page, 640 // page], page, 2, dim, torch.bfloat16, seed=group)
+    q = torch.randn(2, 2 * group, dim).to(torch.bfloat16)
+    check_attention(pool, table, lens, q, torch.arange(3, dtype=torch.int32))
+
+
+@pytest.mark.skipif("avx512bf16" not in SUPPORTED_ISAS, reason="the dot-product paths need AVX-512 BF16 and VNNI")
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
+def test_bf16_query_takes_the_dot_product_paths(fmt):
+    # The avx512bf16 build quantizes a bf16 query (its results differ from the fp32 FMAs of the avx512 build),
+    # except where a tile spans pages; fp32 queries stay on the exact path, bit-identical on both builds.
+    before = kvcache._C.cpu_isa()
+    try:
+        for page, q_dtype, same in ((16, torch.bfloat16, False), (8, torch.bfloat16, True), (16, torch.float32, True)):
+            pool, table, lens, _, _ = kivi_pool(fmt, [8, 3], page, 2, 128, torch.bfloat16)
+            q = torch.randn(2, 8, 128).to(q_dtype)
+            cu = torch.arange(3, dtype=torch.int32)
+            results = []
+            for build in ("avx512bf16", "avx512"):
+                kvcache._C.set_cpu_isa(build)
+                results.append(pool.attention(q, table, lens, cu, return_lse=True))
+            assert (torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])) == same
+    finally:
+        kvcache._C.set_cpu_isa(before)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -109,6 +109,13 @@ struct PvNone {
   }
 };
 
+/// Bytes of a stored row (int4 and KIVI pack several dims per byte: reading D bytes, the loads-only floor
+/// read the next row too).
+template <class Read>
+int64_t row_bytes(int64_t D) {
+  return D / dims_per_elem<Read>() * int64_t(sizeof(typename Read::Elem));
+}
+
 /// K rows touched a cache line at a time (one OR per line), no arithmetic: with PvLoads, the step's
 /// floor for this traversal of scattered pages (tile setup, softmax and the prefetcher kept).
 template <class Read, int R>
@@ -119,7 +126,7 @@ struct ScoreLoads {
                      vf rows[R]) {
     __m512i acc = _mm512_setzero_si512();
     for (int j = 0; j < kTile; ++j) {
-      for (int64_t b = 0; b < D * int64_t(sizeof(typename Read::Elem)); b += 64) {
+      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) {
         acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(krow[j]) + b));
       }
     }
@@ -135,8 +142,8 @@ struct PvLoads {
     LocalPrefetcher pf(pf_state);
     __m512i acc = _mm512_setzero_si512();
     for (int j = 0; j < kTile; ++j) {
-      pf.step(int(D * int64_t(sizeof(typename Read::Elem)) / 64));
-      for (int64_t b = 0; b < D * int64_t(sizeof(typename Read::Elem)); b += 64) {
+      pf.step(int(std::max<int64_t>(1, row_bytes<Read>(D) / 64)));
+      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) {
         acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(vrow[j]) + b));
       }
     }
@@ -203,22 +210,22 @@ double read_probe(const std::vector<float>& buf, int threads) {
 /// Per-phase breakdown: the decode kernel with one phase at a time replaced by a policy that does
 /// nothing (ScoreNone: no K loads, no q.k; PvNone: no V loads, no p.V); what the step loses is that
 /// phase's cost. "tiles" is what is left with both off: tile setup, mask and online softmax.
-template <class Read, class Sc, class Pv, class PerKey>
-void phases(Step& big, Step& small, int threads, PerKey per_key_ns, int64_t batch, int64_t ctx,
+template <class RK, class RV, class Sc, class Pv, class PerKey>
+void phases(const char* name, Step& big, Step& small, int threads, PerKey per_key_ns, int64_t batch, int64_t ctx,
             int64_t small_ctx) {
-  using Sn = ScoreNone<Read, 4>;
-  using Pn = PvNone<Read, 4>;
+  using Sn = ScoreNone<RK, 4>;
+  using Pn = PvNone<RV, 4>;
   auto variant = [&](auto score, auto pv) {
     using S = decltype(score);
     using V = decltype(pv);
     return [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) {
       thread_local Scratch sc;
-      run_task_vec<Read, Read, S, V>(a, t, p, sc);
+      run_task_vec<RK, RV, S, V>(a, t, p, sc);
     };
   };
   using TaskFn = void (*)(const AttentionArgs&, const AttentionTask&, const PartialStates&);
   const TaskFn fns[5] = {variant(Sc{}, Pv{}), variant(Sc{}, Pn{}), variant(Sn{}, Pv{}), variant(Sn{}, Pn{}),
-                         variant(ScoreLoads<Read, 4>{}, PvLoads<Read, 4>{})};
+                         variant(ScoreLoads<RK, 4>{}, PvLoads<RV, 4>{})};
   std::vector<double> cold[5], warm[5];
   for (int round = 0; round < 5; ++round) {
     int i = 0;
@@ -231,10 +238,10 @@ void phases(Step& big, Step& small, int threads, PerKey per_key_ns, int64_t batc
   }
   double c[5], w[5];
   for (int i = 0; i < 5; ++i) c[i] = median(cold[i]), w[i] = median(warm[i]);
-  std::printf("phases, ns per key per KV head per core (from DRAM / from cache):\n"
+  std::printf("phases of %s, ns per key per KV head per core (from DRAM / from cache):\n"
               "  step %.2f / %.2f\n  q.k (K loads, dot products, reduction): %.2f / %.2f\n"
               "  p.V (V loads, pairing, dot products): %.2f / %.2f\n  tiles + mask + online softmax: %.2f / %.2f\n",
-              c[0], w[0], c[0] - c[2], w[0] - w[2], c[0] - c[1], w[0] - w[1], c[3], w[3]);
+              name, c[0], w[0], c[0] - c[2], w[0] - w[2], c[0] - c[1], w[0] - w[1], c[3], w[3]);
   std::printf("  K and V loads only (every line touched, no arithmetic; tiles, softmax, prefetch kept): %.2f / %.2f\n",
               c[4], w[4]);
 }
@@ -345,11 +352,25 @@ int main(int argc, char** argv) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   if (group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
     if (kind == KVKind::kFull && dt == DType::kBFloat16) {
-      phases<ReadBF16, ScoreDp<ReadBF16, 4>, PvDp<ReadBF16, 4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
+      phases<ReadBF16, ReadBF16, ScoreDp<ReadBF16, 4>, PvDp<ReadBF16, 4>>("bf16 dot products", big, small, threads,
+                                                                        per_key_ns, batch, ctx, small_ctx);
     } else if (kind == KVKind::kInt8) {
-      phases<ReadI8, ScoreB8<4>, PvB8<4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
+      phases<ReadI8, ReadI8, ScoreB8<4>, PvB8<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
+                                                  small_ctx);
     } else if (kind == KVKind::kInt4) {
-      phases<ReadI4, ScoreB4<4>, PvB4<4>>(big, small, threads, per_key_ns, batch, ctx, small_ctx);
+      phases<ReadI4, ReadI4, ScoreB4<4>, PvB4<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
+                                                  small_ctx);
+    } else if (is_kivi(kind)) {  // the dot products, then the fp32 FMAs (fp32 and fp16 queries) they replace
+      const auto both = [&]<int kBits>(std::integral_constant<int, kBits>) {
+        using RK = ReadKivi<kBits, true>;
+        using RV = ReadKivi<kBits, false>;
+        phases<RK, RV, ScoreKivi<kBits, 4>, PvB4<4, KiviCodes<kBits>>>("dot products (K 16-bit, V bytes)", big, small,
+                                                                       threads, per_key_ns, batch, ctx, small_ctx);
+        phases<RK, RV, ScoreFma<RK, 4>, PvFma<RV, 4>>("fp32 FMAs", big, small, threads, per_key_ns, batch, ctx,
+                                                      small_ctx);
+      };
+      if (kind == KVKind::kKivi4) both(std::integral_constant<int, 4>{});
+      else both(std::integral_constant<int, 2>{});
     }
   }
 #endif

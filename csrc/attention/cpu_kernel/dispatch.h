@@ -68,8 +68,9 @@ void with_rows(int rows, Fn&& fn) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// The dot-product policies of a quantized reader, for a bf16 query: byte dot products for int8 and int4
-/// codes (AVX-512 VNNI), bf16 ones for fp8 (its values widen to bf16 exactly).
+/// The dot-product policies of a quantized reader, for a bf16 query (AVX-512 VNNI): byte dot products for
+/// int8 and int4 codes and KIVI values, 16-bit ones for KIVI keys; bf16 ones for fp8 (its values widen to
+/// bf16 exactly).
 template <class Read, int R>
 struct FastPolicies {
   using Score = ScoreDp<Read, R>;
@@ -85,15 +86,29 @@ struct FastPolicies<ReadI4, R> {
   using Score = ScoreB4<R>;
   using Pv = PvB4<R>;
 };
+template <int kBits, bool kKey, int R>
+struct FastPolicies<ReadKivi<kBits, kKey>, R> {
+  using Score = ScoreKivi<kBits, R>;
+  using Pv = PvB4<R, KiviCodes<kBits>>;
+};
+
+template <class Read>
+constexpr bool is_kivi_reader = false;
+template <int kBits, bool kKey>
+constexpr bool is_kivi_reader<ReadKivi<kBits, kKey>> = true;
 
 /// Whether a task with quantized K (RK) and V (RV) runs FastPolicies on both sides: a bf16 query (an fp32
 /// or fp16 one keeps the exact fp32 path), head dims the byte policies take (int8 and int4 keys: multiples
-/// of 64, int8 values 64, int4 values 128), and for fp8 keys an unrotated query (a rotated one is no bf16
-/// value any more).
+/// of 64, int8 values 64, int4 values 128; KIVI keys and values: 64 or multiples of 128), and for fp8 keys
+/// an unrotated query (a rotated one is no bf16 value any more). KIVI keys (always with KIVI values) also
+/// need pages of at least a tile, so that a tile's keys share one page's metadata (ScoreKivi).
 template <class RK, class RV>
 bool fast_quantized_pair(const AttentionArgs& a) {
   const int64_t D = a.layout.head_dim;
   if (a.q_dtype != DType::kBFloat16) return false;
+  if constexpr (is_kivi_reader<RK>) {
+    return (D == 64 || D % 128 == 0) && a.layout.page_size >= kTile;
+  }
   const bool byte_k = std::is_same_v<RK, ReadI8> || std::is_same_v<RK, ReadI4>;
   if (byte_k ? D % 64 != 0 : a.k_rot) return false;
   if (std::is_same_v<RV, ReadI8> && D % 64 != 0) return false;
@@ -131,7 +146,7 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
       // Quantized pages with a bf16 query take dot products on both sides when both can
       // (fast_quantized_pair), fp32 FMAs otherwise: two kernels per pair of formats, not one per mix.
-      if constexpr (is_quantized(SK::kind) && !is_kivi(SK::kind)) {
+      if constexpr (is_quantized(SK::kind)) {
         if (fast_quantized_pair<RK, RV>(a)) {
           return run_task_vec<RK, RV, typename FastPolicies<RK, R>::Score, typename FastPolicies<RV, R>::Pv>(
               a, t, partial, scratch);

@@ -295,6 +295,224 @@ struct ScoreB4 {
 };
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// A KIVI row's codes (4 or 2 bits, planar per 32-dim chunk, core/quant.h: planar_byte) as 16-bit lanes, one
+/// vector per 32 dims (kivi4: 32 bytes zero-extended, then low and high nibbles; kivi2: its four fields).
+/// Word p of a row's vectors laid end to end is code position p; `dim(p, D)` is its dim. Every aligned run
+/// of 8 positions is 8 consecutive dims. (maskz forms of the broadcasts and shuffles: GCC 12 warns about
+/// the plain intrinsics' undefined pass-through operand.)
+template <int kBits>
+struct KiviKeyWords {
+  static __m512i widen(const uint8_t* p) {  // 32 bytes -> 32 words
+    return _mm512_maskz_cvtepu8_epi16(~__mmask32{0}, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  /// 128 dims at p (16 kBits bytes) -> v[0..3].
+  static void unpack128(const uint8_t* p, __m512i v[4]) {
+    const __m512i mask = _mm512_set1_epi16(kBits == 4 ? 0x0f : 0x03);
+    if constexpr (kBits == 4) {  // per 32 bytes: low nibbles (dims 0-15 of each chunk), high nibbles (16-31)
+      const __m512i x0 = widen(p), x1 = widen(p + 32);
+      v[0] = _mm512_and_si512(x0, mask);
+      v[1] = _mm512_srli_epi16(x0, 4);
+      v[2] = _mm512_and_si512(x1, mask);
+      v[3] = _mm512_srli_epi16(x1, 4);
+    } else {  // field f: dims 8 f .. 8 f + 7 of each chunk
+      const __m512i x = widen(p);
+      v[0] = _mm512_and_si512(x, mask);
+      v[1] = _mm512_and_si512(_mm512_srli_epi16(x, 2), mask);
+      v[2] = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+      v[3] = _mm512_srli_epi16(x, 6);
+    }
+  }
+  /// head_dim 64 (8 kBits bytes at p) -> v[0..1].
+  static void unpack64(const uint8_t* p, __m512i v[2]) {
+    if constexpr (kBits == 4) {
+      const __m512i x = widen(p);
+      v[0] = _mm512_and_si512(x, _mm512_set1_epi16(0x0f));
+      v[1] = _mm512_srli_epi16(x, 4);
+    } else {  // 16 bytes in both halves, shifted per half: fields 0 | 1, then 2 | 3
+      const __m512i x = _mm512_maskz_broadcast_i64x4(
+          0xff, _mm256_maskz_cvtepu8_epi16(0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      constexpr int64_t k2 = 0x0002000200020002, k4 = 2 * k2, k6 = 3 * k2;  // shifts in each 16-bit lane
+      const __m512i mask = _mm512_set1_epi16(0x03);
+      v[0] = _mm512_and_si512(_mm512_srlv_epi16(x, _mm512_setr_epi64(0, 0, 0, 0, k2, k2, k2, k2)), mask);
+      v[1] = _mm512_and_si512(_mm512_srlv_epi16(x, _mm512_setr_epi64(k4, k4, k4, k4, k6, k6, k6, k6)), mask);
+    }
+  }
+  static int64_t dim(int64_t p, int64_t D) {
+    if (kBits == 2 && D == 64) return 32 * (p % 16 / 8) + 8 * (p / 16) + p % 8;
+    const int64_t base = p / 128 * 128, e = p % 128, k = e / 32, n = e % 32;
+    return kBits == 4 ? base + 64 * (k / 2) + 32 * (n / 16) + 16 * (k % 2) + n % 16  // vector k: nibble k % 2
+                      : base + 32 * (n / 8) + 8 * k + n % 8;                             // vector k: field k
+  }
+};
+
+/// KIVI keys (per channel over a page: k_d = s_d c_d + z_d, s and z shared by the page's tokens) against a
+/// bf16 query: score = sum_d (q_d s_d) c_d + q.z. Once per page and row, w = q * s is quantized to 16 bits
+/// (w ~ a w16, a = max|w| / 32767), so each key is its codes widened to 16-bit lanes and vpdpwssd'd against
+/// w16: no dequantization, no fp32 per key, and the query's rounding (2^-15 of its largest) far below
+/// bf16's. (Bytes (vpdpbusd, w8) halved the dot products but not the time: their error needed a multiplier
+/// per int32 lane, applied per key, and still reached 2-3x PyTorch's lse error on long decodes.)
+/// The constant takes the codes' midpoint m off the rounded w16: score = a (c . w16) + q.(z + m s) -
+/// m a sum(w16), whose error sum_d (a w16_d - w_d)(c_d - m) is that of the centred codes.
+/// The page is known by its metadata pointer (kmeta of any key of the tile: tiles lie in one page, as the
+/// dispatch asks); each row block keeps the page it prepared, so a page is prepared once per block, when
+/// its first tile arrives. Needs head_dim 64 or a multiple of 128.
+/// Row r's buffer (row_floats(D) floats): the exact scaled query (fp32) in code order (KiviKeyWords::dim),
+/// then its w16 (D words, code order); row 0 then holds the block's multipliers and constants (lane k: row
+/// k / kKeys) and the prepared page's pointer.
+template <int kBits, int R = 4>
+struct ScoreKivi {
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
+  static constexpr float kMid = ((1 << kBits) - 1) / 2.f;
+  using Words = KiviKeyWords<kBits>;
+  static int64_t row_floats(int64_t D) { return D + D / 2 + 48; }
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);
+    for (int64_t p = 0; p < D; ++p) q_row[p] = q[Words::dim(p, D)];
+  }
+
+  static void scores(float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float /*scale*/,
+                     vf rows[R]) {
+    // (head_dim 128 and 64 get their own unrolled loops: see ScoreB8)
+    if (D == 128) return scores_n<1>(q, D, krow, kmeta[0], rows);
+    if (D == 64) return scores_n<-1>(q, D, krow, kmeta[0], rows);
+    scores_n<0>(q, D, krow, kmeta[0], rows);
+  }
+
+  /// Code positions 16 i .. 16 i + 15 of the page's scales (or, at meta + 32, zeros) as fp32: two runs of 8
+  /// dims.
+  static __m512 meta16(const uint16_t* meta, int64_t i, int64_t D) {
+    const auto at = [&](int64_t p) { const int64_t d = Words::dim(p, D); return meta + 64 * (d / 32) + d % 32; };
+    if constexpr (kBits == 4) {  // (runs of 16)
+      return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at(16 * i))));
+    } else {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(16 * i)));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(16 * i + 8)));
+      return _mm512_maskz_cvtph_ps(0xffff, _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+    }
+  }
+
+  /// w16, multipliers and constants of the block's rows for the page whose metadata is `meta` (per 32-dim
+  /// chunk, 32 fp16 scales then 32 zeros).
+  template <int kChunks>  // as scores_n
+  static void prepare(float* q, int64_t D, const uint16_t* meta) {
+    if constexpr (kChunks != 0) D = kChunks > 0 ? 128 * kChunks : 64;  // (a constant: addresses fold)
+    const int64_t stride = row_floats(D);
+    __m512 amax[R], qzm[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) amax[r] = qzm[r] = _mm512_setzero_ps();
+    const __m512 mid = _mm512_set1_ps(kMid);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < D / 16; ++i) {
+      const __m512 s = meta16(meta, i, D), zm = _mm512_fmadd_ps(s, mid, meta16(meta + 32, i, D));  // z + m s
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q + r * stride + 16 * i);
+        amax[r] = _mm512_range_ps(amax[r], _mm512_mul_ps(qv, s), 0x0b);  // max |.|
+        qzm[r] = _mm512_fmadd_ps(qv, zm, qzm[r]);
+      }
+    }
+    __m512 inv[R];
+    float alpha[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float m = hmax((vf)amax[r]);
+      alpha[r] = m / 32767.f;
+      inv[r] = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    }
+    // 32 values at a time: two int32 vectors packed with saturation (|w| <= 32767 already: it only guards
+    // the largest's rounding), which interleaves their runs of 4; one vpermq restores the order.
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m512i ones = _mm512_set1_epi16(1);
+    __m512i wsum[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wsum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < D / 32; ++i) {
+      const __m512 s0 = meta16(meta, 2 * i, D), s1 = meta16(meta, 2 * i + 1, D);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q + r * stride + 32 * i;
+        const __m512 x0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qr), s0), inv[r]);
+        const __m512 x1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), s1), inv[r]);
+        const __m512i w0 = _mm512_maskz_cvtps_epi32(0xffff, x0), w1 = _mm512_maskz_cvtps_epi32(0xffff, x1);
+        const __m512i w16 = _mm512_maskz_permutexvar_epi64(0xff, order, _mm512_packs_epi32(w0, w1));
+        _mm512_storeu_si512(reinterpret_cast<int16_t*>(q + r * stride + D) + 32 * i, w16);
+        wsum[r] = _mm512_dpwssd_epi32(wsum[r], ones, w16);
+      }
+    }
+    float* block = q + D + D / 2;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float cst = hsum((vf)qzm[r]) - kMid * alpha[r] * hsum(__builtin_convertvector((vi)wsum[r], vf));
+      for (int k = r * kKeys; k < (r + 1) * kKeys; ++k) {
+        block[k] = alpha[r];
+        block[16 + k] = cst;
+      }
+    }
+    const uintptr_t page = reinterpret_cast<uintptr_t>(meta);
+    std::memcpy(block + 32, &page, sizeof page);
+  }
+
+  template <int kChunks>  // 128-dim chunks; -1: head_dim 64; 0: read from D
+  static void scores_n(float* q, int64_t D, const uint8_t* const* krow, const uint16_t* meta, vf rows[R]) {
+    if constexpr (kChunks != 0) D = kChunks > 0 ? 128 * kChunks : 64;
+    const float* block = q + D + D / 2;
+    uintptr_t page;  // the page this block last prepared
+    std::memcpy(&page, block + 32, sizeof page);
+    if (page != reinterpret_cast<uintptr_t>(meta)) prepare<kChunks>(q, D, meta);
+    const int64_t stride = row_floats(D), chunks = kChunks > 0 ? kChunks : D / 128;
+    const vf alpha = loadv(block), cst = loadv(block + 16);
+    const auto w16 = [&](int r, int64_t v) {  // the row's words v * 32 .. v * 32 + 31
+      return _mm512_loadu_si512(reinterpret_cast<const int16_t*>(q + r * stride + D) + 32 * v);
+    };
+    vf part[R];
+#pragma GCC unroll 4
+    for (int g = 0; g < R; ++g) {
+      __m512i acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+      if constexpr (kChunks < 0) {
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          __m512i x[2];
+          Words::unpack64(krow[g * kKeys + j], x);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc[r * kKeys + j] = _mm512_dpwssd_epi32(acc[r * kKeys + j], x[0], w16(r, 0));
+            acc[r * kKeys + j] = _mm512_dpwssd_epi32(acc[r * kKeys + j], x[1], w16(r, 1));
+          }
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) {
+            __m512i x[4];
+            Words::unpack128(krow[g * kKeys + j] + 16 * kBits * c, x);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+              for (int v = 0; v < 4; ++v) {
+                acc[r * kKeys + j] = _mm512_dpwssd_epi32(acc[r * kKeys + j], x[v], w16(r, 4 * c + v));
+              }
+            }
+          }
+        }
+      }
+      vi acci[16];  // (integer sums, exact: reduced before the one conversion)
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acci[i] = (vi)acc[i];
+      part[g] = __builtin_convertvector(reduce16(acci), vf) * alpha + cst;
+    }
+    parts_to_rows<R>(part, rows);
+  }
+};
+#endif
+
 // ---- P.V policies: o[4 rows] += p[4 rows][n keys] . V[n keys] --------------------------------------
 /// fp32 FMAs on V widened by `Read`; outputs in Read's storage order. Two accumulator sets keep the
 /// FMA dependency chains short; the loops over rows and keys are unrolled (registers, as ScoreFma).
@@ -462,15 +680,18 @@ inline __m512 group_max4(const __m512 v[4]) {
 
 /// The (scale, zero) pairs of chunk c (4 groups of 32 dims) of 16 keys' int4 rows, as columns: S[g] and
 /// Z[g] hold the scales and zeros of group 4 c + g, lane j for key j. Two 8 x 8 transposes side by side
-/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles.
+/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles. kTwoGroups: rows of 2 groups (head_dim
+/// 64), read no further; S and Z of groups 2-3 are 0.
+template <bool kTwoGroups = false>
 inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4], __m512 Z[4]) {
+  const auto pairs = [&](int i) {
+    const uint16_t* m = meta[i] + 8 * c;
+    const __m128i x = kTwoGroups ? _mm_maskz_loadu_epi16(0x0f, m) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+    return _mm256_cvtph_ps(x);
+  };
   __m512 b[8];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i] + 8 * c)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta[i + 8] + 8 * c)));
-    b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-  }
+  for (int i = 0; i < 8; ++i) b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(pairs(i)), pairs(i + 8), 1);
   __m512 t[8], u[8];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
@@ -502,27 +723,95 @@ inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4
   }
 }
 
-/// int4 values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd + sum_j p_j z_jg.
-/// Per row, tile and group, the coefficients p_j s_jg are quantized to unsigned 8 bits against their
-/// largest and multiply 4 keys' codes interleaved byte-wise (vpdpbusd: 4 keys x 16 dims); the zero terms
-/// are 4 dot products of 16 per row, added in fp32. 128 dims at a time, in two passes: low nibbles (even dims),
-/// then high (odd dims). Needs head_dim % 128 == 0. Outputs, per 128-dim chunk and pass h: accumulator k
-/// lane 4L + m is byte 16L + 4k + m of the chunk's codes, dim 2 (16L + 4k + m) + h; 128-bit lane L is
-/// group L, which is what lets one vpshufd spread a quad of coefficients per group.
-template <int R = 4>
-struct PvB4 {
-  static constexpr int kRows = R;
-  static int64_t storage(int64_t d) {
+/// Where PvB4 finds a 128-dim chunk's codes: int4 rows, 64 bytes, a byte's low nibble the even dim and
+/// its high nibble the odd one, group g in bytes 16 g .. 16 g + 15.
+struct Int4Codes {
+  static constexpr bool kHalfChunks = false;
+  /// Chunk c of a row, pass h: 128-bit lane g holds 16 codes of group g as bytes.
+  template <bool kHalf>
+  static __m512i codes(const uint8_t* row, int64_t c, int h) {
+    const __m512i x = _mm512_loadu_si512(row + 64 * c);
+    return _mm512_and_si512(h == 0 ? x : _mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0f));
+  }
+  static int64_t storage(int64_t d, int64_t /*D*/) {
     const int64_t c = d / 128, e = d % 128, i = e / 2, h = e % 2;
     return 128 * c + 64 * h + 16 * (i % 16 / 4) + 4 * (i / 16) + i % 4;
   }
+};
+
+/// KIVI value rows (4 or 2 bits, planar per 32-dim chunk = group): pass h takes dims 16 h .. 16 h + 15 of
+/// each group (kivi4: the low or high nibbles of its 16 bytes, as int4's; kivi2: fields 2 h and 2 h + 1 of
+/// its 8 bytes, the 8 bytes copied to both halves of its 128-bit lane and shifted per half). Head_dim 64
+/// (two groups) runs as one pass: 128-bit lanes 0-1 hold pass 0 of groups 0-1 and lanes 2-3 pass 1. (maskz
+/// forms of the broadcast and shuffles: GCC 12 warns about the plain intrinsics' undefined pass-through.)
+template <int kBits>
+struct KiviCodes {
+  static constexpr bool kHalfChunks = true;
+  template <bool kHalf>
+  static __m512i codes(const uint8_t* row, int64_t c, int h) {
+    if constexpr (kBits == 4 && kHalf) {  // 32 bytes: lanes [g0, g1, g0, g1], the upper two to their high nibbles
+      const __m512i x = _mm512_maskz_broadcast_i64x4(0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      const __m512i counts = _mm512_setr_epi64(0, 0, 0, 0, kWords4, kWords4, kWords4, kWords4);
+      return _mm512_and_si512(_mm512_srlv_epi16(x, counts), _mm512_set1_epi8(0x0f));
+    } else if constexpr (kBits == 4) {
+      return Int4Codes::codes<false>(row, c, h);
+    } else if constexpr (kHalf) {  // 16 bytes: lane L holds group L % 2's 8 bytes twice, fields 2 (L / 2), 2 (L / 2) + 1
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      const __m512i y =
+          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1), _mm512_castsi128_si512(x));
+      const __m512i counts = _mm512_setr_epi64(0, 2, 0, 2, 4, 6, 4, 6);
+      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
+    } else {  // 32 bytes: lane g holds group g's 8 bytes twice
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+      const __m512i y =
+          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), _mm512_castsi256_si512(x));
+      const __m512i counts = h == 0 ? _mm512_setr_epi64(0, 2, 0, 2, 0, 2, 0, 2)  // fields 0 | 1 of each group
+                                    : _mm512_setr_epi64(4, 6, 4, 6, 4, 6, 4, 6);  // fields 2 | 3
+      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
+    }
+  }
+  /// Accumulator k lane 4 L + m holds byte 4 k + m of 128-bit lane L: dim 16 h + 4 k + m of its group.
+  static int64_t storage(int64_t d, int64_t D) {
+    const int64_t g = d % 128 / 32, h = d % 32 / 16, k = d % 16 / 4, m = d % 4;
+    if (D == 64) return 16 * k + 4 * (g + 2 * h) + m;
+    return d / 128 * 128 + 64 * h + 16 * k + 4 * g + m;
+  }
+
+ private:
+  static constexpr int64_t kWords4 = 0x0004000400040004;  // a shift by 4 in each 16-bit lane of a qword
+};
+
+/// int4 and KIVI values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd +
+/// sum_j p_j z_jg. Per row, tile and group, the coefficients p_j s_jg are quantized to unsigned 8 bits
+/// against their largest and multiply 4 keys' codes interleaved byte-wise (vpdpbusd: 4 keys x 16 dims); the
+/// zero terms are 4 dot products of 16 per row, added in fp32. 128 dims at a time, in two passes of 16
+/// dims per group; 128-bit lane L is group L, which is what lets one vpshufd spread a quad of coefficients
+/// per group. `Codes` says where a pass finds its codes and so the output order (storage): Int4Codes (low
+/// nibbles = even dims, then high = odd dims; accumulator k lane 4L + m is dim 2 (16L + 4k + m) + h) or
+/// KiviCodes (KIVI's planar codes; head_dim 64 as one pass of 2 groups, whose lanes 2-3 take pass 1 with
+/// groups 0-1's coefficients). Needs head_dim % 128 == 0, or 64 with KiviCodes.
+template <int R = 4, class Codes = Int4Codes>
+struct PvB4 {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d, int64_t D) { return Codes::storage(d, D); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
-                         const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
+    if constexpr (Codes::kHalfChunks) {
+      if (D == 64) return accumulate_n<true>(o, D, p, vrow, vmeta, n, pf_state);
+    }
+    accumulate_n<false>(o, D, p, vrow, vmeta, n, pf_state);
+  }
+  template <bool kHalf>  // head_dim 64 as one pass (KiviCodes)
+  static void accumulate_n(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
+                           const uint16_t* const* vmeta, int64_t /*n = kTile*/, Prefetcher& pf_state) {
     LocalPrefetcher pf(pf_state);
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    for (int64_t c = 0; c < D / 128; ++c) {
+    for (int64_t c = 0; c < (kHalf ? 1 : D / 128); ++c) {
       __m512 S[4], Z[4];
-      int4_meta_columns(vmeta, c, S, Z);
+      int4_meta_columns<kHalf>(vmeta, c, S, Z);
+      if constexpr (kHalf) {  // lanes 2-3 (pass 1) take groups 0-1's coefficients; their Z stay 0
+        S[2] = S[0];
+        S[3] = S[1];
+      }
       alignas(64) uint8_t cb[R][64];  // row r: group g's 16 coefficient bytes in 128-bit lane g
       __m512 cs[R], zv[R];             // row r: lane 4 g + m, group g's coefficient scale and zero term
       __m512 rS[4];                    // 1 / scale (0 for a scale of 0)
@@ -559,11 +848,12 @@ struct PvB4 {
       const __m512 zsum = (__m512)reduce16(zprod);  // lane 4 r + g
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        const __m512i spread = kHalf ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                     : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         zv[r] = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * r)), zsum);
       }
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // low nibbles (even dims), then high nibbles (odd dims)
+      for (int h = 0; h < (kHalf ? 1 : 2); ++h) {  // int4: low nibbles (even dims), then high nibbles (odd dims)
         __m512i acc[R][4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
@@ -572,10 +862,7 @@ struct PvB4 {
           const uint8_t* const* v = vrow + 4 * JQ;
           __m512i n[4];
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) {
-            const __m512i x = _mm512_loadu_si512(v[i] + 64 * c);
-            n[i] = _mm512_and_si512(h == 0 ? x : _mm512_srli_epi16(x, 4), nib);
-          }
+          for (int i = 0; i < 4; ++i) n[i] = Codes::template codes<kHalf>(v[i], c, h);
           const __m512i t0 = _mm512_unpacklo_epi8(n[0], n[1]), t1 = _mm512_unpackhi_epi8(n[0], n[1]);
           const __m512i t2 = _mm512_unpacklo_epi8(n[2], n[3]), t3 = _mm512_unpackhi_epi8(n[2], n[3]);
           const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),

@@ -137,24 +137,26 @@ inline vf vsoftcap(vf s, float cap) {
 }
 
 /// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
-/// NOTE: every loop unrolled, so the arrays are registers (GCC left them on the stack otherwise).
-__attribute__((always_inline)) inline vf reduce16(const vf acc[16]) {
-  vf u[8], w[4], z[2];
+/// V: vf, or vi for integer sums (exact, so converted once after). NOTE: every loop unrolled, so the
+/// arrays are registers (GCC left them on the stack otherwise).
+template <class V>
+__attribute__((always_inline)) inline V reduce16(const V acc[16]) {
+  V u[8], w[4], z[2];
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
-    const vf a = acc[2 * k], b = acc[2 * k + 1];
+    const V a = acc[2 * k], b = acc[2 * k + 1];
     u[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
-    const vf a = u[2 * k], b = u[2 * k + 1];
+    const V a = u[2 * k], b = u[2 * k + 1];
     w[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   }
 #pragma GCC unroll 2
   for (int k = 0; k < 2; ++k) {
-    const vf a = w[2 * k], b = w[2 * k + 1];
+    const V a = w[2 * k], b = w[2 * k + 1];
     z[k] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
            __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   }

@@ -41,6 +41,28 @@ constexpr float read_factor() {
   }
 }
 
+/// Floats of a query row in the scratch buffer: D, or what a score policy asks for: ScoreKivi keeps per-page
+/// state there, which is why Score::scores gets its rows writable.
+template <class Score>
+int64_t query_row_floats(int64_t D) {
+  if constexpr (requires { Score::row_floats(D); }) {
+    return Score::row_floats(D);
+  } else {
+    return D;
+  }
+}
+
+/// Position of output dim d in a P.V policy's accumulators (a policy whose order depends on head_dim
+/// takes D too).
+template <class Pv>
+int64_t pv_storage(int64_t d, int64_t D) {
+  if constexpr (requires { Pv::storage(d, D); }) {
+    return Pv::storage(d, D);
+  } else {
+    return Pv::storage(d);
+  }
+}
+
 template <class ReadK, class ReadV, class Score, class Pv>
 void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s) {
   static_assert(Score::kRows == Pv::kRows, "the score and P.V policies must agree on rows per block");
@@ -53,8 +75,9 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
   const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
   const TaskRows tr(t, G, kRows);
   const int64_t padded = tr.heads * tr.padded;
+  const int64_t q_floats = query_row_floats<Score>(D);
 
-  s.q.assign(padded * D, 0.f);
+  s.q.assign(padded * q_floats, 0.f);
   s.o.assign(padded * D, 0.f);
   s.rows.resize(padded);
   int64_t max_pos = -1, min_lo = INT64_MAX;
@@ -73,7 +96,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
     st.lo = a.window_left >= 0 ? std::max<int64_t>(0, st.pos - a.window_left) : 0;
     max_pos = std::max(max_pos, st.pos);
     min_lo = std::min(min_lo, st.lo);
-    Score::load_query(a, (q_start + i) * a.q_strides[0] + hq * a.q_strides[1], &s.q[r * D]);
+    Score::load_query(a, (q_start + i) * a.q_strides[0] + hq * a.q_strides[1], &s.q[r * q_floats]);
   }
 
   const KElem* kc = static_cast<const KElem*>(a.k_cache);
@@ -182,7 +205,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
           }
           if (!any) continue;
           vf sc_rows[kRows];
-          Score::scores(&s.q[rc * D], D, krow, kmeta, a.scale, sc_rows);
+          Score::scores(&s.q[rc * q_floats], D, krow, kmeta, a.scale, sc_rows);
           if (k_scaled) {
             const vf ks = loadv(kscale);
             for (int r = 0; r < kRows; ++r) sc_rows[r] *= ks;
@@ -248,7 +271,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
       }
     }
   }
-  finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return Pv::storage(d); });
+  finish_task(a, t, partial, s, tr, q_start, [D](int64_t d) { return pv_storage<Pv>(d, D); });
 }
 
 /// Any head_dim, any dtype: the plain loop, for head dims that are not a multiple of 32.
