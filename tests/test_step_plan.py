@@ -264,3 +264,33 @@ def test_opcheck_planned_ops(with_lse):
     torch.library.opcheck(torch.ops.kvcache.append_planned.default,
                           (key, key, pool.k, pool.v, plan.host, plan.device, fmt["k_scale"], fmt["v_scale"],
                            fmt["k_format"], fmt["v_format"]))
+
+
+# ---- a model's step ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_format,residual_length", [(None, None), ("int8", 0), ("int8", None), ("int4", None),
+                                                        ("kivi2", None), ("k=int8,v=int4", 16)])
+def test_a_models_decode_step_reads_indices_once_not_per_layer(kv_format, residual_length):
+    """Through PagedCache and the "kvcache" attention, a decode step's host reads of index values do not grow
+    with the number of layers: the step plans once (residual windows included, the default of quantized
+    formats), every layer runs planned."""
+    transformers = pytest.importorskip("transformers")
+
+    def reads_of_one_decode_step(layers: int) -> int:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                          attn_implementation="kvcache")
+        model = transformers.LlamaForCausalLM(config).eval()
+        cache = kvcache.PagedCache(config=config, kv_format=kv_format, residual_length=residual_length)
+        ids = torch.randint(0, 64, (2, 37))
+        with torch.no_grad():
+            model(ids, past_key_values=cache)  # prefill
+            model(ids[:, :1], past_key_values=cache)  # seals page 0 of the 16-token window (once per page)
+            before = kvcache.ops.host_index_reads()
+            model(ids[:, :1], past_key_values=cache)
+            reads = kvcache.ops.host_index_reads() - before
+        cache.free()
+        return reads
+
+    two, six = reads_of_one_decode_step(2), reads_of_one_decode_step(6)
+    assert two == six > 0, (two, six)

@@ -93,8 +93,9 @@ class PagedCache(Cache):
             visible (StreamingLLM attention sinks).
         residual_length: with a quantized ``kv_format``, the newest ``residual_length`` tokens of every row
             stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
-            pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 for KIVI
-            formats (which also keep the page being written in full precision), 0 for the others.
+            pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 (HF's default,
+            KIVI's window), the accurate configuration; ``0`` quantizes every token as it is written (KIVI
+            formats still keep the page being written in full precision).
         residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
@@ -124,7 +125,8 @@ class PagedCache(Cache):
         if self.sink_tokens and store.residual is not None:
             raise ValueError(f"sink_tokens={sink_tokens} (attention sinks of a sliding window) cannot be combined with "
                              f"residual pages ({store.residual_label}, format {store.kv_format}): the kernel's window "
-                             f"needs every token at its position in one pool")
+                             f"needs every token at its position in one pool; pass residual_length=0 to quantize every "
+                             f"token as it is written")
         self.rows: list[Sequence] = []   # per batch row: its stored tokens (pads not stored)
         self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
         self._version = 0
@@ -184,14 +186,14 @@ class PagedCache(Cache):
         """Writes a layer's new K/V at the slots of ``plan`` (the step's :class:`kvcache.StepPlan`): through
         the kernels' plan of the step, so no index values are read on the host per layer."""
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
+        # the attention's query heads, so that append and attention share one kernel plan per step
+        q_heads = getattr(self.config, "num_attention_heads", None) or pool.num_kv_heads
         if plan.residual is not None:  # seal what aged, write the new tokens in full precision
             residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
-            res.apply(plan.residual, pool, residual, key_states, value_states)
+            res.apply(plan.residual, pool, residual, key_states, value_states, q_heads)
             return
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
             key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
-        # the attention's query heads, so that append and attention share one kernel plan per step
-        q_heads = getattr(self.config, "num_attention_heads", None) or pool.num_kv_heads
         pool.append(key_states, value_states, plan.kernel_plan(pool, q_heads))
 
     def _tagged(self, key_states, value_states, layer_idx: int, plan: StepPlan):

@@ -49,15 +49,41 @@ class ResidualPlan:
     sealed_lens: torch.Tensor     # [r] int32
     num_slots: int                # residual pool blocks needed
     _copies: dict = field(default_factory=dict, repr=False)
+    _kernel_plans: dict = field(default_factory=dict, repr=False)
+    _host: "ResidualPlan | None" = field(default=None, repr=False)  # this plan with its tensors on the host
+    _host_cu_q_lens: torch.Tensor | None = field(default=None, repr=False)  # the step's, on the host
 
     def on(self, device: torch.device) -> "ResidualPlan":
         if self.slot_mapping.device == device:
             return self
         if device not in self._copies:
             moved = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__
-                     if name not in ("num_slots", "_copies")}
-            self._copies[device] = ResidualPlan(num_slots=self.num_slots, **moved)
+                     if name != "num_slots" and not name.startswith("_")}
+            self._copies[device] = ResidualPlan(num_slots=self.num_slots, _kernel_plans=self._kernel_plans,
+                                                _host=self._host or self, _host_cu_q_lens=self._host_cu_q_lens,
+                                                **moved)
         return self._copies[device]
+
+    def kernel_plans(self, sealed: KVPool, residual: KVPool, q_heads: int):
+        """The kernels' plans of this step (:func:`kvcache.plan_step`) for the open pass over ``residual``
+        (its slot mapping included: the new tokens' writes) and the sealed pass over ``sealed`` (``None``
+        when no query sees a sealed page), made on first use from the host copies and shared by every layer
+        of the same shapes and formats: per layer, no index values are read on the host. ``None`` for
+        both when the plan was not made by :func:`kvcache.step.plan_step` (it has no host copies)."""
+        if self._host_cu_q_lens is None:
+            return None, None
+        key = (sealed.plan_key, residual.plan_key, q_heads)
+        plans = self._kernel_plans.get(key)
+        if plans is None:
+            host = self._host or self
+            open_plan = residual.plan(host.open_tables, host.open_lens, self._host_cu_q_lens, host.slot_mapping,
+                                      q_heads=q_heads)
+            sealed_plan = None
+            if host.sealed_rows.numel():
+                cu = torch.arange(host.sealed_rows.numel() + 1, dtype=torch.int32)
+                sealed_plan = sealed.plan(host.sealed_tables, host.sealed_lens, cu, q_heads=q_heads)
+            plans = self._kernel_plans[key] = (open_plan, sealed_plan)
+        return plans
 
 
 class ResidualPages:
@@ -218,9 +244,11 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
 
 
 # ---- one layer ---------------------------------------------------------------------------------------
-def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Carries out ``plan`` on one layer: quantizes the pages to seal, reopens pages, writes the new K/V."""
-    if plan.seal_slots.numel():
+def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tensor, value: torch.Tensor,
+          q_heads: int | None = None) -> None:
+    """Carries out ``plan`` on one layer: quantizes the pages to seal, reopens pages, writes the new K/V (through
+    the step's kernel plan for ``q_heads`` query heads when the plan has one: no host reads)."""
+    if plan.seal_slots.numel():  # (sealing and reopening happen once per page, not per step)
         sealed.append(residual.k[plan.seal_slots], residual.v[plan.seal_slots], plan.seal_targets)
     if plan.reopen_blocks.numel():
         m, P = plan.reopen_blocks.shape[0], sealed.page_size
@@ -229,19 +257,28 @@ def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tenso
         residual.append(k, v, plan.reopen_slots)
     if key.dtype != residual.k.dtype:
         key, value = key.to(residual.k.dtype), value.to(residual.v.dtype)
-    residual.append(key, value, plan.slot_mapping)
+    open_plan, _ = plan.kernel_plans(sealed, residual, q_heads or residual.num_kv_heads)
+    residual.append(key, value, plan.slot_mapping if open_plan is None else open_plan)
 
 
 def attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, query: torch.Tensor,
               cu_q_lens: torch.Tensor, scale: float, softcap: float = 0.0, return_lse: bool = False):
     """Attention of the stored queries ``[total_q, q_heads, head_dim]`` over both pools."""
-    out, lse = residual.attention(query, plan.open_tables, plan.open_lens, cu_q_lens, scale, softcap=softcap,
-                                  return_lse=True)
+    open_plan, sealed_plan = plan.kernel_plans(sealed, residual, query.shape[1])
+    if open_plan is not None:
+        out, lse = residual.attention_planned(query, open_plan, scale, softcap=softcap, return_lse=True)
+    else:
+        out, lse = residual.attention(query, plan.open_tables, plan.open_lens, cu_q_lens, scale, softcap=softcap,
+                                      return_lse=True)
     if plan.sealed_rows.numel():
         rows = plan.sealed_rows
-        cu = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
-        s_out, s_lse = sealed.attention(query.index_select(0, rows), plan.sealed_tables, plan.sealed_lens, cu, scale,
-                                        softcap=softcap, return_lse=True)
+        q = query.index_select(0, rows)
+        if sealed_plan is not None:
+            s_out, s_lse = sealed.attention_planned(q, sealed_plan, scale, softcap=softcap, return_lse=True)
+        else:
+            cu = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
+            s_out, s_lse = sealed.attention(q, plan.sealed_tables, plan.sealed_lens, cu, scale, softcap=softcap,
+                                            return_lse=True)
         if rows.numel() == out.shape[0]:  # every query sees sealed pages (decode): rows are 0 .. n - 1
             full_out, full_lse = s_out.to(out.dtype), s_lse
         else:

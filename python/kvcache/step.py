@@ -117,6 +117,7 @@ def plan_step(rows: list[Sequence], starts: list[int], widths: list[int], *, pac
                                       seq_lens.tolist(), stored_pos, valid)
         if packed:
             residual_plan.slot_mapping = residual_plan.slot_mapping[valid].view(1, -1)
+        residual_plan._host_cu_q_lens = cu_q  # with its own tensors (still on the host): its kernel plans
     num_blocks = int(tables.max()) + 1 if batch else 1
     device = torch.device(device)
     return StepPlan(length, int(valid.sum()) if packed else width, version, _upload(slot_mapping, device),
