@@ -65,7 +65,7 @@ class Variant:
     name: str
     kind: str                         # "paged", "dynamic", "quantized"
     kv_format: str | None = None      # paged: kvcache format, None = the model's dtype
-    residual: int | None = None       # paged: residual_length (newest tokens kept in the model's dtype)
+    residual: int = 0                 # paged: residual_length (newest tokens kept in the model's dtype)
     backend: str | None = None        # quantized: "fp8", "hqq", "quanto"
     nbits: int | None = None
     bits: int | None = None           # stored bits per element (for "same number of bits"); None = model dtype

@@ -51,7 +51,8 @@ def test_decode_rows_and_tables(tiny_model, tmp_path):
     assert all(r["vs_dynamic"] == 1.0 for r in rows if r["kind"] == "dynamic")
     paged = {r["context"]: r for r in rows if r["variant"] == "PagedCache + kvcache"}
     int8 = {r["context"]: r for r in rows if r["variant"] == "PagedCache int8 + kvcache"}
-    assert int8[48]["kv_bytes"] < paged[48]["kv_bytes"]
+    # the default 128-token window holds all 48 tokens in the model's dtype too, beside their int8 pages
+    assert paged[48]["kv_bytes"] < int8[48]["kv_bytes"] < 1.5 * paged[48]["kv_bytes"]
     gate_rows = e2e.gates(rows, [])
     assert {g["gate"].split(": ")[1] for g in gate_rows} >= {"PagedCache + kvcache vs DynamicCache tokens/s"}
     info = machine() | {"transformers": transformers.__version__}

@@ -247,7 +247,20 @@ def test_bad_residual_arguments():
     # full precision has nothing to keep: no residual pools, no label
     cache = kvcache.PagedCache(residual_length=16, num_layers=1)
     assert cache.store.residual is None and cache.store.residual_label == ""
-    # defaults: KIVI keeps KIVI's 128-token window, the other formats are quantized as written
-    assert kvcache.PagedCache(kv_format="kivi2", num_layers=1).store.residual.window == 128
-    assert kvcache.PagedCache(kv_format="int4", num_layers=1).store.residual is None
+    # residual_length=0 quantizes as written (KIVI still keeps its open page in full precision)
+    assert kvcache.PagedCache(kv_format="int4", residual_length=0, num_layers=1).store.residual is None
     assert kvcache.PagedCache(kv_format="kivi4", residual_length=0, num_layers=1).store.residual.window == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "k=int8,v=int4",
+                                 "k=bf16,v=int4"])
+def test_every_quantized_format_defaults_to_the_128_token_window(fmt):
+    """The accurate configuration is the default (issue #21): HF QuantizedCache's residual_length=128, in the
+    cache, the store and the Engine, and it is part of the prefix cache's namespace."""
+    cache = kvcache.PagedCache(kv_format=fmt, num_layers=1)
+    assert cache.store.residual.window == 128 and cache.store.residual_label == "residual=128"
+    engine = kvcache.Engine(_llama(), kv_format=fmt)
+    assert engine.store.residual.window == 128
+    assert "residual=128" in engine.namespace.kv_format
+    for full in (None, "bf16", torch.float32):  # full precision has no window
+        assert kvcache.PagedCache(kv_format=full, num_layers=1).store.residual is None

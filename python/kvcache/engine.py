@@ -74,7 +74,8 @@ class Engine:
         page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows).
         max_batch: requests decoded together.
         residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
-            request stay in the model's dtype (see :class:`kvcache.PagedCache`).
+            request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
+            token as written; see :class:`kvcache.PagedCache`).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache: bool = True, page_size: int = 16,

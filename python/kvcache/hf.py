@@ -8,7 +8,7 @@ attention implementation that reads the pages in place.
 >>> cache = kvcache.PagedCache(config=model.config, kv_format="int8")
 >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, do_sample=False)
 >>> cache.get_seq_length(), cache.stats()["format"]
-(6, 'int8')
+(6, 'int8+residual=128')
 
 Two ways to attend:
 
