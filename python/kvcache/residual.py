@@ -85,6 +85,22 @@ class ResidualPlan:
             plans = self._kernel_plans[key] = (open_plan, sealed_plan)
         return plans
 
+    def seal_plan(self, sealed: KVPool):
+        """The kernels' plan of this step's sealing writes into ``sealed`` (one row per page to seal, its
+        tokens at ``seal_targets``), or ``None`` without host copies or pages to seal."""
+        if self._host_cu_q_lens is None or not self.seal_slots.numel():
+            return None
+        key = (sealed.plan_key, "seal")
+        plan = self._kernel_plans.get(key)
+        if plan is None:
+            targets = (self._host or self).seal_targets
+            n, P = targets.shape
+            blocks = (targets[:, :1] // P).to(torch.int32)
+            lens = torch.full((n,), P, dtype=torch.int32)
+            cu = torch.arange(0, (n + 1) * P, P, dtype=torch.int32)
+            plan = self._kernel_plans[key] = sealed.plan(blocks, lens, cu, targets, q_heads=sealed.num_kv_heads)
+        return plan
+
 
 class ResidualPages:
     """Which blocks are open (held in full precision) and at which residual slot; plans each forward.
@@ -249,7 +265,9 @@ def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tenso
     """Carries out ``plan`` on one layer: quantizes the pages to seal, reopens pages, writes the new K/V (through
     the step's kernel plan for ``q_heads`` query heads when the plan has one: no host reads)."""
     if plan.seal_slots.numel():  # (sealing and reopening happen once per page, not per step)
-        sealed.append(residual.k[plan.seal_slots], residual.v[plan.seal_slots], plan.seal_targets)
+        seal_plan = plan.seal_plan(sealed)
+        sealed.append(residual.k[plan.seal_slots], residual.v[plan.seal_slots],
+                      plan.seal_targets if seal_plan is None else seal_plan)
     if plan.reopen_blocks.numel():
         m, P = plan.reopen_blocks.shape[0], sealed.page_size
         k, v = sealed.gather(plan.reopen_blocks, torch.full((m,), P, dtype=torch.int32, device=key.device),
