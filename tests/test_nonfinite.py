@@ -140,7 +140,8 @@ def test_a_bad_token_leaves_the_others_bit_identical(backend, fmt, bad, in_dtype
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4", "kivi4", "kivi2", "k=int8,v=int4"])
-def test_gather_and_attention_over_the_other_tokens_unchanged(backend, fmt, bad):
+def test_gather_and_attention_over_the_other_tokens_unchanged(isa, fmt, bad):
+    # (isa: every CPU attention build and the emulated CUDA kernels; append and gather run there too)
     x = page_kv(torch.float32, seed=1)
     rest = page_kv(torch.float32, seed=2)
     pools = []
@@ -218,7 +219,7 @@ def test_huge_values_enter_the_scales_without_overflow(backend, fmt, in_dtype, h
 # ---- the residual window: pages sealed later ------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["nan", "+inf"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "kivi4", "kivi2", "fp8_e4m3"])
-def test_sealing_a_page_with_a_bad_token(fmt, bad):
+def test_sealing_a_page_with_a_bad_token(backend, fmt, bad):
     # full-precision residual pages hold the bad value as given; when its page ages out of the window and is
     # sealed (quantized), the page's other tokens come out exactly as if the bad token held 0
     pytest.importorskip("transformers")
