@@ -47,10 +47,14 @@ PYBIND11_MODULE(_C, m) {
     const float* x = reinterpret_cast<const float*>(src);
     for (int64_t r = 0; r < rows; ++r) {
       float amax = 0.f;
-      for (int64_t i = 0; i < d; ++i) amax = std::fmax(amax, std::fabs(x[r * d + i]));
+      bool nan = false;
+      for (int64_t i = 0; i < d; ++i) {
+        amax = std::fmax(amax, kvcache::quant::int8_abs(x[r * d + i]));
+        nan |= kvcache::quant::is_nan(x[r * d + i]);
+      }
       const float inv = kvcache::quant::int8_inv_scale(amax);
       for (int64_t i = 0; i < d; ++i) reinterpret_cast<int8_t*>(codes)[r * d + i] = kvcache::quant::int8_encode(x[r * d + i], inv);
-      reinterpret_cast<float*>(scales)[r] = kvcache::quant::int8_scale(amax);
+      reinterpret_cast<float*>(scales)[r] = kvcache::quant::int8_scale(amax, nan);
     }
   });
   m.def("_quant_fp8", [](std::uintptr_t src, std::uintptr_t codes, int64_t n, float scale, bool e4m3) {
@@ -64,8 +68,12 @@ PYBIND11_MODULE(_C, m) {
                                  int64_t groups, int64_t size, int bits) {
     const float* x = reinterpret_cast<const float*>(src);
     for (int64_t g = 0; g < groups; ++g) {
-      float mn = x[g * size], mx = x[g * size];
-      for (int64_t i = 1; i < size; ++i) mn = std::fmin(mn, x[g * size + i]), mx = std::fmax(mx, x[g * size + i]);
+      float mn = INFINITY, mx = -INFINITY;
+      for (int64_t i = 0; i < size; ++i) {
+        mn = std::fmin(mn, kvcache::quant::uint_low(x[g * size + i]));
+        mx = std::fmax(mx, kvcache::quant::uint_high(x[g * size + i]));
+      }
+      kvcache::quant::uint_finish(mn, mx);
       const float inv = kvcache::quant::uint_inv_scale(mn, mx, bits);
       for (int64_t i = 0; i < size; ++i) {
         reinterpret_cast<uint8_t*>(codes)[g * size + i] = kvcache::quant::uint_encode(x[g * size + i], mn, inv, bits);

@@ -15,7 +15,8 @@ def interesting_floats(n: int = 200_000, seed: int = 0) -> torch.Tensor:
     mags = torch.exp2(torch.empty(n).uniform_(-24, 20, generator=g))
     x = mags * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
     ties = torch.arange(-64, 64, dtype=torch.float32) / 16 + 1 / 32  # halfway between fp8 grid points
-    return torch.cat([x, ties, torch.tensor([0.0, -0.0, 448.0, 464.0, 57344.0, 61440.0, 1e30, -1e30])])
+    bad = [float("nan"), -float("nan"), float("inf"), -float("inf"), 3e38, -3.4e38]
+    return torch.cat([x, ties, torch.tensor([0.0, -0.0, 448.0, 464.0, 57344.0, 61440.0, 1e30, -1e30] + bad)])
 
 
 @pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
@@ -67,6 +68,55 @@ def test_uint_groups_bit_identical(bits):
     assert torch.equal(back[3], x[3])                       # a constant group comes back exactly
     err = (back - x).abs().max(dim=-1).values
     assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-6).all())  # within half a step
+
+
+def bad_rows(rows: int, d: int, seed: int) -> torch.Tensor:
+    """Random rows, most with a NaN, +-Inf or a huge finite value somewhere; some all bad, one all NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d, generator=g)
+    bad = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 6e4, 1e5])
+    pick = torch.randint(0, len(bad), (rows, 3), generator=g)
+    where = torch.randint(0, d, (rows, 3), generator=g)
+    x.scatter_(1, where, bad[pick])
+    x[0] = float("nan")
+    x[1] = float("inf")
+    x[2, ::2], x[2, 1::2] = float("inf"), -float("inf")
+    x[3] = 0.0
+    x[3, 5] = float("nan")
+    return x
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_int8_rows_with_bad_values_bit_identical():
+    x = bad_rows(4096, 64, seed=5)
+    codes_ref, scale_ref = quant.int8_quantize(x)
+    codes, scale = torch.empty_like(codes_ref), torch.empty_like(scale_ref)
+    kvcache._C._quant_int8_rows(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), 4096, 64)
+    assert torch.equal(codes, codes_ref) and torch.equal(bits_of(scale), bits_of(scale_ref))
+    has_nan = x.isnan().any(-1)
+    assert torch.equal(scale.isnan(), has_nan) and torch.isfinite(scale[~has_nan]).all()
+    finite_amax = torch.where(x.isfinite(), x.abs(), 0).amax(-1)
+    inf_in_scaled_row = (x == float("inf")) & (finite_amax > 0).unsqueeze(-1)   # (no finite magnitude: code 0)
+    assert torch.equal(codes[inf_in_scaled_row].unique(), torch.tensor([127], dtype=torch.int8))
+    assert torch.equal(scale[~has_nan], finite_amax[~has_nan] / 127)   # only finite values set a scale
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_uint_groups_with_bad_values_bit_identical(bits):
+    x = bad_rows(4096, 32, seed=bits)
+    codes_ref, scale_ref, zero_ref = quant.uint_quantize(x, bits)
+    codes, scale, zero = torch.empty_like(codes_ref), torch.empty_like(scale_ref), torch.empty_like(zero_ref)
+    kvcache._C._quant_uint_groups(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), 4096, 32, bits)
+    assert torch.equal(codes, codes_ref) and torch.equal(scale, scale_ref) and torch.equal(zero, zero_ref)
+    # fp16 metadata: never infinite, whatever the values
+    assert torch.isfinite(scale.half()).all() and torch.isfinite(zero.half()).all()
+    spread = (scale > 0).unsqueeze(-1)   # (a group with no finite range reads the same for every code: 0)
+    assert bool((codes[(x == float("inf")) & spread] == 2**bits - 1).all())
+    assert bool((codes[(x == -float("inf")) & spread] == 0).all())
+    assert torch.isnan(quant.group_quantize(x, bits)[1][0, 0])     # per-token groups: a NaN scale for a NaN
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

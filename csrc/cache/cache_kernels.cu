@@ -116,6 +116,26 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+/// Min / max over the warp of an asymmetric group's finite values (lane i: quant::uint_low / uint_high of its
+/// value), and whether any lane's value is NaN; min = max = 0 for a group with no finite value.
+__device__ __forceinline__ bool warp_group_stats(float x, float& mn, float& mx) {
+  mn = quant::uint_low(x);
+  mx = quant::uint_high(x);
+  int nan = quant::is_nan(x);
+  for (int o = 16; o > 0; o >>= 1) {
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+  }
+  quant::uint_finish(mn, mx);
+  return nan != 0;
+}
+
+/// A group's fp16 scale as stored: NaN for a group that holds a NaN (it belongs to one token).
+__device__ __forceinline__ uint16_t group_scale_bits(float mn, float mx, int bits, bool nan) {
+  return nan ? quant::kFp16ScaleNaN : __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, bits)));
+}
+
 /// Quantizing append: one warp per (token, kv head) row; lanes stride over head_dim. A full-precision
 /// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
 __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
@@ -168,17 +188,14 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
       uint16_t* meta = reinterpret_cast<uint16_t*>(scales) + row_idx * (D / 32) * 2;
       for (int64_t g = 0; g < D / 32; ++g) {
         const float x = load_any(src, base + (g * 32 + lane) * stride, in_dtype);
-        float mn = x, mx = x;
-        for (int o = 16; o > 0; o >>= 1) {
-          mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        }
+        float mn, mx;
+        const bool nan = warp_group_stats(x, mn, mx);
         const uint32_t code = quant::uint_encode(x, mn, quant::uint_inv_scale(mn, mx, bits), bits);
         uint32_t byte = code;
         for (int s = 1; s < 8 / bits; ++s) byte |= __shfl_down_sync(0xffffffffu, code, s * span) << (s * bits);
         if (lane < span) codes[g * span + lane] = static_cast<uint8_t>(byte);
         if (lane == 0) {
-          meta[2 * g] = __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, bits)));
+          meta[2 * g] = group_scale_bits(mn, mx, bits, nan);
           meta[2 * g + 1] = __half_as_ushort(__float2half_rn(mn));
         }
       }
@@ -195,28 +212,31 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
       uint16_t* meta = reinterpret_cast<uint16_t*>(scales) + row_idx * (D / kInt4Group) * 2;
       for (int64_t g = 0; g < D / kInt4Group; ++g) {
         const float x = load_any(src, base + (g * kInt4Group + lane) * stride, in_dtype);
-        float mn = x, mx = x;
-        for (int o = 16; o > 0; o >>= 1) {
-          mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        }
+        float mn, mx;
+        const bool nan = warp_group_stats(x, mn, mx);
         const uint8_t code = quant::uint_encode(x, mn, quant::uint_inv_scale(mn, mx, 4), 4);
         const uint8_t odd = static_cast<uint8_t>(__shfl_down_sync(0xffffffffu, code, 1));
         if ((lane & 1) == 0) codes[(g * kInt4Group + lane) / 2] = static_cast<uint8_t>(code | (odd << 4));
         if (lane == 0) {
-          meta[2 * g] = __half_as_ushort(__float2half_rn(quant::uint_scale(mn, mx, 4)));
+          meta[2 * g] = group_scale_bits(mn, mx, 4, nan);
           meta[2 * g + 1] = __half_as_ushort(__float2half_rn(mn));
         }
       }
     } else if (kind == KVKind::kInt8) {
       float amax = 0.f;
-      for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(load_any(src, base + d * stride, in_dtype)));
+      int nan = 0;
+      for (int64_t d = lane; d < D; d += 32) {
+        const float x = load_any(src, base + d * stride, in_dtype);
+        amax = fmaxf(amax, quant::int8_abs(x));
+        nan |= quant::is_nan(x);
+      }
       amax = warp_max(amax);
+      for (int o = 16; o > 0; o >>= 1) nan |= __shfl_xor_sync(0xffffffffu, nan, o);
       const float inv = quant::int8_inv_scale(amax);
       for (int64_t d = lane; d < D; d += 32) {
         reinterpret_cast<int8_t*>(pool)[off + d] = quant::int8_encode(load_any(src, base + d * stride, in_dtype), inv);
       }
-      if (lane == 0) scales[L.row_index(block, h, pos)] = quant::int8_scale(amax);
+      if (lane == 0) scales[L.row_index(block, h, pos)] = quant::int8_scale(amax, nan != 0);
     } else {
       const quant::Fp8Spec spec = kind == KVKind::kFp8E4M3 ? quant::kE4M3 : quant::kE5M2;
       const float inv = 1.f / scales[h];
@@ -249,12 +269,13 @@ __global__ void append_kivi_key_kernel(AppendArgs a) {
   uint16_t* meta = reinterpret_cast<uint16_t*>(a.k_scale) + (block * H + h) * 2 * D;
   for (int64_t c = 0; c < D / 32; ++c) {
     const int64_t d = 32 * c + lane;
-    float mn = 0.f, mx = 0.f;
+    float mn = INFINITY, mx = -INFINITY;  // over the page's finite values: a bad token's NaN / Inf stays out
     for (int64_t t = 0; t < P; ++t) {
       const float x = load_any(a.key, base + t * st[2] + d * st[3], a.in_dtype);
-      mn = t == 0 ? x : fminf(mn, x);
-      mx = t == 0 ? x : fmaxf(mx, x);
+      mn = fminf(mn, quant::uint_low(x));
+      mx = fmaxf(mx, quant::uint_high(x));
     }
+    quant::uint_finish(mn, mx);
     const float inv = quant::uint_inv_scale(mn, mx, bits);
     for (int64_t t = 0; t < P; ++t) {
       const uint32_t code = quant::uint_encode(load_any(a.key, base + t * st[2] + d * st[3], a.in_dtype), mn, inv, bits);

@@ -36,6 +36,25 @@ inline RowRef row_ref(void* pool, float* scales, KVKind kind, const PagedLayout&
 /// Largest head_dim of a Hadamard-rotated format (a row is rotated in a stack buffer).
 constexpr int64_t kMaxRotatedDim = 1024;
 
+/// min / max over the finite values of an asymmetric group (core/quant.h: uint_low), and whether it held a NaN.
+struct GroupStats {
+  float mn, mx;
+  bool nan;
+};
+
+/// Loads the n values src[base + i * stride] (of dtype in) into x and returns their GroupStats.
+inline GroupStats group_stats(const void* src, int64_t base, int64_t stride, DType in, int64_t n, float* x) {
+  GroupStats st{INFINITY, -INFINITY, false};
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = load_as_float(src, base + i * stride, in);
+    st.mn = std::fmin(st.mn, quant::uint_low(x[i]));
+    st.mx = std::fmax(st.mx, quant::uint_high(x[i]));
+    st.nan |= quant::is_nan(x[i]);
+  }
+  quant::uint_finish(st.mn, st.mx);
+  return st;
+}
+
 /// Writes the D values src[d * stride] (of dtype in) as `kind` into codes; `scale` is the row's scale
 /// slot (int8, written), the head's scale (fp8, read) or the row's fp16 (scale, zero) pairs (int4, written).
 /// With `rot`, the row is Hadamard-rotated (quant::rotate) first.
@@ -54,19 +73,14 @@ inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in
     std::memset(out, 0, static_cast<size_t>(D * bits / 8));
     for (int64_t g = 0; g < D / 32; ++g) {
       float x[32];
-      float mn = 0.f, mx = 0.f;
-      for (int64_t i = 0; i < 32; ++i) {
-        x[i] = load_as_float(src, base + (g * 32 + i) * stride, in);
-        mn = i == 0 ? x[i] : std::fmin(mn, x[i]);
-        mx = i == 0 ? x[i] : std::fmax(mx, x[i]);
-      }
-      const float inv = quant::uint_inv_scale(mn, mx, bits);
+      const GroupStats st = group_stats(src, base + g * 32 * stride, stride, in, 32, x);
+      const float inv = quant::uint_inv_scale(st.mn, st.mx, bits);
       for (int64_t i = 0; i < 32; ++i) {
         const int64_t d = g * 32 + i;
-        out[quant::planar_byte(d, bits)] |= static_cast<uint8_t>(quant::uint_encode(x[i], mn, inv, bits) << quant::planar_shift(d, bits));
+        out[quant::planar_byte(d, bits)] |= static_cast<uint8_t>(quant::uint_encode(x[i], st.mn, inv, bits) << quant::planar_shift(d, bits));
       }
-      meta[2 * g] = float_to_fp16(quant::uint_scale(mn, mx, bits));
-      meta[2 * g + 1] = float_to_fp16(mn);
+      meta[2 * g] = st.nan ? quant::kFp16ScaleNaN : float_to_fp16(quant::uint_scale(st.mn, st.mx, bits));
+      meta[2 * g + 1] = float_to_fp16(st.mn);
     }
     return;
   }
@@ -75,29 +89,29 @@ inline void quantize_row(const void* src, int64_t base, int64_t stride, DType in
     uint16_t* meta = reinterpret_cast<uint16_t*>(scale);
     for (int64_t g = 0; g < D / kInt4Group; ++g) {
       float x[kInt4Group];
-      float mn = 0.f, mx = 0.f;
-      for (int64_t i = 0; i < kInt4Group; ++i) {
-        x[i] = load_as_float(src, base + (g * kInt4Group + i) * stride, in);
-        mn = i == 0 ? x[i] : std::fmin(mn, x[i]);
-        mx = i == 0 ? x[i] : std::fmax(mx, x[i]);
-      }
-      const float inv = quant::uint_inv_scale(mn, mx, 4);
+      const GroupStats st = group_stats(src, base + g * kInt4Group * stride, stride, in, kInt4Group, x);
+      const float inv = quant::uint_inv_scale(st.mn, st.mx, 4);
       for (int64_t i = 0; i < kInt4Group; i += 2) {
-        out[(g * kInt4Group + i) / 2] = static_cast<uint8_t>(quant::uint_encode(x[i], mn, inv, 4) |
-                                                             (quant::uint_encode(x[i + 1], mn, inv, 4) << 4));
+        out[(g * kInt4Group + i) / 2] = static_cast<uint8_t>(quant::uint_encode(x[i], st.mn, inv, 4) |
+                                                             (quant::uint_encode(x[i + 1], st.mn, inv, 4) << 4));
       }
-      meta[2 * g] = float_to_fp16(quant::uint_scale(mn, mx, 4));
-      meta[2 * g + 1] = float_to_fp16(mn);
+      meta[2 * g] = st.nan ? quant::kFp16ScaleNaN : float_to_fp16(quant::uint_scale(st.mn, st.mx, 4));
+      meta[2 * g + 1] = float_to_fp16(st.mn);
     }
     return;
   }
   if (kind == KVKind::kInt8) {
     float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(load_as_float(src, base + d * stride, in)));
+    bool nan = false;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = load_as_float(src, base + d * stride, in);
+      amax = std::fmax(amax, quant::int8_abs(x));
+      nan |= quant::is_nan(x);
+    }
     const float inv = quant::int8_inv_scale(amax);
     int8_t* out = static_cast<int8_t*>(codes);
     for (int64_t d = 0; d < D; ++d) out[d] = quant::int8_encode(load_as_float(src, base + d * stride, in), inv);
-    *scale = quant::int8_scale(amax);
+    *scale = quant::int8_scale(amax, nan);
     return;
   }
   const quant::Fp8Spec spec = kind == KVKind::kFp8E4M3 ? quant::kE4M3 : quant::kE5M2;
@@ -119,12 +133,13 @@ inline void quantize_kivi_key_page(const void* src, int64_t base, int64_t t_stri
   const int64_t row_bytes = D * bits / 8;
   std::memset(codes, 0, static_cast<size_t>(P * row_bytes));
   for (int64_t d = 0; d < D; ++d) {
-    float mn = 0.f, mx = 0.f;
+    float mn = INFINITY, mx = -INFINITY;  // over the page's finite values: a bad token's NaN / Inf stays out
     for (int64_t t = 0; t < P; ++t) {
       const float x = load_as_float(src, base + t * t_stride + d * d_stride, in);
-      mn = t == 0 ? x : std::fmin(mn, x);
-      mx = t == 0 ? x : std::fmax(mx, x);
+      mn = std::fmin(mn, quant::uint_low(x));
+      mx = std::fmax(mx, quant::uint_high(x));
     }
+    quant::uint_finish(mn, mx);
     const float inv = quant::uint_inv_scale(mn, mx, bits);
     for (int64_t t = 0; t < P; ++t) {
       const float x = load_as_float(src, base + t * t_stride + d * d_stride, in);

@@ -10,6 +10,16 @@
 // A group whose values are all equal (amax = 0, or max = min) gets scale 0 and codes 0; it dequantizes
 // to exactly zero (int8) or exactly its value (asymmetric: 0 * 0 + min).
 //
+// Bad values (NaN, +-Inf) never enter a scale or zero point: amax, min and max are taken over a group's
+// finite values only (a group with none is an all-zero group), so one bad token changes nothing stored for
+// the other tokens of its page, head or channel. The bad values themselves:
+//   NaN   fp8: the NaN code 0x7f. int8 and asymmetric groups: the code nearest 0 (int8: 0), and a group
+//         that belongs to one token (an int8 row, an int4 / KIVI-value group) gets a NaN scale, so it reads
+//         back NaN as the token would in full precision; KIVI keys (scales shared per channel) cannot say NaN.
+//   +-Inf the largest code of its sign (int8 +-127, uintN 2^N - 1 / 0, fp8 +-max finite).
+// Huge finite values are data and enter the scales, computed in fp32; asymmetric groups keep fp16
+// metadata, so their values saturate at fp16's +-65504 first and no scale or zero point overflows.
+//
 // The `hadamard` option of a format rotates each (token, kv head) row before quantizing it:
 //   rotate(x) = c * H (s . x),  unrotate(y) = s . (H y) / (c D)
 // with H the D x D Walsh-Hadamard matrix (D a power of two), s a fixed pattern of signs and
@@ -50,12 +60,25 @@ KVC_HOST_DEVICE float bits_float(uint32_t u) {
   return f;
 }
 
+// ---- bad values ---------------------------------------------------------------------------------
+// Bit tests, so that no compiler flag can fold them away.
+KVC_HOST_DEVICE bool is_finite(float x) { return (float_bits(x) & 0x7fffffffu) < 0x7f800000u; }
+KVC_HOST_DEVICE bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+/// The NaN a group scale is set to (the positive quiet NaN, as torch's float("nan")), in fp32 and fp16.
+KVC_HOST_DEVICE float scale_nan() { return bits_float(0x7fc00000u); }
+constexpr uint16_t kFp16ScaleNaN = 0x7e00;
+constexpr float kFp16Max = 65504.f;
+
 // ---- int8 -------------------------------------------------------------------------------------
+/// What x adds to a row's absolute maximum: |x|, or nothing (0) for NaN and +-Inf.
+KVC_HOST_DEVICE float int8_abs(float x) { return is_finite(x) ? fabsf(x) : 0.f; }
 /// Multiplier that maps a row of absolute maximum `amax` onto [-127, 127] (0 for an all-zero row).
 KVC_HOST_DEVICE float int8_inv_scale(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
-KVC_HOST_DEVICE float int8_scale(float amax) { return amax / 127.f; }
+/// The row's stored scale; NaN if the row holds a NaN (`nan`): the row then reads back NaN.
+KVC_HOST_DEVICE float int8_scale(float amax, bool nan = false) { return nan ? scale_nan() : amax / 127.f; }
 KVC_HOST_DEVICE int8_t int8_encode(float x, float inv_scale) {
-  return static_cast<int8_t>(clampf(rne(x * inv_scale), -127.f, 127.f));
+  const float y = x * inv_scale;  // NaN for a NaN, and for +-Inf in a row with no finite magnitude (any code reads 0)
+  return static_cast<int8_t>(clampf(rne(is_nan(y) ? 0.f : y), -127.f, 127.f));
 }
 KVC_HOST_DEVICE float int8_decode(int8_t code, float scale) { return static_cast<float>(code) * scale; }
 
@@ -73,8 +96,8 @@ constexpr Fp8Spec kE5M2{2, 15, 57344.f};
 KVC_HOST_DEVICE uint8_t fp8_encode(float x, Fp8Spec s) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return s.man_bits == 3 ? 0x7f : 0x7f;  // NaN (both have 0x7f as NaN)
-  float a = clampf(fabsf(x), 0.f, s.max_finite);
+  if (is_nan(x)) return 0x7f;  // NaN of either sign: 0x7f is NaN in both formats
+  float a = clampf(fabsf(x), 0.f, s.max_finite);  // +-Inf saturates as any value past max_finite
   // Smallest normal exponent of the target is 1 - bias; below it values are subnormal with a fixed
   // quantum of 2^(1 - bias - man_bits). Above, the quantum is 2^(e - man_bits).
   const int min_exp = 1 - s.exp_bias;
@@ -114,13 +137,23 @@ KVC_HOST_DEVICE float fp8_decode(uint8_t code, Fp8Spec s) {
 }
 
 // ---- asymmetric unsigned N-bit groups (int4, KIVI) ------------------------------------------------
+/// What x adds to a group's minimum / maximum: x saturated to fp16's range (the metadata is fp16), or nothing
+/// (+Inf / -Inf, the identities of min / max) for NaN and +-Inf.
+KVC_HOST_DEVICE float uint_low(float x) { return is_finite(x) ? clampf(x, -kFp16Max, kFp16Max) : INFINITY; }
+KVC_HOST_DEVICE float uint_high(float x) { return is_finite(x) ? clampf(x, -kFp16Max, kFp16Max) : -INFINITY; }
+/// A group with no finite value (min still +Inf) is an all-zero group: min = max = 0.
+KVC_HOST_DEVICE void uint_finish(float& mn, float& mx) {
+  if (!(mn <= mx)) mn = mx = 0.f;
+}
 KVC_HOST_DEVICE float uint_levels(int bits) { return static_cast<float>((1 << bits) - 1); }
 KVC_HOST_DEVICE float uint_inv_scale(float mn, float mx, int bits) {
   return mx > mn ? uint_levels(bits) / (mx - mn) : 0.f;
 }
 KVC_HOST_DEVICE float uint_scale(float mn, float mx, int bits) { return (mx - mn) / uint_levels(bits); }
+/// A NaN x is encoded as 0 would be; y is NaN only for +-Inf in a constant group (every code reads `mn`).
 KVC_HOST_DEVICE uint8_t uint_encode(float x, float mn, float inv_scale, int bits) {
-  return static_cast<uint8_t>(clampf(rne((x - mn) * inv_scale), 0.f, uint_levels(bits)));
+  const float y = ((is_nan(x) ? 0.f : x) - mn) * inv_scale;
+  return static_cast<uint8_t>(clampf(rne(is_nan(y) ? 0.f : y), 0.f, uint_levels(bits)));
 }
 KVC_HOST_DEVICE float uint_decode(uint8_t code, float scale, float zero) { return static_cast<float>(code) * scale + zero; }
 

@@ -70,6 +70,42 @@ TEST(Quant, UintGroups) {
   EXPECT_EQ(uint_decode(0, uint_scale(0.3f, 0.3f, 2), 0.3f), 0.3f);
 }
 
+TEST(Quant, BadValuesStayOutOfScales) {
+  EXPECT_TRUE(is_nan(NAN) && is_nan(-NAN) && !is_nan(INFINITY) && !is_nan(3e38f));
+  EXPECT_TRUE(is_finite(3e38f) && is_finite(-0.f) && !is_finite(INFINITY) && !is_finite(-INFINITY) && !is_finite(NAN));
+  // int8: NaN and +-Inf add nothing to the row's amax; NaN is code 0 (its row's scale NaN), +-Inf +-127
+  EXPECT_EQ(int8_abs(NAN), 0.f);
+  EXPECT_EQ(int8_abs(-INFINITY), 0.f);
+  EXPECT_EQ(int8_abs(-2.f), 2.f);
+  const float inv = int8_inv_scale(1.f);
+  EXPECT_EQ(int8_encode(NAN, inv), 0);
+  EXPECT_EQ(int8_encode(INFINITY, inv), 127);
+  EXPECT_EQ(int8_encode(-INFINITY, inv), -127);
+  EXPECT_EQ(int8_encode(INFINITY, int8_inv_scale(0.f)), 0);  // no finite magnitude in the row: scale 0
+  EXPECT_TRUE(std::isnan(int8_scale(1.f, true)));
+  EXPECT_EQ(int8_scale(3.4e38f), 3.4e38f / 127.f);           // huge finite values: fp32 scales hold them
+  // asymmetric groups: min / max over finite values saturated at fp16's range; none: min = max = 0
+  EXPECT_EQ(uint_low(NAN), INFINITY);
+  EXPECT_EQ(uint_high(INFINITY), -INFINITY);
+  EXPECT_EQ(uint_low(1e30f), 65504.f);
+  EXPECT_EQ(uint_high(-3e38f), -65504.f);
+  float mn = INFINITY, mx = -INFINITY;
+  uint_finish(mn, mx);
+  EXPECT_EQ(mn, 0.f);
+  EXPECT_EQ(mx, 0.f);
+  EXPECT_EQ(uint_scale(-65504.f, 65504.f, 2), 131008.f / 3.f);  // fits fp16 (<= 65504)
+  const float uinv = uint_inv_scale(-1.f, 2.f, 4);
+  EXPECT_EQ(uint_encode(NAN, -1.f, uinv, 4), 5);  // as 0 would be: (0 + 1) * 5
+  EXPECT_EQ(uint_encode(INFINITY, -1.f, uinv, 4), 15);
+  EXPECT_EQ(uint_encode(-INFINITY, -1.f, uinv, 4), 0);
+  EXPECT_EQ(uint_encode(INFINITY, 0.3f, uint_inv_scale(0.3f, 0.3f, 2), 2), 0);  // a constant group
+  // fp8: NaN of either sign is 0x7f; +-Inf saturates (e5m2 too, though it has an infinity)
+  EXPECT_EQ(fp8_encode(-NAN, kE4M3), 0x7F);
+  EXPECT_EQ(fp8_encode(NAN, kE5M2), 0x7F);
+  EXPECT_EQ(fp8_encode(INFINITY, kE5M2), 0x7B);
+  EXPECT_EQ(fp8_encode(-INFINITY, kE4M3), 0xFE);
+}
+
 TEST(Quant, HadamardTransformMatchesTheMatrix) {
   // fwht == multiplication by H with H[i][j] = (-1)^popcount(i & j)
   for (int64_t D : {2, 8, 64, 128}) {

@@ -30,6 +30,12 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_scale, v_scale, k_format, v_format: quantized storage (see :class:`kvcache.KVPool`, which passes
             them for you): K/V are quantized on the way in, int8 scales written per row.
 
+    Bad values: full-precision pools store K/V as given (NaN payloads included). Quantized pools compute every
+    scale and zero point from finite values only, so a NaN or +-Inf changes nothing stored for other tokens;
+    NaN is stored as NaN where the format can (fp8 code 0x7f; a NaN scale for the token's int8 row or int4 /
+    KIVI-value group), else as the code nearest 0 (KIVI keys); +-Inf as the largest code of its sign. int4 and
+    KIVI saturate values at +-65504 (fp16 metadata); no stored scale overflows. (README: "Bad values".)
+
     >>> import torch, kvcache
     >>> k_cache, v_cache = kvcache.PageLayout(2, 4, 1, 8, torch.float32).allocate(fill=0.0)
     >>> key = torch.ones(1, 1, 2, 8); value = 2 * key

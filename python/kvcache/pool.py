@@ -20,7 +20,7 @@ import torch
 from . import ops
 from .formats import CacheFormat, KVFormat
 from .layout import PageLayout
-from .quant import FP8_MAX, rot_scales, rotate
+from .quant import fp8_scale_for, rot_scales, rotate
 
 ROTATED = 16  # added to a kernel format id for the hadamard option (kvcache.formats.ROTATED)
 
@@ -111,14 +111,20 @@ class KVPool:
         slot_mapping of a step's :func:`kvcache.plan_step` (no index reads on the host).
 
         fp8 formats without a fixed scale take theirs from the first tokens appended: per kv head,
-        the absolute maximum (of the rotated rows, for ``hadamard``) mapped onto the format's largest value.
+        the absolute maximum of the finite values (of the rotated rows, for ``hadamard``) mapped onto the
+        format's largest value.
+
+        Bad values (NaN, +-Inf) never enter a scale or zero point shared with other tokens: every other
+        token of the page, head or channel is stored as if the bad value were 0. NaN stays NaN where the
+        format can say so (fp8; an int8 row, int4 or KIVI-value group of its token reads back NaN), else it
+        is stored as 0 (KIVI keys: the code nearest 0); +-Inf saturates to the largest code of its sign.
+        Huge finite values enter the scales, which never overflow (int4 and KIVI keep fp16 metadata and
+        saturate values at +-65504). Full-precision pools store what they are given. See the README.
         """
         for role, x, f in (("k", key, self.format.k), ("v", value, self.format.v)):
             if f.kind.startswith("fp8") and not self._scales_set[role] and x.numel():
                 x = rotate(x.detach()) if f.hadamard else x.detach()
-                amax = x.float().abs().amax(dim=(0, 2, 3))
-                kind = f.kind.removeprefix("fp8_")
-                scale = torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
+                scale = fp8_scale_for(x, f.kind.removeprefix("fp8_"), dim=(0, 2, 3))
                 getattr(self, f"{role}_scale").copy_(scale)
                 self._scales_set[role] = True
         if isinstance(slot_mapping, ops.StepPlanTensors):

@@ -4,6 +4,10 @@ Every function computes in float32 with the same steps as the C++ header (a reci
 round-half-to-even, clamps), so the codes a kernel stores are bit-identical to these. Shapes: the last
 dimension is ``head_dim``; everything before it is batch-like.
 
+Bad values (NaN, +-Inf) never enter a scale or zero point: those come from a group's finite values only.
+NaN is fp8's NaN code, else the code nearest 0 (and, where asked, a NaN scale for its group); +-Inf is the
+largest code of its sign. Asymmetric groups (fp16 metadata) saturate their values at +-65504 first.
+
 >>> import torch
 >>> x = torch.tensor([[0.5, -1.0, 0.25, 0.0]])
 >>> codes, scale = int8_quantize(x)
@@ -17,6 +21,7 @@ import torch
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP16_MAX = 65504.0  # asymmetric groups keep fp16 (scale, zero): their values saturate here
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -30,13 +35,21 @@ def _div(numerator: float, t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- int8: symmetric, one scale per row (token, kv head) -----------------------------------------
+def _nan_to_zero(y: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(y), torch.zeros_like(y), y)
+
+
 def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes int8 [..., d] and scales float32 [...] with ``x ~= codes * scale``."""
+    """Codes int8 [..., d] and scales float32 [...] with ``x ~= codes * scale``.
+
+    The scale comes from the row's finite values; a row holding a NaN gets a NaN scale (it reads back NaN,
+    the NaN itself code 0), +-Inf is +-127."""
     x = _f32(x)
-    amax = x.abs().amax(dim=-1)
+    amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=-1)
     inv = torch.where(amax > 0, _div(127.0, amax), torch.zeros_like(amax))
-    codes = torch.round(x * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return codes, amax / 127.0
+    codes = torch.round(_nan_to_zero(x * inv.unsqueeze(-1))).clamp(-127, 127).to(torch.int8)
+    scale = torch.where(torch.isnan(x).any(dim=-1), torch.full_like(amax, float("nan")), amax / 127.0)
+    return codes, scale
 
 
 def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -45,10 +58,12 @@ def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # ---- fp8: one scale per kv head ------------------------------------------------------------------
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor | float, kind: str = "e4m3") -> torch.Tensor:
-    """fp8 codes (as uint8 bit patterns) of ``x / scale``, rounded to nearest even, saturated."""
+    """fp8 codes (as uint8 bit patterns) of ``x / scale``, rounded to nearest even, saturated (+-Inf too);
+    NaN of either sign is the code 0x7f."""
     inv = _div(1.0, torch.as_tensor(scale, dtype=torch.float32))
     y = (_f32(x) * inv).clamp(-FP8_MAX[kind], FP8_MAX[kind])
-    return y.to(FP8_DTYPES[kind]).view(torch.uint8)
+    codes = y.to(FP8_DTYPES[kind]).view(torch.uint8)
+    return torch.where(torch.isnan(y), torch.full_like(codes, 0x7F), codes)
 
 
 def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor | float, kind: str = "e4m3") -> torch.Tensor:
@@ -56,21 +71,36 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor | float, kind: str =
 
 
 def fp8_scale_for(x: torch.Tensor, kind: str = "e4m3", dim: int | tuple[int, ...] = -1) -> torch.Tensor:
-    """A scale that maps the absolute maximum of ``x`` (over ``dim``) onto the format's largest value."""
-    amax = _f32(x).abs().amax(dim=dim)
+    """A scale that maps the absolute maximum of ``x``'s finite values (over ``dim``) onto the format's largest
+    value (1 where there is none)."""
+    x = _f32(x)
+    amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=dim)
     return torch.where(amax > 0, amax / FP8_MAX[kind], torch.ones_like(amax))
 
 
 # ---- asymmetric unsigned N-bit groups --------------------------------------------------------------
-def uint_quantize(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes uint8 in [0, 2^bits - 1] (unpacked), scale and zero (float32) reduced over ``dim``."""
+def uint_quantize(x: torch.Tensor, bits: int, dim: int = -1,
+                  nan_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes uint8 in [0, 2^bits - 1] (unpacked), scale and zero (float32) reduced over ``dim``.
+
+    min and max are those of the finite values, saturated at +-65504 (a group with none: 0 and 0); NaN takes
+    the code nearest 0, +-Inf the highest / lowest code. ``nan_scale``: a group holding a NaN gets a NaN
+    scale (for groups of one token, which then read back NaN)."""
     x = _f32(x)
     levels = float((1 << bits) - 1)
-    mn = x.amin(dim=dim, keepdim=True)
-    mx = x.amax(dim=dim, keepdim=True)
+    finite = torch.isfinite(x)
+    inf = torch.full_like(x, float("inf"))
+    clamped = x.clamp(-FP16_MAX, FP16_MAX)
+    mn = torch.where(finite, clamped, inf).amin(dim=dim, keepdim=True)
+    mx = torch.where(finite, clamped, -inf).amax(dim=dim, keepdim=True)
+    empty = ~(mn <= mx)
+    mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
     inv = torch.where(mx > mn, _div(levels, mx - mn), torch.zeros_like(mx))
-    codes = torch.round((x - mn) * inv).clamp(0, levels).to(torch.uint8)
-    return codes, ((mx - mn) / levels).squeeze(dim), mn.squeeze(dim)
+    codes = torch.round(_nan_to_zero((_nan_to_zero(x) - mn) * inv)).clamp(0, levels).to(torch.uint8)
+    scale = (mx - mn) / levels
+    if nan_scale:
+        scale = torch.where(torch.isnan(x).any(dim=dim, keepdim=True), torch.full_like(scale, float("nan")), scale)
+    return codes, scale.squeeze(dim), mn.squeeze(dim)
 
 
 def uint_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -78,11 +108,12 @@ def uint_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def group_quantize(x: torch.Tensor, bits: int, group: int = 32):
-    """Asymmetric groups of ``group`` along the last dim: codes [..., d], scale/zero [..., d / group]."""
+    """Asymmetric groups of ``group`` along the last dim: codes [..., d], scale/zero [..., d / group]. A
+    group holding a NaN gets a NaN scale (each group belongs to one token)."""
     *lead, d = x.shape
     if d % group:
         raise ValueError(f"head_dim={d} must be a multiple of group={group}")
-    codes, scale, zero = uint_quantize(x.reshape(*lead, d // group, group), bits)
+    codes, scale, zero = uint_quantize(x.reshape(*lead, d // group, group), bits, nan_scale=True)
     return codes.reshape(*lead, d), scale, zero
 
 

@@ -181,7 +181,11 @@ def _kivi_key_pages(key: torch.Tensor, slot_mapping: torch.Tensor, pool: torch.T
 def append_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                      k_format: int, v_format: int) -> None:
-    """append into pools of any format: full precision copies, int8 / fp8 quantize with kvcache.quant."""
+    """append into pools of any format: full precision copies, int8 / fp8 quantize with kvcache.quant.
+
+    Bad values follow kvcache.quant: scales and zero points from finite values only, NaN as fp8's NaN code or
+    a NaN scale of its token's int8 row / int4 or KIVI-value group (KIVI keys: the code nearest 0), +-Inf as
+    the largest code of its sign."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     page = k_cache.shape[2]

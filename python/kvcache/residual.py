@@ -16,6 +16,9 @@ of the two attention passes. :func:`apply` carries the plan out for one layer; :
 over both pools (two :func:`kvcache.paged_attention` calls merged by their log-sum-exp, exact for what is
 stored) and :func:`gather` reads a dense copy.
 
+Sealing quantizes a page with :meth:`kvcache.KVPool.append`, so a bad value (NaN, +-Inf) held in full
+precision in an open page costs the page's other tokens nothing when it is sealed (README: "Bad values").
+
 Every sealed token precedes every query of the forward (sealing only takes pages older than its
 start, and a page that receives tokens is open), so the sealed pass needs no causal mask: each query is
 its own row there and sees all of its sequence's sealed tokens; the open pass is causal, bottom-right.
