@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import random
 from collections import Counter
 
@@ -93,7 +94,7 @@ ENGINE_FORMATS = [
     ("fp8_e4m3", "fp8_e4m3(scale=0.025)", 0, 0),
     ("fp8_e5m2-window-sinks", "fp8_e5m2(scale=0.0002)", 8, 4),
     ("int4", "int4", 0, 0),
-    ("int4-window", "int4(hadamard)", 6, 0),
+    ("int4-hadamard-window", "int4(hadamard)", 6, 0),
     ("k=int8,v=int4", "k=int8,v=int4", 0, 0),
     ("kivi4-window", "kivi4", 8, 0),
     ("kivi2", "kivi2", 0, 0),
@@ -104,7 +105,6 @@ CAPACITY = 96  # tokens in the soak's pool (24 pages): a few requests at a time
 
 def soak_requests(request, default: int) -> int:
     """Requests per case: ``default``, x10 with ``--soak-long``, or KVCACHE_SOAK_STEPS."""
-    import os
     if os.environ.get("KVCACHE_SOAK_STEPS"):
         return int(os.environ["KVCACHE_SOAK_STEPS"])
     return default * (10 if request.config.getoption("--soak-long") else 1)
