@@ -264,21 +264,24 @@ def kv_of(values, layer: int, rows, start: int, end: int):
     return tuple(values[layer, j][idx].permute(0, 2, 1, 3) for j in (0, 1))
 
 
-# (id, kv_format, residual_length, residual_sink_tokens, host tier)
+# (id, kv_format, residual_length, residual_sink_tokens, host tier, error bound). The bound is the format's
+# tolerance: the largest |stored - true| value seen in the default run, x1.5 (the values are drawn from a fixed
+# N(0, 1) table, so longer runs see no larger ones). It holds the request alone to the truth, so that a bug
+# shared by both runs is caught too, and the soak to the request alone within twice as much.
 CACHE_FORMATS = [
-    ("fp32", None, None, 0, False),
-    ("fp32-host-tier", None, None, 0, True),
-    ("fp16-host-tier", "fp16", None, 0, True),
-    ("bf16", "bf16", None, 0, False),
-    ("int8", "int8", 0, 0, False),
-    ("int8-window", "int8", 6, 0, False),
-    ("fp8_e4m3", "fp8_e4m3", 0, 0, False),
-    ("fp8_e5m2-window", "fp8_e5m2(scale=0.05)", 8, 4, False),
-    ("int4-hadamard", "int4(hadamard)", 0, 0, False),
-    ("k=int8,v=int4-window", "k=int8,v=int4", 8, 0, False),
-    ("kivi4-window", "kivi4", 8, 0, False),
-    ("kivi2", "kivi2", 0, 0, False),
-    ("kivi2-window-sinks", "kivi2", 8, 4, False),
+    ("fp32", None, None, 0, False, 0.0),
+    ("fp32-host-tier", None, None, 0, True, 0.0),
+    ("fp16-host-tier", "fp16", None, 0, True, 0.004),
+    ("bf16", "bf16", None, 0, False, 0.03),
+    ("int8", "int8", 0, 0, False, 0.03),
+    ("int8-window", "int8", 6, 0, False, 0.03),
+    ("fp8_e4m3", "fp8_e4m3", 0, 0, False, 3.0),  # its scale comes from the first tokens: later ones saturate
+    ("fp8_e5m2-window", "fp8_e5m2(scale=0.05)", 8, 4, False, 0.6),
+    ("int4-hadamard", "int4(hadamard)", 0, 0, False, 0.7),
+    ("k=int8,v=int4-window", "k=int8,v=int4", 8, 0, False, 0.35),
+    ("kivi4-window", "kivi4", 8, 0, False, 0.35),
+    ("kivi2", "kivi2", 0, 0, False, 2.1),
+    ("kivi2-window-sinks", "kivi2", 8, 4, False, 2.1),
 ]
 
 
@@ -297,8 +300,9 @@ def soak_store(kv_format, residual, sinks, host_tier):
     return store
 
 
-@pytest.mark.parametrize("name, kv_format, residual, sinks, host_tier", CACHE_FORMATS, ids=[f[0] for f in CACHE_FORMATS])
-def test_paged_cache_soak(values, request, name, kv_format, residual, sinks, host_tier):
+@pytest.mark.parametrize("name, kv_format, residual, sinks, host_tier, error_bound", CACHE_FORMATS,
+                         ids=[f[0] for f in CACHE_FORMATS])
+def test_paged_cache_soak(values, request, name, kv_format, residual, sinks, host_tier, error_bound):
     n_requests = soak_requests(request, 80)
     seed = sum(map(ord, name)) + 1
     rng = random.Random(seed)
@@ -418,8 +422,9 @@ def test_paged_cache_soak(values, request, name, kv_format, residual, sinks, hos
     assert s["evicted_blocks"] >= 1
     if host_tier:
         assert s["demoted_blocks"] >= 1 and s["loaded_blocks"] >= 1
-    if diffs and not deterministic:  # within the format's tolerance: twice its own largest error
-        assert max(diffs) <= 2 * max(errors) + 1e-6, f"seed {seed}: K/V differ by {max(diffs):.3g} from the request alone"
+    if diffs:  # within the format's tolerance
+        assert max(errors) <= error_bound, f"seed {seed}: the request alone is {max(errors):.3g} off the true K/V"
+        assert max(diffs) <= 2 * error_bound, f"seed {seed}: K/V differ by {max(diffs):.3g} from the request alone"
     tree.check()
     assert s["locked_nodes"] == 0
     assert alloc.num_blocks - alloc.num_free == s["device_blocks"]  # every request gave its pages back
