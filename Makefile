@@ -61,7 +61,8 @@ core-tests: sysdeps
 
 # The CUDA kernels under the emulator once more, built with AddressSanitizer: every load and store of
 # every kernel in the tests is checked against the tensors' allocations (libasan, and libstdc++ for its
-# exception interceptor, preloaded into Python).
+# exception interceptor, preloaded into Python). tests/test_threads.py puts 4 Python threads in those
+# kernels at once (sharing one allocator and prefix cache, whose own concurrency core-tests checks).
 ASAN_PRELOAD = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so)
 test-cuda-asan: install
 	KVCACHE_ENABLE_CUDA=OFF KVCACHE_CUDA_EMULATION=ON KVCACHE_CUDA_EMULATION_ASAN=ON \
@@ -70,7 +71,7 @@ test-cuda-asan: install
 	KVCACHE_CUDA_EMULATION_LIBRARY=$(CURDIR)/build/cuda-asan/_cuda_emulation.so ASAN_OPTIONS=detect_leaks=0 \
 	  KVCACHE_CUDA_EMULATION_THREAD_ORDER=reverse \
 	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest -q -k cuda-emulated tests/test_attention.py \
-	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py
+	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py tests/test_threads.py
 
 # A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
 # and the test suite passes there too.

@@ -130,3 +130,8 @@ def make_paged_batch(lens: list[int], page_size: int, num_kv_heads: int, head_di
     v_cache[used.to(device)] = torch.randn((len(used), *layout.shape[1:]), generator=generator).to(dtype).to(device)
     return PagedBatch(layout, k_cache, v_cache, table.to(device),
                       torch.tensor(lens, dtype=torch.int32, device=device), used)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak-long", action="store_true", default=False,
+                     help="run the soak tests (tests/test_soak.py) with ten times as many requests")

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -769,4 +770,175 @@ TEST(RadixTree, RaggedInsertChecksEveryRequestFirst) {
   EXPECT_EQ(after.nodes, 0);
   EXPECT_EQ(f.alloc->num_free(), 64 - 3);
   f.expect_ok();
+}
+
+namespace {
+
+/// The Python layer's locking contract, in C++: nothing but the tree's and the allocators' own mutexes.
+/// Four std::threads run what kvcache.Engine does with one tree and allocator (locked lookups, single and
+/// ragged; sequences that share what matched; appends with copy-on-write; inserts, single and ragged;
+/// releases and unlocks) plus forks, raw allocations, evictions to a host tier and back, stats and
+/// invariant checks, on a pool too small for all of them (OutOfBlocks is expected). Each token position's
+/// "KV" is a hash of its namespace and token prefix, written by the thread that owns the block, so a block
+/// handed out twice, a locked prefix evicted, a shared page written or a copy gone wrong reads back wrong.
+struct SharedPool {
+  static constexpr int64_t kPage = 4, kDevice = 32, kHost = 32;
+  std::shared_ptr<BlockAllocator> alloc = std::make_shared<BlockAllocator>(kDevice, kPage);
+  std::shared_ptr<BlockAllocator> host = std::make_shared<BlockAllocator>(kHost, kPage);
+  std::shared_ptr<RadixTree> tree = RadixTree::create(alloc);
+  std::vector<std::array<uint32_t, kPage>> device, host_pages;  // what each block holds
+
+  SharedPool() : device(kDevice), host_pages(kHost) {
+    // Called under the tree's mutex; it reads blocks the tree holds (never written again) and writes
+    // blocks just taken from a free stack under that mutex, so it races with no writer.
+    tree->set_host_tier(host, [this](CopyDirection d, const std::vector<BlockCopy>& copies) {
+      for (const BlockCopy& c : copies) {
+        if (d == CopyDirection::kDeviceToHost) host_pages[c.dst] = device[c.src];
+        else device[c.dst] = host_pages[c.src];
+      }
+    });
+  }
+  static std::vector<uint32_t> values(int ns, const std::vector<int32_t>& tokens) {
+    std::vector<uint32_t> out;
+    uint32_t h = static_cast<uint32_t>(ns) + 1;
+    for (int32_t t : tokens) out.push_back(h = (h * 31 + static_cast<uint32_t>(t) + 1) % 1048573);
+    return out;
+  }
+  bool holds(const std::vector<int32_t>& blocks, int ns, const std::vector<int32_t>& tokens, int64_t n) const {
+    const std::vector<uint32_t> want = values(ns, tokens);
+    for (int64_t p = 0; p < n; ++p) {
+      if (device[blocks[p / kPage]][p % kPage] != want[p]) return false;
+    }
+    return true;
+  }
+  void write(const std::vector<int32_t>& blocks, int ns, const std::vector<int32_t>& tokens, int64_t from) {
+    const std::vector<uint32_t> v = values(ns, tokens);
+    for (size_t p = static_cast<size_t>(from); p < tokens.size(); ++p) device[blocks[p / kPage]][p % kPage] = v[p];
+  }
+  void apply(const std::vector<BlockCopy>& copies) {
+    for (const BlockCopy& c : copies) device[c.dst] = device[c.src];
+  }
+};
+
+/// One request, as the Engine runs it; returns false if it ran out of blocks (having given everything back).
+bool engine_request(SharedPool& s, std::mt19937& rng, std::vector<std::string>& failures) {
+  const int ns = static_cast<int>(rng() % 2);
+  const std::string name = ns ? "b" : "a";
+  std::vector<int32_t> tokens;
+  const int32_t shared_prefix = static_cast<int32_t>(rng() % 13);  // the same first tokens in every thread
+  for (int32_t i = 0; i < shared_prefix; ++i) tokens.push_back(i + 1);
+  for (uint32_t i = 0, n = 1 + rng() % 16; i < n; ++i) tokens.push_back(static_cast<int32_t>(1 + rng() % 6));
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  MatchResult m;
+  if (rng() % 2) {
+    m = s.tree->match(name, tokens.data(), n - 1, true);
+  } else {  // batched: this request and a shorter one, both locked
+    const std::vector<int64_t> cu = {0, n - 1, n - 1 + (n - 1) / 2};
+    std::vector<int32_t> flat(tokens.begin(), tokens.end() - 1);
+    flat.insert(flat.end(), tokens.begin(), tokens.begin() + (n - 1) / 2);
+    std::vector<int64_t> lengths(2), cu_blocks(3), nodes(2);
+    s.tree->match_ragged(name, Ragged{flat.data(), static_cast<int64_t>(flat.size()), cu.data(), 2}, true,
+                         lengths.data(), &m.blocks, cu_blocks.data(), nodes.data());
+    s.tree->unlock(nodes[1]);
+    m.blocks.resize(static_cast<size_t>(cu_blocks[1]));
+    m.length = lengths[0];
+    m.node = nodes[0];
+  }
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<int64_t> locked = {m.node};
+  bool ok = true;
+  try {
+    if (!s.holds(m.blocks, ns, tokens, m.length)) failures.push_back("a locked match reads wrong values");
+    std::vector<int32_t> table = m.blocks;
+    s.alloc->share(table.data(), static_cast<int64_t>(table.size()));
+    tables.push_back(table);
+    s.apply(s.alloc->append(&tables[0], m.length, n - m.length));
+    s.write(tables[0], ns, tokens, m.length);
+    if (!s.holds(tables[0], ns, tokens, n)) failures.push_back("a sequence reads wrong values after its writes");
+    if (rng() % 3 == 0) {  // a fork that diverges inside the shared last page
+      std::vector<int32_t> fork = tables[0];
+      s.alloc->share(fork.data(), static_cast<int64_t>(fork.size()));
+      tables.push_back(fork);
+      std::vector<int32_t> extra = tokens;
+      extra.push_back(static_cast<int32_t>(1 + rng() % 6));
+      s.apply(s.alloc->append(&tables[1], n, 1));
+      s.write(tables[1], ns, extra, n);
+      if (!s.holds(tables[1], ns, extra, n + 1)) failures.push_back("a fork reads wrong values");
+    }
+    if (rng() % 2) {
+      locked.push_back(s.tree->insert(name, tokens.data(), n, tables[0].data(), static_cast<int64_t>(tables[0].size()),
+                                      true).node);
+    } else {
+      const std::vector<int64_t> cu = {0, n}, cub = {0, static_cast<int64_t>(tables[0].size())};
+      int64_t prefix = 0, node = 0;
+      s.tree->insert_ragged(name, Ragged{tokens.data(), n, cu.data(), 1},
+                            Ragged{tables[0].data(), cub[1], cub.data(), 1}, false, &prefix, &node);
+    }
+    if (!s.holds(tables[0], ns, tokens, n)) failures.push_back("a sequence's values changed under it");
+  } catch (const OutOfBlocks&) {
+    ok = false;
+  }
+  for (const auto& t : tables) s.alloc->free(t.data(), static_cast<int64_t>(t.size()));
+  for (int64_t node : locked) s.tree->unlock(node);
+  return ok;
+}
+
+}  // namespace
+
+TEST(RadixTree, FourThreadsRunTheEnginesMixWithAHostTier) {
+  SharedPool s;
+  std::vector<std::vector<std::string>> failures(4);
+  std::vector<int64_t> out_of_blocks(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<uint32_t>(t));
+      for (int step = 0; step < 2500; ++step) {
+        const uint32_t op = rng() % 100;
+        try {
+          if (op < 60) {
+            out_of_blocks[t] += !engine_request(s, rng, failures[t]);
+          } else if (op < 70) {
+            s.tree->evict(1 + rng() % 8);
+          } else if (op < 80) {
+            const auto a = s.alloc->stats();
+            const auto c = s.tree->stats();
+            if (a.free + a.used != SharedPool::kDevice || c.device_blocks > c.device_block_refs ||
+                c.locked_nodes > c.nodes) {
+              failures[t].push_back("inconsistent stats");
+            }
+          } else if (op < 90) {  // raw blocks; now and then more than the pool holds
+            std::vector<int32_t> b = s.alloc->allocate(rng() % 30 ? 1 + rng() % 3 : SharedPool::kDevice + 1);
+            s.alloc->share(b.data(), static_cast<int64_t>(b.size()));
+            if (s.alloc->free(b.data(), static_cast<int64_t>(b.size())) != 0) failures[t].push_back("freed too early");
+            if (s.alloc->free(b.data(), static_cast<int64_t>(b.size())) != static_cast<int64_t>(b.size())) {
+              failures[t].push_back("not freed");
+            }
+          } else if (op < 99) {
+            const std::string problem = s.tree->check_invariants();
+            if (!problem.empty()) failures[t].push_back(problem);
+          } else {
+            s.tree->evict(SharedPool::kDevice);
+          }
+        } catch (const OutOfBlocks&) {
+          ++out_of_blocks[t];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& f : failures) EXPECT_TRUE(f.empty()) << f.size() << " failures, the first: " << f.front();
+  EXPECT_GT(out_of_blocks[0] + out_of_blocks[1] + out_of_blocks[2] + out_of_blocks[3], 0);
+  const auto c = s.tree->stats();
+  EXPECT_GT(c.demoted_blocks, 0);
+  EXPECT_GT(c.loaded_blocks, 0);
+  EXPECT_EQ(c.locked_nodes, 0);
+  EXPECT_EQ(s.tree->check_invariants(), "");
+  // Every reference left is the tree's: none leaked by a request, none dropped twice.
+  EXPECT_EQ(s.alloc->stats().references, c.device_block_refs);
+  EXPECT_EQ(s.host->stats().references, c.host_block_refs);
+  s.tree->evict(SharedPool::kDevice);
+  EXPECT_EQ(s.alloc->num_free(), SharedPool::kDevice);
+  s.tree.reset();  // the host tier's blocks go with the tree
+  EXPECT_EQ(s.host->num_free(), SharedPool::kHost);
 }
