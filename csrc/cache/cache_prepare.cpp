@@ -427,7 +427,7 @@ BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, con
                         "to copy blocks within one pool use copy_blocks");
     }
   }
-  return prepare_block_copy(k_src, v_src, k_dst, v_dst, block_mapping.contiguous(), /*same_pool=*/false);
+  return prepare_block_copy(k_src, v_src, k_dst, v_dst, block_mapping, /*same_pool=*/false);
 }
 
 }  // namespace kvcache

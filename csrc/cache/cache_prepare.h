@@ -56,7 +56,9 @@ BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_sr
                                  const at::Tensor& v_dst, const at::Tensor& block_mapping,
                                  bool same_pool);
 
-/// swap_blocks: distinct src and dst pools of one block shape; the mapping must be a CPU tensor.
+/// swap_blocks: distinct src and dst pools of one block shape; the mapping must be a contiguous CPU tensor that
+/// the caller keeps alive until the copies are done (its pointer goes into the result: pass a local
+/// `block_mapping.contiguous()`, never a temporary).
 BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
                            const at::Tensor& v_dst, const at::Tensor& block_mapping);
 
