@@ -175,6 +175,34 @@ def test_gather_ragged_bad_offsets_write_nothing(backend, pools, cu, total, matc
         *pools, table, torch.tensor(cu, dtype=torch.int32), out=(k_out, v_out)))
 
 
+def test_strided_lengths_are_refused_not_misread(backend, pools):
+    # Regression (issue #21's fuzzer): the kernels read seq_lens / cu_seq_lens / cu_q_lens through their data
+    # pointers as if contiguous, after validating the values in their logical order: every other element of
+    # [3, 100000, 5, 7] was checked as [3, 5] and read as [3, 100000] (a write far past k_out: a segfault).
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 100000, 5, 7], dtype=torch.int32)[::2]
+    outs, call = gather_call(pools, table.tolist(), [3, 5])
+    expect_rejected(list(pools) + list(outs), ValueError, r"seq_lens must be contiguous",
+                    lambda: kvcache.paged_gather(*pools, table, lens, out=outs))
+    cu = torch.tensor([0, 100000, 3, 7, 8], dtype=torch.int32)[::2]
+    k_out = torch.full((8, 2, 8), 5.0, dtype=F16)
+    v_out = torch.full_like(k_out, 5.0)
+    expect_rejected([*pools, k_out, v_out], ValueError, r"cu_seq_lens must be contiguous",
+                    lambda: kvcache.paged_gather_ragged(*pools, table, cu, out=(k_out, v_out)))
+    q = torch.randn(2, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    contiguous_cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    expect_rejected([*pools, out], ValueError, r"seq_lens must be contiguous",
+                    lambda: kvcache.paged_attention(q, *pools, table, lens, contiguous_cu, out=out))
+    expect_rejected([*pools, out], ValueError, r"cu_q_lens must be contiguous",
+                    lambda: kvcache.paged_attention(q, *pools, table, lens.contiguous(),
+                                                    torch.tensor([0, 9, 1, 9, 2], dtype=torch.int32)[::2], out=out))
+    # plan_step copies the indices once, so it takes them with any strides, and plans what they say
+    strided_plan = kvcache.plan_step(*pools, table, lens, contiguous_cu, q_heads=2)
+    plan = kvcache.plan_step(*pools, table, lens.contiguous(), contiguous_cu, q_heads=2)
+    assert torch.equal(strided_plan.host, plan.host)
+
+
 # ---- copy_blocks / swap_blocks ------------------------------------------------------------------
 @pytest.mark.parametrize("mapping, match", [
     ([[0, 1], [4, 2]], r"block_mapping\[1, 0\] = 4 is not a source block id in \[0, 4\)"),

@@ -146,6 +146,10 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   AttentionArgs a = check_attention_call(query, k_cache, v_cache, scale, window_left, sink_tokens, softcap, out, lse,
                                          formats, k_format, v_format);
   check_index_tensors(block_tables, seq_lens, cu_q_lens, k_cache);
+  // The kernels read the lengths and offsets through their data pointers, element after element (plan_step
+  // copies them, so it takes any strides).
+  KVC_CHECK_CONTIGUOUS(seq_lens);
+  KVC_CHECK_CONTIGUOUS(cu_q_lens);
   const int64_t batch = seq_lens.size(0);
   // Index values, on the host: q offsets, lengths, the blocks those lengths use.
   const at::Tensor cu_host = read_on_host(cu_q_lens);

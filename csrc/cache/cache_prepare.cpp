@@ -322,6 +322,7 @@ GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, 
   KVC_CHECK_DIM(seq_lens, 1);
   KVC_CHECK_DTYPE(seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
+  KVC_CHECK_CONTIGUOUS(seq_lens);  // the kernels read it through its data pointer, element after element
   const int64_t batch = seq_lens.size(0);
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 4);
@@ -358,6 +359,7 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
   KVC_CHECK_DIM(cu_seq_lens, 1);
   KVC_CHECK_DTYPE(cu_seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(cu_seq_lens, k_cache);
+  KVC_CHECK_CONTIGUOUS(cu_seq_lens);  // the kernels read it through its data pointer, element after element
   TORCH_CHECK_VALUE(cu_seq_lens.size(0) >= 1, "cu_seq_lens must hold batch + 1 >= 1 offsets but is empty");
   const int64_t batch = cu_seq_lens.size(0) - 1;
   check_block_table_tensor(block_tables, k_cache, batch);
