@@ -236,6 +236,14 @@ def test_swap_blocks_bad_input(backend, pools):
     other_dtype = kvcache.PageLayout(6, 4, 2, 8, torch.bfloat16).allocate()
     with pytest.raises(TypeError, match=r"src pools hold Half but dst pools hold BFloat16"):
         kvcache.swap_blocks(*pools, *other_dtype, torch.tensor([[0, 1]]))
+    # each pool is named as swap_blocks names it (they were all called k_cache / v_cache; issue #21's fuzzer)
+    strided = torch.zeros(6, 2, 8, 8, dtype=F16)[:, :, ::2]
+    expect_rejected([strided, host[1]], ValueError, r"^k_dst must be contiguous",
+                    lambda: kvcache.swap_blocks(*pools, strided, host[1], torch.tensor([[0, 1]])))
+    expect_rejected(list(host), ValueError, r"^k_src has shape \[4, 2, 4, 8\] but v_src has shape \[6, 2, 4, 8\]",
+                    lambda: kvcache.swap_blocks(pools[0], host[1].clone(), *host, torch.tensor([[0, 1]])))
+    expect_rejected(list(host), TypeError, r"^v_src has dtype Float but k_src has Half",
+                    lambda: kvcache.swap_blocks(pools[0], pools[1].float(), *host, torch.tensor([[0, 1]])))
 
 
 # ---- devices (only where a second device exists) ----------------------------------------------------

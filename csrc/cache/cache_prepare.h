@@ -11,7 +11,8 @@
 namespace kvcache {
 
 /// Checks a K/V pool pair ([num_blocks, num_kv_heads, page_size, head_dim] each) and returns its layout.
-PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache);
+PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* k_name = "k_cache",
+                        const char* v_name = "v_cache");
 
 /// The storage format of the K and V pools of a call: kinds (core/kv_format.h) and scale tensors.
 struct PoolFormats {
