@@ -203,6 +203,24 @@ def test_strided_lengths_are_refused_not_misread(backend, pools):
     assert torch.equal(strided_plan.host, plan.host)
 
 
+def test_lse_and_plan_slots_are_named(backend, pools):
+    # Regression (issue #21's fuzzer): the check macros write the checked expression into the message, and
+    # these two were checked through local references: "l must be contiguous", "s must have dtype Long".
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens, cu = torch.tensor([5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    for lse, exc, match in ((torch.zeros(1, 4)[:, ::2], ValueError, r"^lse must be contiguous"),
+                            (torch.zeros(1, 2, dtype=torch.float64), TypeError, r"^lse must have dtype Float"),
+                            (torch.zeros(2), ValueError, r"^lse must be a 2-D tensor")):
+        expect_rejected([*pools, out], exc, match, lambda: kvcache.paged_attention(
+            q, *pools, table, lens, cu, out=out, lse=lse, return_lse=True))
+    with pytest.raises(TypeError, match=r"^slot_mapping must have dtype Long but has Int"):
+        kvcache.plan_step(*pools, table, lens, cu, torch.tensor([[4]], dtype=torch.int32), q_heads=2)
+    with pytest.raises(ValueError, match=r"^slot_mapping must be a 2-D tensor"):
+        kvcache.plan_step(*pools, table, lens, cu, torch.tensor([4]), q_heads=2)
+
+
 # ---- copy_blocks / swap_blocks ------------------------------------------------------------------
 @pytest.mark.parametrize("mapping, match", [
     ([[0, 1], [4, 2]], r"block_mapping\[1, 0\] = 4 is not a source block id in \[0, 4\)"),

@@ -148,7 +148,8 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
   }
   TORCH_CHECK_VALUE(has_scale, name, " is quantized and needs ", scale_name);
   const at::Tensor& s = **scale;
-  KVC_CHECK_SAME_DEVICE(s, pool);
+  TORCH_CHECK_VALUE(s.device() == pool.device(), scale_name, " is on ", s.device(), " but ", name, " is on ",
+                    pool.device(), "; they must be on the same device");
   TORCH_CHECK_VALUE(s.is_contiguous(), scale_name, " must be contiguous");
   if (is_kivi(kind)) {
     TORCH_CHECK_TYPE(s.scalar_type() == at::kHalf, scale_name, " must have dtype Half (kivi scales and zeros) but has ",
