@@ -130,3 +130,11 @@ def make_paged_batch(lens: list[int], page_size: int, num_kv_heads: int, head_di
     v_cache[used.to(device)] = torch.randn((len(used), *layout.shape[1:]), generator=generator).to(dtype).to(device)
     return PagedBatch(layout, k_cache, v_cache, table.to(device),
                       torch.tensor(lens, dtype=torch.int32, device=device), used)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz tests' distinct-case counts per op (tests/fuzz_support.py), when they ran."""
+    import sys
+    fuzz = sys.modules.get("fuzz_support")
+    if fuzz is not None:
+        fuzz.report(terminalreporter)
