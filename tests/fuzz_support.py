@@ -30,7 +30,7 @@ from kvcache.formats import CacheFormat
 
 from conftest import CUDA_EMULATED, HAS_CUDA_EMULATION
 
-DEFAULT_EXAMPLES = 100
+DEFAULT_EXAMPLES = 300
 EXAMPLES = int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 
 settings.register_profile(
