@@ -426,7 +426,7 @@ def test_fuzz_plan_step_and_planned_ops(r):
                 expected = (IndexError if m == "plan_blocks" else ValueError), ["pools"]
         elif m == "plan_format":
             fmt = CacheFormat.parse(r["fmt"].replace("full", r["full_dtype"]))
-            if fmt.k.quantized and not fmt.k.kind.startswith("kivi"):
+            if fmt.k.quantized and not fmt.k.kind.startswith("kivi") and r["dim"] & (r["dim"] - 1) == 0:
                 other_text = "int8(hadamard)" if str(fmt.k) != "int8(hadamard)" else "int8"
                 other_text = f"k={other_text},v={fmt.v}"
                 other = make_pool(other_text, pool.num_blocks, r["page"], r["heads"], r["dim"], 3)
