@@ -144,7 +144,8 @@ def check_attention(r, pool, table, lens, cu, q, out, lse, scale):
         noise = 2 * (out64.to(q.dtype).double() - out64).abs().max().item()
         err = (out.double() - out64).abs().max().item()
         # + the fp32 rounding of the Hadamard rotation of the query and output (test_quantized.py's 2e-5)
-        slack = 2e-5 if pool.format.k.hadamard or pool.format.v.hadamard else 1e-6
+        # and of codes dequantized in registers in another order than the reference's (fp32: ~2e-6 seen)
+        slack = 2e-5 if pool.format.k.hadamard or pool.format.v.hadamard else 1e-5 if pool.format.k.quantized else 1e-6
         assert err <= 2 * pt_err + noise + slack, \
             f"attention error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + {noise:.3g} + {slack:g}"
     if lse is not None and lse.numel():
