@@ -135,3 +135,11 @@ def make_paged_batch(lens: list[int], page_size: int, num_kv_heads: int, head_di
 def pytest_addoption(parser):
     parser.addoption("--soak-long", action="store_true", default=False,
                      help="run the soak tests (tests/test_soak.py) with ten times as many requests")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz tests' distinct-case counts per op (tests/fuzz_support.py), when they ran."""
+    import sys
+    fuzz = sys.modules.get("fuzz_support")
+    if fuzz is not None:
+        fuzz.report(terminalreporter)

@@ -175,6 +175,52 @@ def test_gather_ragged_bad_offsets_write_nothing(backend, pools, cu, total, matc
         *pools, table, torch.tensor(cu, dtype=torch.int32), out=(k_out, v_out)))
 
 
+def test_strided_lengths_are_refused_not_misread(backend, pools):
+    # Regression (issue #21's fuzzer): the kernels read seq_lens / cu_seq_lens / cu_q_lens through their data
+    # pointers as if contiguous, after validating the values in their logical order: every other element of
+    # [3, 100000, 5, 7] was checked as [3, 5] and read as [3, 100000] (a write far past k_out: a segfault).
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 100000, 5, 7], dtype=torch.int32)[::2]
+    outs, call = gather_call(pools, table.tolist(), [3, 5])
+    expect_rejected(list(pools) + list(outs), ValueError, r"seq_lens must be contiguous",
+                    lambda: kvcache.paged_gather(*pools, table, lens, out=outs))
+    cu = torch.tensor([0, 100000, 3, 7, 8], dtype=torch.int32)[::2]
+    k_out = torch.full((8, 2, 8), 5.0, dtype=F16)
+    v_out = torch.full_like(k_out, 5.0)
+    expect_rejected([*pools, k_out, v_out], ValueError, r"cu_seq_lens must be contiguous",
+                    lambda: kvcache.paged_gather_ragged(*pools, table, cu, out=(k_out, v_out)))
+    q = torch.randn(2, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    contiguous_cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    expect_rejected([*pools, out], ValueError, r"seq_lens must be contiguous",
+                    lambda: kvcache.paged_attention(q, *pools, table, lens, contiguous_cu, out=out))
+    expect_rejected([*pools, out], ValueError, r"cu_q_lens must be contiguous",
+                    lambda: kvcache.paged_attention(q, *pools, table, lens.contiguous(),
+                                                    torch.tensor([0, 9, 1, 9, 2], dtype=torch.int32)[::2], out=out))
+    # plan_step copies the indices once, so it takes them with any strides, and plans what they say
+    strided_plan = kvcache.plan_step(*pools, table, lens, contiguous_cu, q_heads=2)
+    plan = kvcache.plan_step(*pools, table, lens.contiguous(), contiguous_cu, q_heads=2)
+    assert torch.equal(strided_plan.host, plan.host)
+
+
+def test_lse_and_plan_slots_are_named(backend, pools):
+    # Regression (issue #21's fuzzer): the check macros write the checked expression into the message, and
+    # these two were checked through local references: "l must be contiguous", "s must have dtype Long".
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens, cu = torch.tensor([5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    for lse, exc, match in ((torch.zeros(1, 4)[:, ::2], ValueError, r"^lse must be contiguous"),
+                            (torch.zeros(1, 2, dtype=torch.float64), TypeError, r"^lse must have dtype Float"),
+                            (torch.zeros(2), ValueError, r"^lse must be a 2-D tensor")):
+        expect_rejected([*pools, out], exc, match, lambda: kvcache.paged_attention(
+            q, *pools, table, lens, cu, out=out, lse=lse, return_lse=True))
+    with pytest.raises(TypeError, match=r"^slot_mapping must have dtype Long but has Int"):
+        kvcache.plan_step(*pools, table, lens, cu, torch.tensor([[4]], dtype=torch.int32), q_heads=2)
+    with pytest.raises(ValueError, match=r"^slot_mapping must be a 2-D tensor"):
+        kvcache.plan_step(*pools, table, lens, cu, torch.tensor([4]), q_heads=2)
+
+
 # ---- copy_blocks / swap_blocks ------------------------------------------------------------------
 @pytest.mark.parametrize("mapping, match", [
     ([[0, 1], [4, 2]], r"block_mapping\[1, 0\] = 4 is not a source block id in \[0, 4\)"),
@@ -208,6 +254,14 @@ def test_swap_blocks_bad_input(backend, pools):
     other_dtype = kvcache.PageLayout(6, 4, 2, 8, torch.bfloat16).allocate()
     with pytest.raises(TypeError, match=r"src pools hold Half but dst pools hold BFloat16"):
         kvcache.swap_blocks(*pools, *other_dtype, torch.tensor([[0, 1]]))
+    # each pool is named as swap_blocks names it (they were all called k_cache / v_cache; issue #21's fuzzer)
+    strided = torch.zeros(6, 2, 8, 8, dtype=F16)[:, :, ::2]
+    expect_rejected([strided, host[1]], ValueError, r"^k_dst must be contiguous",
+                    lambda: kvcache.swap_blocks(*pools, strided, host[1], torch.tensor([[0, 1]])))
+    expect_rejected(list(host), ValueError, r"^k_src has shape \[4, 2, 4, 8\] but v_src has shape \[6, 2, 4, 8\]",
+                    lambda: kvcache.swap_blocks(pools[0], host[1].clone(), *host, torch.tensor([[0, 1]])))
+    expect_rejected(list(host), TypeError, r"^v_src has dtype Float but k_src has Half",
+                    lambda: kvcache.swap_blocks(pools[0], pools[1].float(), *host, torch.tensor([[0, 1]])))
 
 
 # ---- devices (only where a second device exists) ----------------------------------------------------

@@ -225,6 +225,24 @@ def test_swap_blocks_host_to_host(backend, dtype, page_size):
     assert_bitwise_equal(v_dst, v_ref)
 
 
+def test_swap_blocks_with_a_strided_mapping(backend):
+    # Regression (issue #21's fuzzer): the CUDA host side handed the kernel a pointer into a temporary
+    # contiguous copy of a non-contiguous mapping, freed before the copies ran (garbage block ids, a segfault).
+    dtype = torch.float16
+    k_src, v_src = (torch.randn(10, 2, 4, 8).to(dtype) for _ in range(2))
+    k_dst, v_dst = (torch.randn(6, 2, 4, 8).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_dst.clone(), v_dst.clone()
+    mapping = torch.tensor([[9, 0, 3, 7], [5, 1, 2, 0]]).t()  # [4, 2], strides (1, 4)
+    assert not mapping.is_contiguous()
+    for _ in range(20):  # the freed buffer is reused (and overwritten) by other allocations in between
+        junk = [torch.full((8,), 10**9, dtype=torch.int64) for _ in range(8)]
+        kvcache.swap_blocks(k_src, v_src, k_dst, v_dst, mapping)
+        del junk
+    ref.swap_blocks(k_src, v_src, k_ref, v_ref, mapping)
+    assert_bitwise_equal(k_dst, k_ref)
+    assert_bitwise_equal(v_dst, v_ref)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "cache/cache_prepare.h"
 #include "core/check.h"
@@ -37,7 +38,7 @@ namespace {
 /// the index pointers).
 AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    double scale, int64_t window_left, int64_t sink_tokens, double softcap,
-                                   const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                   const at::Tensor& out, const std::optional<at::Tensor>& lse_arg,
                                    const PoolFormats& formats, int64_t k_format, int64_t v_format) {
   TORCH_CHECK_VALUE(is_kivi(formats.k_kind) == is_kivi(formats.v_kind),
                     "paged_attention reads kivi keys only with kivi values; got k_format = ", k_format,
@@ -63,13 +64,13 @@ AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_
   KVC_CHECK_DTYPE(out, query.scalar_type());
   KVC_CHECK_SAME_DEVICE(out, k_cache);
   KVC_CHECK_CONTIGUOUS(out);
-  if (lse.has_value()) {
-    const at::Tensor& l = *lse;
-    KVC_CHECK_DIM(l, 2);
-    KVC_CHECK_DTYPE(l, at::kFloat);
-    KVC_CHECK_SAME_DEVICE(l, k_cache);
-    KVC_CHECK_CONTIGUOUS(l);
-    TORCH_CHECK_VALUE(l.size(0) == query.size(0) && l.size(1) == q_heads, "lse has shape ", l.sizes(),
+  if (lse_arg.has_value()) {
+    const at::Tensor& lse = *lse_arg;  // named lse: the check macros write the expression into their messages
+    KVC_CHECK_DIM(lse, 2);
+    KVC_CHECK_DTYPE(lse, at::kFloat);
+    KVC_CHECK_SAME_DEVICE(lse, k_cache);
+    KVC_CHECK_CONTIGUOUS(lse);
+    TORCH_CHECK_VALUE(lse.size(0) == query.size(0) && lse.size(1) == q_heads, "lse has shape ", lse.sizes(),
                       " but must be [total_q, q_heads] = [", query.size(0), ", ", q_heads, "]");
   }
   AttentionArgs a;
@@ -93,7 +94,7 @@ AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_
   a.sink_tokens = sink_tokens;
   a.softcap = static_cast<float>(softcap);
   a.out = out.data_ptr();
-  a.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  a.lse = lse_arg.has_value() ? lse_arg->data_ptr<float>() : nullptr;
   return a;
 }
 
@@ -146,6 +147,10 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   AttentionArgs a = check_attention_call(query, k_cache, v_cache, scale, window_left, sink_tokens, softcap, out, lse,
                                          formats, k_format, v_format);
   check_index_tensors(block_tables, seq_lens, cu_q_lens, k_cache);
+  // The kernels read the lengths and offsets through their data pointers, element after element (plan_step
+  // copies them, so it takes any strides).
+  KVC_CHECK_CONTIGUOUS(seq_lens);
+  KVC_CHECK_CONTIGUOUS(cu_q_lens);
   const int64_t batch = seq_lens.size(0);
   // Index values, on the host: q offsets, lengths, the blocks those lengths use.
   const at::Tensor cu_host = read_on_host(cu_q_lens);
@@ -198,19 +203,22 @@ void check_merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at
                         const at::Tensor& lse_b, const at::Tensor& v_out, const at::Tensor& lse_out) {
   KVC_CHECK_DIM(v_a, 3);
   check_float_dtype(v_a, "v_a");
-  for (const at::Tensor* t : {&v_b, &v_out}) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&v_b, "v_b"}, {&v_out, "v_out"}}) {
     TORCH_CHECK_VALUE(t->sizes() == v_a.sizes(), "v_b and v_out must have v_a's shape ", v_a.sizes(), " but have ",
                       v_b.sizes(), " and ", v_out.sizes());
     TORCH_CHECK_TYPE(t->scalar_type() == v_a.scalar_type(), "v_a, v_b and v_out must share a dtype but have ",
                      v_a.scalar_type(), ", ", v_b.scalar_type(), ", ", v_out.scalar_type());
-    KVC_CHECK_SAME_DEVICE(*t, v_a);
+    TORCH_CHECK_VALUE(t->device() == v_a.device(), name, " is on ", t->device(), " but v_a is on ", v_a.device(),
+                      "; they must be on the same device");
   }
-  for (const at::Tensor* t : {&lse_a, &lse_b, &lse_out}) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&lse_a, "lse_a"}, {&lse_b, "lse_b"},
+                                {&lse_out, "lse_out"}}) {
     TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == v_a.size(0) && t->size(1) == v_a.size(1),
                       "lse tensors must be [tokens, heads] = [", v_a.size(0), ", ", v_a.size(1), "] but got ",
                       t->sizes());
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, "lse tensors must be float32 but got ", t->scalar_type());
-    KVC_CHECK_SAME_DEVICE(*t, v_a);
+    TORCH_CHECK_VALUE(t->device() == v_a.device(), name, " is on ", t->device(), " but v_a is on ", v_a.device(),
+                      "; they must be on the same device");
   }
   KVC_CHECK_CONTIGUOUS(v_out);
   KVC_CHECK_CONTIGUOUS(lse_out);

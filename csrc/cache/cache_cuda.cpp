@@ -111,7 +111,8 @@ void swap_blocks_cuda(const at::Tensor& k_src, const at::Tensor& v_src, at::Tens
                     k_dst.device(), "/", v_dst.device(), "; each K/V pair must share a device");
   const at::Device cuda_device = k_dst.is_cuda() ? k_dst.device() : k_src.device();
   const c10::cuda::CUDAGuard guard(cuda_device);
-  const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, block_mapping);
+  const at::Tensor mapping = block_mapping.contiguous();  // a.pairs points into it: keep it alive for the launch
+  const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, mapping);
   check_launch(cuda::launch_swap_blocks(a, c10::cuda::getCurrentCUDAStream()), "swap_blocks");
 }
 

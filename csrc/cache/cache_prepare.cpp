@@ -76,22 +76,26 @@ void set_gather_formats(GatherArgs& a, const at::Tensor& k_out, const PoolFormat
 
 int kv_element_bytes(const at::Tensor& cache) { return static_cast<int>(cache.element_size()); }
 
-PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  KVC_CHECK_DIM(k_cache, 4);
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache has shape ", k_cache.sizes(),
-                    " but v_cache has shape ", v_cache.sizes(), "; the K and V pools must match");
-  TORCH_CHECK_TYPE(is_kv_dtype(k_cache.scalar_type()), "k_cache has dtype ", k_cache.scalar_type(),
+PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* k_name,
+                        const char* v_name) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 4, k_name, " must be a 4-D tensor but has shape ", k_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), k_name, " has shape ", k_cache.sizes(), " but ", v_name,
+                    " has shape ", v_cache.sizes(), "; the K and V pools must match");
+  TORCH_CHECK_TYPE(is_kv_dtype(k_cache.scalar_type()), k_name, " has dtype ", k_cache.scalar_type(),
                    "; supported: float32, float16, bfloat16");
-  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache has dtype ", v_cache.scalar_type(),
-                   " but k_cache has ", k_cache.scalar_type());
-  KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
-  KVC_CHECK_CONTIGUOUS(k_cache);
-  KVC_CHECK_CONTIGUOUS(v_cache);
+  TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), v_name, " has dtype ", v_cache.scalar_type(),
+                   " but ", k_name, " has ", k_cache.scalar_type());
+  TORCH_CHECK_VALUE(v_cache.device() == k_cache.device(), v_name, " is on ", v_cache.device(), " but ", k_name,
+                    " is on ", k_cache.device(), "; they must be on the same device");
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, k_name}, {&v_cache, v_name}}) {
+    TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous (shape ", t->sizes(), ", strides ", t->strides(),
+                      ")");
+  }
   const int64_t page_size = k_cache.size(2);
-  TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
-                    " must be a power of two from 1 to ", kMaxPageSize,
-                    " (k_cache is [num_blocks, num_kv_heads, page_size, head_dim])");
-  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, "k_cache has shape ", k_cache.sizes(),
+  TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (", k_name, ".shape[2]) = ", page_size,
+                    " must be a power of two from 1 to ", kMaxPageSize, " (", k_name,
+                    " is [num_blocks, num_kv_heads, page_size, head_dim])");
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, k_name, " has shape ", k_cache.sizes(),
                     "; num_kv_heads and head_dim must be positive");
   return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
 }
@@ -144,7 +148,8 @@ void check_one_pool(const at::Tensor& pool, const char* name, KVKind kind, const
   }
   TORCH_CHECK_VALUE(has_scale, name, " is quantized and needs ", scale_name);
   const at::Tensor& s = **scale;
-  KVC_CHECK_SAME_DEVICE(s, pool);
+  TORCH_CHECK_VALUE(s.device() == pool.device(), scale_name, " is on ", s.device(), " but ", name, " is on ",
+                    pool.device(), "; they must be on the same device");
   TORCH_CHECK_VALUE(s.is_contiguous(), scale_name, " must be contiguous");
   if (is_kivi(kind)) {
     TORCH_CHECK_TYPE(s.scalar_type() == at::kHalf, scale_name, " must have dtype Half (kivi scales and zeros) but has ",
@@ -322,6 +327,7 @@ GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, 
   KVC_CHECK_DIM(seq_lens, 1);
   KVC_CHECK_DTYPE(seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(seq_lens, k_cache);
+  KVC_CHECK_CONTIGUOUS(seq_lens);  // the kernels read it through its data pointer, element after element
   const int64_t batch = seq_lens.size(0);
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 4);
@@ -358,6 +364,7 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
   KVC_CHECK_DIM(cu_seq_lens, 1);
   KVC_CHECK_DTYPE(cu_seq_lens, at::kInt);
   KVC_CHECK_SAME_DEVICE(cu_seq_lens, k_cache);
+  KVC_CHECK_CONTIGUOUS(cu_seq_lens);  // the kernels read it through its data pointer, element after element
   TORCH_CHECK_VALUE(cu_seq_lens.size(0) >= 1, "cu_seq_lens must hold batch + 1 >= 1 offsets but is empty");
   const int64_t batch = cu_seq_lens.size(0) - 1;
   check_block_table_tensor(block_tables, k_cache, batch);
@@ -391,8 +398,9 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
 
 BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
                                  const at::Tensor& v_dst, const at::Tensor& block_mapping, bool same_pool) {
-  const PagedLayout src = check_pools(k_src, v_src);
-  const PagedLayout dst = same_pool ? src : check_pools(k_dst, v_dst);
+  // named as the op names them: copy_blocks' k_cache / v_cache, swap_blocks' k_src / v_src / k_dst / v_dst
+  const PagedLayout src = same_pool ? check_pools(k_src, v_src) : check_pools(k_src, v_src, "k_src", "v_src");
+  const PagedLayout dst = same_pool ? src : check_pools(k_dst, v_dst, "k_dst", "v_dst");
   if (!same_pool) {
     TORCH_CHECK_VALUE(k_src.sizes().slice(1) == k_dst.sizes().slice(1), "src pools have blocks of shape ",
                       k_src.sizes().slice(1), " but dst pools have blocks of shape ", k_dst.sizes().slice(1));
@@ -427,7 +435,7 @@ BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, con
                         "to copy blocks within one pool use copy_blocks");
     }
   }
-  return prepare_block_copy(k_src, v_src, k_dst, v_dst, block_mapping.contiguous(), /*same_pool=*/false);
+  return prepare_block_copy(k_src, v_src, k_dst, v_dst, block_mapping, /*same_pool=*/false);
 }
 
 }  // namespace kvcache

@@ -11,7 +11,8 @@
 namespace kvcache {
 
 /// Checks a K/V pool pair ([num_blocks, num_kv_heads, page_size, head_dim] each) and returns its layout.
-PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache);
+PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* k_name = "k_cache",
+                        const char* v_name = "v_cache");
 
 /// The storage format of the K and V pools of a call: kinds (core/kv_format.h) and scale tensors.
 struct PoolFormats {
@@ -56,7 +57,9 @@ BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_sr
                                  const at::Tensor& v_dst, const at::Tensor& block_mapping,
                                  bool same_pool);
 
-/// swap_blocks: distinct src and dst pools of one block shape; the mapping must be a CPU tensor.
+/// swap_blocks: distinct src and dst pools of one block shape; the mapping must be a contiguous CPU tensor that
+/// the caller keeps alive until the copies are done (its pointer goes into the result: pass a local
+/// `block_mapping.contiguous()`, never a temporary).
 BlockCopyArgs prepare_swap(const at::Tensor& k_src, const at::Tensor& v_src, const at::Tensor& k_dst,
                            const at::Tensor& v_dst, const at::Tensor& block_mapping);
 

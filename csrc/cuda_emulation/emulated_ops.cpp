@@ -81,7 +81,8 @@ void copy_blocks(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& blo
 
 void swap_blocks(const at::Tensor& k_src, const at::Tensor& v_src, at::Tensor& k_dst, at::Tensor& v_dst,
                  const at::Tensor& block_mapping) {
-  const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, block_mapping);
+  const at::Tensor mapping = block_mapping.contiguous();  // a.pairs points into it: keep it alive for the launch
+  const BlockCopyArgs a = prepare_swap(k_src, v_src, k_dst, v_dst, mapping);
   check_launch(cuda::launch_swap_blocks(a, nullptr), "swap_blocks");
 }
 

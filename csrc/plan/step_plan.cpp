@@ -67,8 +67,8 @@ std::tuple<at::Tensor, at::Tensor> build_step_plan(
   at::Tensor slots_host;
   if (slot_mapping.has_value()) {
     const at::Tensor& s = *slot_mapping;
-    KVC_CHECK_DIM(s, 2);
-    KVC_CHECK_DTYPE(s, at::kLong);
+    TORCH_CHECK_VALUE(s.dim() == 2, "slot_mapping must be a 2-D tensor but has shape ", s.sizes());
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kLong, "slot_mapping must have dtype Long but has ", s.scalar_type());
     TORCH_CHECK_VALUE(s.device() == block_tables.device(), "slot_mapping is on ", s.device(),
                       " but block_tables is on ", block_tables.device(), "; the index tensors must share a device");
     slots_host = read_on_host(s);
