@@ -116,6 +116,28 @@ def test_empty_sequences_and_queries(isa):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("kv_len", [4, 5, 20])
+def test_sinks_covering_every_key_read_nothing_past_the_sequence(isa, kv_len):
+    """Sinks that cover every visible key leave the window range empty ([kv_len, kv_len)); the kernel once ran
+    that empty range's aligned-down tile, reading an int8 row scale through the table entry after the
+    sequence's last page (found by the fuzzer: a segfault). Entries past the pages must never be read."""
+    page = 4
+    pages = -(-kv_len // page)
+    pool = kvcache.KVPool.allocate(8, page, 2, 32, "int8")
+    x = torch.randn(1, 2, 32, 32).to(torch.bfloat16)
+    pool.append(x, torch.randn_like(x), torch.arange(32).view(1, 32))
+    table = torch.full((1, pages + 2), 2**31 - 1, dtype=torch.int32)  # poison: never read
+    table[0, :pages] = torch.arange(pages, dtype=torch.int32).flip(0)
+    lens, cu = torch.tensor([kv_len], dtype=torch.int32), cu_from([3])
+    q = torch.randn(3, 4, 32).to(torch.bfloat16)
+    out = pool.attention(q, table, lens, cu, sink_tokens=kv_len + 4)
+    k = ref.dequantize_pool(pool.k, pool.k_scale, pool.format.k.kernel_id)
+    v = ref.dequantize_pool(pool.v, pool.v_scale, pool.format.v.kernel_id)
+    want = torch.empty(3, 4, 32)
+    ref.paged_attention(q.float(), k, v, table, lens, cu, 32 ** -0.5, -1, kv_len + 4, 0.0, want)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_long_context_split_k_matches(isa):
     # batch 1, MQA: the planner splits the keys across tasks and merges their states
     pb = make_paged_batch([5000], 16, 1, 128, torch.bfloat16)

@@ -135,6 +135,9 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
   const bool tile_in_page = L.page_size >= kTile;
 
   for (const auto& range : ranges) {
+    // An empty range must not run its (aligned-down) first tile: its masked lanes would read key
+    // range[0], which may lie past the sequence (e.g. sinks covering every key: range [kv_len, kv_len)).
+    if (range[0] >= range[1]) continue;
     for (int64_t t0 = range[0] & ~int64_t(kTile - 1); t0 < range[1]; t0 += kTile) {
       // Keys [k_lo, k_hi) of this tile belong to the range; the other lanes are masked and point at
       // key k_lo, so they never read a slot that holds no token.
