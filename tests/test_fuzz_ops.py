@@ -407,29 +407,38 @@ def block_mapping(r, g, swap) -> torch.Tensor:
 
 
 def mutate_mapping(m, mapping, r, pick, swap):
+    """``(mapping, expected error)`` for a block_mapping mutation of copy_blocks / swap_blocks (the mapping is
+    changed in place or replaced), or ``(mapping, None)`` when ``m`` is not one."""
     n = mapping.shape[0]
     dst_blocks = r["dst_blocks"]
+    bad_index = IndexError, ["block_mapping"]
     if m == "src_high" and n:
         mapping[pick % n, 0] = r["blocks"] + pick % 3
-        return IndexError, ["block_mapping"]
+        return mapping, bad_index
     if m == "src_neg" and n:
         mapping[pick % n, 0] = -1 - pick % 3
-        return IndexError, ["block_mapping"]
+        return mapping, bad_index
     if m == "dst_high" and n:
         mapping[pick % n, 1] = dst_blocks + pick % 3
-        return IndexError, ["block_mapping"]
+        return mapping, bad_index
     if m == "dst_neg" and n:
         mapping[pick % n, 1] = -1 - pick % 3
-        return IndexError, ["block_mapping"]
+        return mapping, bad_index
     if m == "dst_dup" and n >= 2:
         i = pick % n
         mapping[(i + 1) % n, 1] = mapping[i, 1]
-        return IndexError, ["block_mapping"]
+        return mapping, bad_index
     if m == "dst_is_src" and n >= 1 and not swap:
         i = pick % n
         mapping[(i + 1) % n, 0] = mapping[i, 1]
-        return IndexError, ["block_mapping"]
-    return None
+        return mapping, bad_index
+    if m == "mapping_int32":
+        return mapping.int(), (TypeError, ["block_mapping"])
+    if m == "mapping_cols":
+        return torch.cat([mapping, mapping[:, :1]], dim=1), (ValueError, ["block_mapping"])
+    if m == "mapping_1d":
+        return mapping.reshape(-1), (ValueError, ["block_mapping"])
+    return mapping, None
 
 
 @FUZZ
@@ -440,18 +449,9 @@ def test_fuzz_copy_blocks(r):
     k_cache, v_cache = pool.k, pool.v
     mapping = block_mapping(r, g, swap=False)
     m, pick = r["mutation"], r["pick"]
-    expected = mutate_mapping(m, mapping, r, pick, swap=False)
+    mapping, expected = mutate_mapping(m, mapping, r, pick, swap=False)
     if expected is None:
-        if m == "mapping_int32":
-            mapping = mapping.int()
-            expected = TypeError, ["block_mapping"]
-        elif m == "mapping_cols":
-            mapping = torch.cat([mapping, mapping[:, :1]], dim=1)
-            expected = ValueError, ["block_mapping"]
-        elif m == "mapping_1d":
-            mapping = mapping.reshape(-1)
-            expected = ValueError, ["block_mapping"]
-        elif m == "quantized_pool":
+        if m == "quantized_pool":
             k_cache = torch.zeros(k_cache.shape, dtype=torch.int8)
             v_cache = torch.zeros(v_cache.shape, dtype=torch.int8)
             expected = TypeError, ["k_cache"]
@@ -498,18 +498,9 @@ def test_fuzz_swap_blocks(r):
     k_src, v_src, k_dst, v_dst = src.k, src.v, dst.k, dst.v
     mapping = block_mapping(r, g, swap=True)
     m, pick = r["mutation"], r["pick"]
-    expected = mutate_mapping(m, mapping, r, pick, swap=True)
+    mapping, expected = mutate_mapping(m, mapping, r, pick, swap=True)
     if expected is None:
-        if m == "mapping_int32":
-            mapping = mapping.int()
-            expected = TypeError, ["block_mapping"]
-        elif m == "mapping_cols":
-            mapping = torch.cat([mapping, mapping[:, :1]], dim=1)
-            expected = ValueError, ["block_mapping"]
-        elif m == "mapping_1d":
-            mapping = mapping.reshape(-1)
-            expected = ValueError, ["block_mapping"]
-        elif m == "alias":
+        if m == "alias":
             k_dst, v_dst = (k_src, v_src) if pick % 2 else (k_dst, v_src)
             expected = ValueError, ["source and destination pools"]
         elif m == "block_shape":
