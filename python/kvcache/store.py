@@ -12,7 +12,6 @@ from .residual import ResidualPages
 
 __all__ = ["PagedStore", "DEFAULT_RESIDUAL_LENGTH", "KIVI_RESIDUAL_LENGTH"]
 
-# KIVI's default full-precision window (the paper's residual length R)
 # Newest tokens a quantized cache keeps in the model's dtype unless told otherwise: HF QuantizedCache's
 # default and KIVI's window. Quantizing them too costs int4 +10.0% perplexity against +0.32% with the
 # window on SmolLM2 (2,048 tokens); residual_length=0 still quantizes every token as it is written.
