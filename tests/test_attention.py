@@ -104,6 +104,17 @@ def test_softcap(isa, softcap):
     run_and_check(pb, q, cu_from([1, 33]), softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+def test_softcap_of_small_scores_keeps_fp32_accuracy(isa, softcap):
+    # scores far below the cap: tanh as 1 - 2 / (exp(2y) + 1) cancelled there (~30 ulp at y = 0.03), over
+    # the rule in fp32 (a fuzzer found it); decode, and a prefill long enough for the AVX2 build's GEMM path
+    for seed in range(4):
+        torch.manual_seed(seed)
+        pb = make_paged_batch([61, 90, 40], 16, 2, 32, torch.float32)
+        q = 0.5 * torch.randn(1 + 40 + 40, 4, 32)
+        run_and_check(pb, q, cu_from([1, 40, 40]), softcap=softcap)
+
+
 def test_empty_sequences_and_queries(isa):
     # a sequence with no tokens, one with tokens but no queries, and a normal one
     pb = make_paged_batch([0, 50, 20], 16, 2, 64, torch.float16)

@@ -108,11 +108,16 @@ struct ScoreDp {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), quantized to int8 codes
-/// q8 ~ q / qs, qs = max|q| / 127, rounded to nearest (even on ties); returns qs. head_dim % 16 == 0.
+/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), quantized in two int8
+/// levels: q ~ (128 coarse + fine) * qs / 128, coarse = round(q / qs) with qs = max|q| / 127, fine the
+/// rounded remainder in steps of qs / 128 (|fine| <= 64). Returns qs. head_dim % 16 == 0.
+/// Why two levels: one level (llama.cpp's q8 activations) rounds each dim by up to max|q| / 254, ~6x
+/// bf16's rounding of a Gaussian query; at head_dim 128 that put a quarter of random attention calls
+/// over the FlashAttention rule (2x PyTorch's bf16 error). Two levels cost a second pass of byte dot
+/// products over keys already in L1 and round by max|q| / 32512, far below bf16.
 /// NOTE: vectorized: the scalar loop called libm's fmaxf and lrintf per element (8% of an int4 step
 /// from cache).
-inline float load_query_q8(const AttentionArgs& a, int64_t base, int8_t* q8) {
+inline float load_query_q8x2(const AttentionArgs& a, int64_t base, int8_t* coarse, int8_t* fine) {
   const int64_t D = a.layout.head_dim;
   float q[kMaxRotatedDim];
   load_query_f32(a, base, q);
@@ -120,36 +125,40 @@ inline float load_query_q8(const AttentionArgs& a, int64_t base, int8_t* q8) {
   for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
   const float m = hmax((vf)(amax));
   const float qs = m > 0.f ? m / 127.f : 1.f;
-  const __m512 inv = _mm512_set1_ps(1.f / qs);
+  const __m512 inv = _mm512_set1_ps(1.f / qs), inv_fine = _mm512_set1_ps(128.f / qs), step = _mm512_set1_ps(qs);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + d), _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(x, lo), hi)));
+    const __m512 x = _mm512_loadu_ps(q + d);
+    const __m512i c = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)), lo), hi);
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), step, x);  // x - c qs, exact-ish in fp32
+    const __m512i f = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_fine)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(coarse + d), _mm512_cvtepi32_epi8(c));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(fine + d), _mm512_cvtepi32_epi8(f));
   }
   return qs;
 }
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// int8 keys against a query quantized once per row to int8 (q ~ q8 * qs, as llama.cpp's q8 activations),
-/// 64 dims per vpdpbusd: the codes, offset by 128 to unsigned (one xor), multiply the signed query bytes
-/// into int32, and 128 * sum(q8) comes off after: 64 products per instruction, no widening of the
-/// codes (int8 cache, Zen 4: q.k 10.7 -> 8.4 ns per key and KV head against int16 products). The
-/// query's rounding (at most max|q| / 254 per dim) is of the order of the keys' own and of PyTorch's
-/// bf16 attention (log-sum-exp error 1-2x PyTorch's in bf16, tests/test_quantized.py). Needs
-/// head_dim % 64 == 0. Row r's buffer: D int8 values, then sum(q8) in float D - 2 and qs in float D - 1.
+/// int8 keys against a query quantized once per row in two int8 levels (load_query_q8x2), 64 dims per
+/// vpdpbusd: the codes, offset by 128 to unsigned (one xor), multiply the signed query bytes into int32,
+/// and 128 * sum(q) comes off after: 64 products per instruction, no widening of the codes (int8 cache,
+/// Zen 4: q.k 10.7 -> 8.4 ns per key and KV head against int16 products with one level). The coarse
+/// pass's sums shift left by 7 and the fine pass adds into them: a lane sums D / 16 products, so
+/// |sum| <= 128 * 255 * 127 * D / 16 fits int32 for every head_dim (<= kMaxRotatedDim). Needs head_dim % 64 == 0. Row r's buffer: D coarse bytes, D fine bytes, then
+/// sum(128 coarse + fine) in float D - 2 and qs / 128 in float D - 1.
 template <int R = 4>
 struct ScoreB8 {
   static constexpr int kRows = R;
   static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
-    const float qs = load_query_q8(a, base, q8);
+    int8_t* coarse = reinterpret_cast<int8_t*>(q_row);
+    const float qs = load_query_q8x2(a, base, coarse, coarse + D);
     int32_t sum = 0;
-    for (int64_t d = 0; d < D; ++d) sum += q8[d];
-    q_row[D - 2] = static_cast<float>(sum);
-    q_row[D - 1] = qs;
+    for (int64_t d = 0; d < D; ++d) sum += 128 * coarse[d] + coarse[D + d];
+    q_row[D - 2] = static_cast<float>(sum);  // |sum| <= 16320 D < 2^24: exact
+    q_row[D - 1] = qs / 128.f;
   }
   static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* kmeta, float scale,
                      vf rows[R]) {
@@ -177,14 +186,22 @@ struct ScoreB8 {
       __m512i acc[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 2
+      for (int level = 0; level < 2; ++level) {  // coarse bytes at 0, fine ones at D
+        if (level == 1) {
 #pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(krow[g * kKeys + j] + 64 * c), flip);  // k + 128
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_slli_epi32(acc[i], 7);
+        }
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], k, _mm512_loadu_si512(qb + r * 4 * D + 64 * c));
+        for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) {
+            const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(krow[g * kKeys + j] + 64 * c), flip);  // k + 128
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const int8_t* qr = qb + r * 4 * D + level * D + 64 * c;
+              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], k, _mm512_loadu_si512(qr));
+            }
           }
         }
       }
@@ -205,34 +222,39 @@ inline __mmask64 int4_chunk_mask(int64_t D, int64_t c) {
   return left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
 }
 
-/// int4 keys (groups of 32 dims, fp16 (scale, zero) each) against the query quantized once per row to
-/// int8, 128 dims per pair of vpdpbusd: the low nibbles (even dims) and the high nibbles (odd dims) of 64
+/// int4 keys (groups of 32 dims, fp16 (scale, zero) each) against the query quantized once per row in
+/// two int8 levels (load_query_q8x2; the coarse sums shift left by 7 before the fine pass adds into
+/// them, as in ScoreB8), 128 dims per pair of vpdpbusd per level: the low nibbles (even dims) and the high nibbles (odd dims) of 64
 /// bytes of codes multiply the query's even and odd bytes. Each int32 lane then holds 4 bytes of one
 /// group, so the group's scale applies per lane before the reduction, and its zero as zero * sum of the
 /// query over the group, per lane too: score = qs * sum_g (s_g I_g + z_g Q_g), Q_g the sum of q8 over
-/// group g. Needs head_dim % 64 == 0. Row r's buffer: D / 2 even then D / 2 odd query bytes; from float
-/// D / 4, per 128-dim chunk the 16 lanes Q_g / 4 of its groups (4 lanes each); qs in float D - 1.
+/// group g (of 128 coarse + fine). Needs head_dim % 64 == 0. Row r's buffer: D / 2 even then D / 2 odd
+/// coarse query bytes, the fine ones likewise from byte D; from float D / 2, per 128-dim chunk the 16
+/// lanes Q_g / 4 of its groups (4 lanes each); qs / 128 in float D - 1.
 template <int R = 4>
 struct ScoreB4 {
   static constexpr int kRows = R;
   static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    int8_t natural[kMaxRotatedDim];
-    const float qs = load_query_q8(a, base, natural);
+    int8_t coarse[kMaxRotatedDim], fine[kMaxRotatedDim];
+    const float qs = load_query_q8x2(a, base, coarse, fine);
     int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
-    for (int64_t d = 0; d < D; ++d) q8[(d & 1) * (D / 2) + d / 2] = natural[d];
+    for (int64_t d = 0; d < D; ++d) {
+      q8[(d & 1) * (D / 2) + d / 2] = coarse[d];
+      q8[D + (d & 1) * (D / 2) + d / 2] = fine[d];
+    }
     // Per 128-dim chunk, 16 lanes: lane 4 g' + i holds Q_g / 4 of group g = 4 c + g'. Q_g sums the rounded
     // query: the zero and the codes then meet the same query, and the error is that of q8 . k (with the
     // exact query here it was q8 . (k - zero), ~3x larger).
-    float* qsum = q_row + D / 4;
+    float* qsum = q_row + D / 2;  // (D / 128 rounded up) x 16 floats: below D - 1 for head_dim >= 64
     const int64_t groups = D / 32;
     for (int64_t g = 0; g < (groups + 3) / 4 * 4; ++g) {
       int32_t sum = 0;
-      for (int64_t i = 0; g < groups && i < 32; ++i) sum += natural[32 * g + i];
+      for (int64_t i = 0; g < groups && i < 32; ++i) sum += 128 * coarse[32 * g + i] + fine[32 * g + i];
       for (int i = 0; i < 4; ++i) qsum[(g / 4) * 16 + (g % 4) * 4 + i] = 0.25f * static_cast<float>(sum);
     }
-    q_row[D - 1] = qs;
+    q_row[D - 1] = qs / 128.f;
   }
   static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float scale,
                      vf rows[R]) {
@@ -262,15 +284,22 @@ struct ScoreB4 {
         __m512i acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int level = 0; level < 2; ++level) {  // coarse query bytes at 0, fine ones at D
+          if (level == 1) {
 #pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          const __m512i x = _mm512_maskz_loadu_epi8(m, krow[g * kKeys + j] + 64 * c);
-          const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+            for (int i = 0; i < 16; ++i) acc[i] = _mm512_slli_epi32(acc[i], 7);
+          }
+#pragma GCC unroll 16
+          for (int j = 0; j < kKeys; ++j) {
+            const __m512i x = _mm512_maskz_loadu_epi8(m, krow[g * kKeys + j] + 64 * c);
+            const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const int8_t* qr = qb + r * 4 * D + 64 * c;
-            acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], lo, _mm512_maskz_loadu_epi8(m, qr));
-            acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], hi, _mm512_maskz_loadu_epi8(m, qr + D / 2));
+            for (int r = 0; r < R; ++r) {
+              const int8_t* qr = qb + r * 4 * D + level * D + 64 * c;
+              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], lo, _mm512_maskz_loadu_epi8(m, qr));
+              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], hi, _mm512_maskz_loadu_epi8(m, qr + D / 2));
+            }
           }
         }
         vf f[16];
@@ -281,7 +310,7 @@ struct ScoreB4 {
           const __m512 sv = _mm512_permutexvar_ps(s_idx, sz), zv = _mm512_permutexvar_ps(z_idx, sz);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
-            const __m512 qsum = _mm512_loadu_ps(q + r * D + D / 4 + 16 * c);
+            const __m512 qsum = _mm512_loadu_ps(q + r * D + D / 2 + 16 * c);
             f[r * kKeys + j] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * kKeys + j]), sv, _mm512_mul_ps(zv, qsum));
           }
         }

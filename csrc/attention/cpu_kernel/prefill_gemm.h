@@ -65,11 +65,14 @@ inline float mask_and_max(float* row, int64_t n, float lo, float hi, float softc
   __m256 mx = ninf;
   for (int64_t c = 0; c < n; c += 8) {
     __m256 sc = _mm256_loadu_ps(row + c);
-    if (softcap > 0.f) {  // cap * tanh(s / cap) = cap * (1 - 2 / (exp(2 s / cap) + 1))
+    if (softcap > 0.f) {  // cap * tanh(s / cap): as vsoftcap, the series near 0, 1 - 2 / (exp(2y) + 1) else
       const __m256 y = _mm256_min_ps(_mm256_mul_ps(sc, _mm256_set1_ps(2.f / softcap)), _mm256_set1_ps(80.f));
       const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f),
                                      _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(vexp8(y), _mm256_set1_ps(1.f))));
-      sc = _mm256_mul_ps(t, _mm256_set1_ps(softcap));
+      const __m256 h = _mm256_mul_ps(sc, _mm256_set1_ps(1.f / softcap));
+      const __m256 near0 = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), h), _mm256_set1_ps(kTanhSeriesBound),
+                                         _CMP_LT_OQ);
+      sc = _mm256_mul_ps(_mm256_blendv_ps(t, tanh_series(h), near0), _mm256_set1_ps(softcap));
     }
     const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps(float(c)));
     const __m256 in = _mm256_and_ps(_mm256_cmp_ps(key, lo8, _CMP_GE_OQ), _mm256_cmp_ps(key, hi8, _CMP_LT_OQ));

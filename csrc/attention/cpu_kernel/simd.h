@@ -129,11 +129,28 @@ inline vf vexp(vf x) {
 
 #endif
 
-/// cap * tanh(s / cap), via tanh(y) = 1 - 2 / (exp(2y) + 1); -inf stays -inf.
+/// tanh(y) by its odd Taylor series to y^13, within 1 ulp for |y| < kTanhSeriesBound, where
+/// 1 - 2 / (exp(2y) + 1) cancels (relative error ~2^-24 / |y|: 30 ulp for a score of 1 under a cap of 30,
+/// over the attention rule in fp32, as a fuzzer found). V: vf or __m256 (both GCC vector types).
+constexpr float kTanhSeriesBound = 0.4f;
+template <class V>
+inline V tanh_series(V y) {
+  const V y2 = y * y;
+  V p = y2 * (21844.f / 6081075.f) + (-1382.f / 155925.f);
+  p = p * y2 + (62.f / 2835.f);
+  p = p * y2 + (-17.f / 315.f);
+  p = p * y2 + (2.f / 15.f);
+  p = p * y2 + (-1.f / 3.f);
+  return y + y * y2 * p;
+}
+
+/// cap * tanh(s / cap): the series near 0, else tanh(y) = 1 - 2 / (exp(2y) + 1); -inf stays -inf.
 inline vf vsoftcap(vf s, float cap) {
   const vf y = s * (2.f / cap);
   const vf t = 1.f - 2.f / (vexp(y > 80.f ? splat(80.f) : y) + 1.f);
-  return s == -INFINITY ? s : t * cap;
+  const vf h = s * (1.f / cap);
+  const vf r = (h < kTanhSeriesBound && h > -kTanhSeriesBound) ? tanh_series(h) : t;
+  return s == -INFINITY ? s : r * cap;
 }
 
 /// Sums of 16 vectors: lane k of the result is the sum of all lanes of acc[k]. 30 shuffles, 15 adds.
