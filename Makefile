@@ -13,6 +13,10 @@ PY          := $(VENV)/bin/python
 CPU_REQ     := requirements/cpu.txt
 CPU_VENV    ?= $(CACHE_ROOT)/venv-cpu-$(shell cat $(CPU_REQ) | sha256sum | cut -c1-16)
 JOBS        ?= 2
+# pytest workers (pytest-xdist): the suite is mostly small single-threaded cases, so two workers on two
+# cores nearly halve its wall time; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist worksteal
 # The main environment must compile and link the CUDA kernels: fail rather than silently skip them.
 KVCACHE_ENABLE_CUDA ?= ON
 # ...and builds them once more as C++ against the CPU emulator of csrc/cuda_emulation, so that pytest
@@ -20,6 +24,8 @@ KVCACHE_ENABLE_CUDA ?= ON
 KVCACHE_CUDA_EMULATION ?= ON
 
 export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
+# paths under the clone are hashed relative to it, so another clone or worktree reuses the compiled objects
+export CCACHE_BASEDIR ?= $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
 .PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench bench-prefix-replay bench-decode-attention clean
@@ -31,7 +37,7 @@ test: core-tests pytest
 
 pytest: install
 	$(PY) -c "import kvcache, torch; print('kvcache', kvcache.__version__, kvcache.build_info, 'torch', torch.__version__)"
-	KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pytest -q
+	KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pytest $(PYTEST_ARGS)
 
 install: env
 	KVCACHE_ENABLE_CUDA=$(KVCACHE_ENABLE_CUDA) KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pip install --no-build-isolation --no-deps -v . 2>&1 \
@@ -48,10 +54,10 @@ $(VENV)/.ready:
 	touch $@
 
 sysdeps:
-	@if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v ccache >/dev/null; then \
+	@if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v ccache >/dev/null || ! command -v redis-server >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev ccache >/dev/null; \
-	  else echo "please install the Debian packages libgtest-dev and ccache (sudo apt-get install libgtest-dev ccache)"; exit 1; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev ccache redis-server >/dev/null; \
+	  else echo "please install the Debian packages libgtest-dev, ccache and redis-server (sudo apt-get install libgtest-dev ccache redis-server)"; exit 1; fi; \
 	fi
 
 core-tests: sysdeps
@@ -70,7 +76,7 @@ test-cuda-asan: install
 	cmake --build build/cuda-asan --target _cuda_emulation
 	KVCACHE_CUDA_EMULATION_LIBRARY=$(CURDIR)/build/cuda-asan/_cuda_emulation.so ASAN_OPTIONS=detect_leaks=0 \
 	  KVCACHE_CUDA_EMULATION_THREAD_ORDER=reverse \
-	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest -q -k cuda-emulated tests/test_attention.py \
+	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest $(PYTEST_ARGS) -k cuda-emulated tests/test_attention.py \
 	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py tests/test_threads.py
 
 # A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
@@ -78,7 +84,7 @@ test-cuda-asan: install
 test-cpu-build: sysdeps $(CPU_VENV)/.ready
 	$(CPU_VENV)/bin/pip install --no-build-isolation --no-deps -C build-dir=build/cpu-only -v . 2>&1 \
 	  | grep -E "kvcache:|Linking|error|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
-	$(CPU_VENV)/bin/python -m pytest -q
+	$(CPU_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 $(CPU_VENV)/.ready:
 	rm -rf $(CPU_VENV)

@@ -67,14 +67,14 @@ def isa(request):
     kvcache._C.set_cpu_isa(before)
 
 
-def attention_vs_reference(pool, deq, table, lens, cu, q, window=-1):
+def attention_vs_reference(pool, deq, table, lens, cu, q, window=-1, scale=None):
     """Runs pool.attention(q, ...) and checks its output against float64 attention on the dequantized
     pages `deq` = (K, V) by the FlashAttention rule: at most twice the error of PyTorch's attention in the
     query's dtype, plus the rounding of the output. Returns (lse, lse64, lse_pt): ours, float64's and
     PyTorch's, for the caller's check of the log-sum-exp."""
     from kvcache import reference as ref
-    scale = q.shape[-1] ** -0.5
-    out, lse = pool.attention(q, table, lens, cu, window_left=window, return_lse=True)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = pool.attention(q, table, lens, cu, scale, window_left=window, return_lse=True)
     out64, lse64 = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape[:2])
     ref.paged_attention(q.double(), deq[0].double(), deq[1].double(), table, lens, cu, scale, window, 0, 0.0,
                         out64, lse64, compute_dtype=torch.float64)
@@ -143,3 +143,21 @@ def pytest_terminal_summary(terminalreporter):
     fuzz = sys.modules.get("fuzz_support")
     if fuzz is not None:
         fuzz.report(terminalreporter)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (the test command runs two workers), a worker hands its fuzz cases to the
+    controller, which reports them."""
+    import sys
+    workeroutput = getattr(session.config, "workeroutput", None)
+    fuzz = sys.modules.get("fuzz_support")
+    if workeroutput is not None and fuzz is not None:
+        workeroutput["kvcache_fuzz_cases"] = fuzz.export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    cases = getattr(node, "workeroutput", {}).get("kvcache_fuzz_cases")
+    if cases:
+        import fuzz_support
+        fuzz_support.absorb(cases)

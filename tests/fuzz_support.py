@@ -47,8 +47,7 @@ PAGE_SIZES = tuple(2**i for i in range(9))
 BAD_FORMAT_IDS = (-1, 7, 8, 15, 16, 21, 22, 23, 32, 1000)
 
 # ---- distinct-case counting ---------------------------------------------------------------------------
-CASES: dict[str, set] = defaultdict(set)
-OUTCOMES: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+CASES: dict[str, dict[str, str]] = defaultdict(dict)  # op -> recipe key -> what it exercised
 
 
 TRACE = os.environ.get("KVCACHE_FUZZ_TRACE")  # a file that holds the case being run (to find a crash's case)
@@ -60,14 +59,29 @@ def record(op: str, recipe: dict, outcome: str) -> None:
     if TRACE:
         with open(TRACE, "w") as f:
             f.write(f"{op} {outcome} {recipe!r}\n")
-    if key not in CASES[op]:
-        CASES[op].add(key)
-        OUTCOMES[op][outcome] += 1
+    CASES[op].setdefault(key, outcome)
+
+
+def export() -> dict:
+    """This process's cases, for the pytest-xdist controller (plain dicts of strings travel between processes)."""
+    return {op: dict(cases) for op, cases in CASES.items()}
+
+
+def absorb(cases: dict) -> None:
+    """Adds a worker's export(): a case two workers both ran counts once."""
+    for op, keyed in cases.items():
+        for key, outcome in keyed.items():
+            CASES[op].setdefault(key, outcome)
 
 
 def summary() -> dict:
-    return {op: {"distinct_cases": len(CASES[op]), "by_outcome": dict(sorted(OUTCOMES[op].items()))}
-            for op in sorted(CASES)}
+    out = {}
+    for op in sorted(CASES):
+        outcomes: dict[str, int] = defaultdict(int)
+        for outcome in CASES[op].values():
+            outcomes[outcome] += 1
+        out[op] = {"distinct_cases": len(CASES[op]), "by_outcome": dict(sorted(outcomes.items()))}
+    return out
 
 
 def report(terminalreporter) -> None:

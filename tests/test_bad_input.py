@@ -159,6 +159,11 @@ def test_gather_bad_arguments(backend, pools):
         kvcache.paged_gather(*pools, table, lens, out=(strided, ok))
     with pytest.raises(ValueError, match=r"k_out has shape \[1, 2, 8, 8\] but v_out has shape \[1, 2, 7, 8\]"):
         kvcache.paged_gather(*pools, table, lens, out=(ok, ok[:, :, :7].contiguous()))
+    # a bad format id is named before the wrapper sizes its outputs from it
+    for op, extra in ((kvcache.paged_gather, (lens,)), (kvcache.paged_gather_ragged, ())):
+        args = (torch.tensor([0, 5], dtype=torch.int32),) if not extra else extra
+        with pytest.raises(ValueError, match=r"k_format: 7 is not a kernel format id"):
+            op(*pools, table, *args, k_format=7)
 
 
 @pytest.mark.parametrize("cu, total, match", [

@@ -17,6 +17,14 @@ from .formats import KVFormat
 _ops = torch.ops.kvcache
 
 
+
+def _format_of(kernel_id: int, name: str) -> KVFormat:
+    """The format a kernel id names; a bad id is an error that names the argument."""
+    try:
+        return KVFormat.from_kernel_id(kernel_id)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
 def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
            k_format: int = 0, v_format: int = 0) -> None:
@@ -68,7 +76,7 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= KVFormat.from_kernel_id(k_format).dims_per_code  # packed codes: several dims per byte
+        dim *= _format_of(k_format, "k_format").dims_per_code  # packed codes: several dims per byte
         shape = (seq_lens.shape[0], heads, max_len, dim)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
         out = (k_cache.new_empty(shape, dtype=dtype), v_cache.new_empty(shape, dtype=dtype))
@@ -90,7 +98,7 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     if out is None:
         total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
         _, heads, _, dim = k_cache.shape
-        dim *= KVFormat.from_kernel_id(k_format).dims_per_code  # packed codes: several dims per byte
+        dim *= _format_of(k_format, "k_format").dims_per_code  # packed codes: several dims per byte
         dtype = k_cache.dtype if k_format == 0 else torch.float32
         out = (k_cache.new_empty((total, heads, dim), dtype=dtype), v_cache.new_empty((total, heads, dim), dtype=dtype))
     _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
