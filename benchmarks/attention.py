@@ -249,6 +249,7 @@ def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few small configurations, for a smoke run")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="bfloat16,float16")
@@ -286,16 +287,17 @@ def main() -> None:
     info = machine()
     decode, prefill = [], []
     if not args.skip_peers:
-        for dtype, head_dim, group, batch, ctx in tqdm(configs, desc="decode", unit="config"):
+        for dtype, head_dim, group, batch, ctx in tqdm(configs, desc="decode", unit="config", disable=args.no_progress):
             decode.append(decode_row(batch, ctx, dtype, args.rounds, probe, g, peers=not args.skip_sdpa,
                                      compute=compute, bf16_compute=bf16_compute, group=group, head_dim=head_dim))
         if not args.skip_sdpa:
             prefill = [prefill_row(512, 1024 if args.quick else 8192, dtype, args.rounds, g, compute)
-                       for dtype in tqdm(dtypes, desc="prefill", unit="dtype")]
+                       for dtype in tqdm(dtypes, desc="prefill", unit="dtype", disable=args.no_progress)]
     # batch 1 at 1k (a short chat), batch 8 at 32k (1 GiB of bf16 K+V: the step streams from DRAM)
     fmt_configs = [(f, b, c) for f in args.formats.split(",") if f
                    for b, c in ([(1, 1024)] if args.quick else [(1, 1024), (8, 32768)])]
-    formats = [format_row(f, b, c, args.rounds, probe, g) for f, b, c in tqdm(fmt_configs, desc="formats", unit="config")]
+    formats = [format_row(f, b, c, args.rounds, probe, g) for f, b, c in tqdm(fmt_configs, desc="formats", unit="config",
+                                                                                    disable=args.no_progress)]
     table = markdown(info, decode, prefill, formats)
     print(table)
     write_results("attention_quick" if args.quick else "attention", {"machine": info, "decode": decode,

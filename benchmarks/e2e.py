@@ -460,6 +460,7 @@ def peer_versions() -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short contexts and few steps, for a smoke run")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32", help="model dtypes, e.g. float32,bfloat16")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths (default 1024,4096,8192)")
@@ -503,13 +504,15 @@ def main(argv=None) -> None:
         model, tokenizer = load_smollm2(dtype)
         if not args.skip_decode:
             ids, text = real_token_ids(tokenizer, max(contexts), "pydoc")
-            rows, notes = decode_benchmark(model, ids, contexts, variants, steps=steps, rounds=rounds, probe=probe)
+            rows, notes = decode_benchmark(model, ids, contexts, variants, steps=steps, rounds=rounds, probe=probe,
+                                           progress=not args.no_progress)
             for row in rows:
                 row["dtype"] = dtype_name
             decode += rows
         if not args.skip_ttft and dtype_name == args.dtypes.split(",")[0]:
             prompts, others, sources = shared_prefix_prompts(tokenizer, n_prompts, system_tokens, question_tokens)
-            ttft = ttft_benchmark(model, prompts, others, max_new_tokens=new_tokens, rounds=ttft_rounds)
+            ttft = ttft_benchmark(model, prompts, others, max_new_tokens=new_tokens, rounds=ttft_rounds,
+                                  progress=not args.no_progress)
             for row in ttft:
                 row["dtype"], row["texts"] = dtype_name, sources
         del model

@@ -316,6 +316,7 @@ def peer_versions() -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one text, 256 tokens, a few formats")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--texts", default="pydoc,devil")
@@ -353,7 +354,8 @@ def main(argv=None) -> None:
     info = machine()
     info["transformers"] = transformers.__version__
     info["peers"] = peer_versions()
-    rows, notes = perplexity_rows(model, texts, variants, prefill=prefill, chunk=chunk)
+    rows, notes = perplexity_rows(model, texts, variants, prefill=prefill, chunk=chunk,
+                                  progress=not args.no_progress)
     gate_rows = gates(rows, variants)
     for row in rows:
         row.pop("token_nll", None)

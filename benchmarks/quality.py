@@ -264,7 +264,7 @@ def channel_outlier_ratio(x: torch.Tensor) -> float:
 
 # ---- one text ------------------------------------------------------------------------------------
 def evaluate_text(model, tokenizer, source: str, num_tokens: int, variants: list[Variant], layers: list[int] | None,
-                  generator: torch.Generator) -> dict:
+                  generator: torch.Generator, progress: bool = True) -> dict:
     ids, sample = assets.real_token_ids(tokenizer, num_tokens, source)
     t0 = time.perf_counter()
     captured, logits = assets.capture_attention_inputs(model, ids)
@@ -279,7 +279,7 @@ def evaluate_text(model, tokenizer, source: str, num_tokens: int, variants: list
     per_variant = {v.name: {"k_rel_l2": [], "v_rel_l2": [], "attn_rel_l2": []} for v in variants}
     layer_stats = []
     cross_check = []
-    bar = tqdm(captured, desc=f"{source}: layers", unit="layer")
+    bar = tqdm(captured, desc=f"{source}: layers", unit="layer", disable=not progress)
     for layer in bar:
         truth = causal_attention(layer.q, layer.k.double(), layer.v.double(), layer.scaling, torch.float64)
         check = rel_l2(layer.out, truth)          # the model's own SDPA output vs ours: capture is right
@@ -414,6 +414,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: small reference ops slow down badly under OpenMP contention)")
     parser.add_argument("--quick", action="store_true", help="pydoc, 512 tokens, 4 layers; prints, writes nothing")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.quick:
@@ -425,7 +426,7 @@ def main() -> None:
     cfg = model.config
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     g = torch.Generator().manual_seed(0)
-    texts = [evaluate_text(model, tokenizer, source, args.tokens, VARIANTS, layers, g)
+    texts = [evaluate_text(model, tokenizer, source, args.tokens, VARIANTS, layers, g, not args.no_progress)
              for source in args.texts.split(",")]
     payload = {
         "machine": machine(),

@@ -16,10 +16,12 @@ import kvcache.layout
 import kvcache.ops
 import kvcache.pool
 import kvcache.quant
+import kvcache.viz
 
 
 @pytest.mark.parametrize("module", [kvcache, kvcache.ops, kvcache.layout, kvcache.formats, kvcache.quant,
-                                    kvcache.pool, kvcache.kivi, kvcache.hf, kvcache.engine],
+                                    kvcache.pool, kvcache.kivi, kvcache.hf, kvcache.engine, kvcache.viz,
+                                    kvcache.tiers],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

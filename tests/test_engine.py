@@ -97,3 +97,15 @@ def test_engine_bad_input(model):
     with pytest.raises(kvcache.OutOfBlocksError):
         small.generate([list(range(1, 60))], max_new_tokens=2)
     assert small.store.allocator.num_free == small.store.allocator.num_blocks  # nothing leaked
+
+
+def test_engine_progress_bar_counts_requests_and_turns_off(model, capsys):
+    engine = kvcache.Engine(model, page_size=4)
+    prompts = _prompts()[:3]
+    engine.generate(prompts, max_new_tokens=2)
+    err = capsys.readouterr().err
+    assert "kvcache.Engine" in err and f"/{len(prompts)} " in err   # the bar counts requests out of 3
+    quiet = engine.generate(prompts, max_new_tokens=2, progress=False)
+    assert capsys.readouterr().err == "" and len(quiet) == 3
+    engine.generate(prompts[:1], max_new_tokens=2)        # one prompt: no bar
+    assert capsys.readouterr().err == ""

@@ -25,8 +25,10 @@ from .prefix import (  # noqa: E402
     Sequence,
 )
 from .residual import ResidualPlan  # noqa: E402
-from .hf import PagedCache, PagedStore, StepPlan, install_registration as _install_registration  # noqa: E402
+from .hf import PagedCache, PagedLayer, PagedStore, StepPlan, install_registration as _install_registration  # noqa: E402
 from .engine import Engine, Result  # noqa: E402
+from . import tiers  # noqa: E402
+from .tiers import BlobError, CostModel, DiskTier, PrefixTiers, RedisTier  # noqa: E402
 from .ops import (  # noqa: E402
     append, append_planned, copy_blocks, merge_states, paged_attention, paged_attention_planned, paged_gather,
     paged_gather_ragged, plan_step, StepPlanTensors, swap_blocks,
@@ -38,8 +40,11 @@ __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
 
 __all__ = [
+    "BlobError",
     "BlockAllocator",
     "CacheFormat",
+    "CostModel",
+    "DiskTier",
     "Engine",
     "Insert",
     "KVFormat",
@@ -51,10 +56,13 @@ __all__ = [
     "OutOfBlocksError",
     "PageLayout",
     "PagedCache",
+    "PagedLayer",
     "PagedStore",
     "PrefixCache",
+    "PrefixTiers",
     "RaggedMatch",
     "RaggedMatchInto",
+    "RedisTier",
     "ResidualPlan",
     "Result",
     "Sequence",
@@ -77,4 +85,5 @@ __all__ = [
     "quant",
     "reference",
     "swap_blocks",
+    "tiers",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import residual as res
+from . import _html, residual as res
 from .hf_cache import ATTENTION_NAME, PagedCache
 from .step import plan_step
 from .store import PagedStore
@@ -33,11 +33,27 @@ from .prefix import Match, Namespace, Sequence
 
 __all__ = ["Engine", "Result"]
 
+_TIER_COUNTERS = ("disk_hit_tokens", "remote_hit_tokens", "disk_fetch_bytes", "remote_fetch_bytes", "disk_fetch_s",
+                  "remote_fetch_s", "disk_written_chunks", "remote_written_chunks", "bad_blobs", "declined_fetches",
+                  "declined_tokens", "dropped_writes", "remote_errors", "remote_skipped_calls")
+
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if len(diff) else n
+
+
+def _progress_bar(total: int, progress: bool):
+    """A tqdm bar over ``total`` requests, or None when turned off, for a single prompt, or without tqdm
+    (transformers brings it; kvcache itself does not depend on it)."""
+    if not progress or total < 2:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="kvcache.Engine", unit="request", leave=False)
 
 
 @dataclass
@@ -70,17 +86,25 @@ class Engine:
         model: a transformers causal LM; the engine runs it with the ``"kvcache"`` attention implementation.
         tokenizer: optional; lets prompts be strings and results carry text.
         kv_format: storage format of the pages (default: the model's dtype).
-        prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls).
+        prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls); or a
+            :class:`kvcache.PrefixCache` to use (its allocator's size bounds the pool; its ``disk`` / ``remote``
+            tier options apply unless given here).
         page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows).
         max_batch: requests decoded together.
         residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
             request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
             token as written; see :class:`kvcache.PagedCache`).
+        disk, remote: prefix tiers beyond this process (:mod:`kvcache.tiers`): ``disk`` a directory (or a
+            :class:`kvcache.tiers.DiskTier`), ``remote`` a ``redis://host:port/db`` URL (or a
+            :class:`kvcache.tiers.RedisTier`). A prompt's chunks beyond the local match are fetched from them;
+            a finished request's full chunks are written to them in the background. Need ``prefix_cache``.
+        chunk_tokens: tokens per tier chunk (a multiple of ``page_size``; default 256).
     """
 
-    def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache: bool = True, page_size: int = 16,
+    def __init__(self, model, tokenizer=None, *, kv_format=None, prefix_cache=True, page_size: int = 16,
                  max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None,
-                 residual_length: int | None = None, residual_sink_tokens: int = 0):
+                 residual_length: int | None = None, residual_sink_tokens: int = 0, disk=None, remote=None,
+                 chunk_tokens: int | None = None):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
         config = model.config.get_text_config(decoder=True)
         self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
@@ -96,13 +120,29 @@ class Engine:
                           or config.num_attention_heads,
                           getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self._stats: dict = {}
+        self._forwards = 0
+        self.tiers = None
+        options = getattr(self.store.prefix_cache, "tier_options", None) or {}
+        if disk is None and remote is None:
+            disk, remote = options.get("disk"), options.get("remote")
+            chunk_tokens = chunk_tokens or options.get("chunk_tokens")
+        if disk is not None or remote is not None:
+            from .tiers import DEFAULT_CHUNK_TOKENS, PrefixTiers
+            param = next(model.parameters())
+            self.tiers = PrefixTiers(self.store, config, param.dtype, param.device, disk=disk, remote=remote,
+                                     chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS)
+            if self.store.prefix_cache is not None:
+                self.store.prefix_cache.tiers = self.tiers
 
     # ---- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, eos_token_id: int | None = None, seed: int = 0) -> list[Result]:
-        """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order."""
+                 top_k: int | None = None, eos_token_id: int | None = None, seed: int = 0,
+                 progress: bool = True) -> list[Result]:
+        """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order.
+        With several prompts a tqdm bar counts finished requests on stderr; ``progress=False`` turns it off."""
         prompts = [self._encode(p) for p in prompts]
+        bar = _progress_bar(len(prompts), progress)
         if eos_token_id is None and self.tokenizer is not None:
             eos_token_id = self.tokenizer.eos_token_id
         generator = torch.Generator().manual_seed(seed)
@@ -110,7 +150,8 @@ class Engine:
         running: list[_Running] = []
         results: list[Result | None] = [None] * len(prompts)
         stats = dict(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0, prefix_hit_tokens=0, steps=0,
-                     peak_blocks=0, peak_dense_tokens=0)
+                     peak_blocks=0, peak_dense_tokens=0, tier_hit_tokens=0)
+        tiers_before = self.tiers.stats() if self.tiers is not None else None
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTENTION_NAME)
         start = time.perf_counter()
@@ -132,6 +173,8 @@ class Engine:
                         res.done_s = now
                         self._finish(req)
                         results[req.index] = res
+                        if bar is not None:
+                            bar.update(1)
                     else:
                         still.append(req)
                 running = still
@@ -139,11 +182,17 @@ class Engine:
             for req in running:
                 self._finish(req)
             self.model.set_attn_implementation(previous_impl)
+            if bar is not None:
+                bar.close()
         wall = time.perf_counter() - start
         if self.tokenizer is not None:
             for res in results:
                 res.text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
         self._summarize(results, stats, wall)
+        if self.tiers is not None:
+            now = self.tiers.stats()
+            self._stats.update({k: v - tiers_before[k] for k, v in now.items() if k in _TIER_COUNTERS})
+            self._stats["tiers"] = now
         return results
 
     def _encode(self, prompt) -> list[int]:
@@ -183,6 +232,9 @@ class Engine:
         matches = [(0, None, None)] * len(batch)  # (length, blocks, node) per request
         if tree is not None:
             keys = [prompt[:-1] for _, prompt in batch]  # keep >= 1 token to compute
+            if self.tiers is not None:  # chunks beyond the local match, from disk or Redis, into the tree
+                for k in keys:
+                    stats["tier_hit_tokens"] += self.tiers.fill(k)
             page = self.store.page_size
             table = torch.empty(len(keys), max(-(-len(k) // page) for k in keys), dtype=torch.int32)
             cu = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
@@ -204,6 +256,9 @@ class Engine:
             tree.insert(prompt, req.seq.blocks[: -(-len(prompt) // self.store.page_size)], self.namespace)
 
     def _finish(self, req: _Running) -> None:
+        if self.tiers is not None and req.result.tokens:  # the prompt's pages are complete
+            n = len(req.result.prompt)
+            self.tiers.publish(req.result.prompt, req.seq.blocks[: -(-n // self.store.page_size)])
         self.store.allocator.release(req.seq)
         if req.node is not None:
             self.store.prefix_cache.unlock(req.node)
@@ -232,10 +287,17 @@ class Engine:
         stats["peak_blocks"] = max(stats["peak_blocks"], used)
         stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(r.seq.num_tokens for r in running))
         stats["steps"] += 1
+        t0 = time.perf_counter()
         out = self.model(input_ids=torch.tensor([tokens], device=device),
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
                          use_cache=True, logits_to_keep=cu_q[1:] - 1)
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        # mostly prefill: the cost of a token; not the engine's first forward, which pays one-time costs
+        # (>= 256 tokens: shorter forwards are dominated by per-forward costs and overstate a token's)
+        if self.tiers is not None and len(tokens) >= max(256, 4 * len(running)) and self._forwards:
+            self.tiers.observe_compute(len(tokens), time.perf_counter() - t0)
+        self._forwards += 1
+        return logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
@@ -272,8 +334,51 @@ class Engine:
         """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
         ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
         (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak pages in use) against
-        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype)."""
-        return dict(self._stats)
+        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype).
+
+        With ``disk`` / ``remote`` tiers, also this call's ``disk_hit_tokens``, ``remote_hit_tokens``,
+        ``disk_fetch_bytes`` / ``remote_fetch_bytes`` and ``_fetch_s``, ``disk_written_chunks`` /
+        ``remote_written_chunks`` (written behind: a write may land after the call returns),
+        ``bad_blobs``, ``declined_fetches``, ``dropped_writes``, ``remote_errors``, and ``tiers``: the
+        counters since the engine was made, ``remote_breaker_open``, each tier's cost-model constants and
+        ``last_lookup`` (where the last prompt diverged from the longest cached prefix; see :meth:`explain`)."""
+        s = dict(self._stats)
+        if self.tiers is not None:  # writes land after generate returns
+            s["tiers"] = self.tiers.stats()
+        return s
+
+    def explain(self, prompt) -> dict:
+        """Where ``prompt`` diverges from the longest cached prefix: ``local_tokens`` in this process's tree,
+        ``disk_tokens`` / ``remote_tokens`` as whole chunks in the tiers, ``diverged_at`` the first token
+        none holds. Fetches nothing (a multi-turn miss, e.g. a chat template that rewrote an earlier turn,
+        shows as a ``diverged_at`` before the old turn's end)."""
+        ids = self._encode(prompt)
+        if self.tiers is not None:
+            return self.tiers.explain(ids)
+        n = self.store.prefix_cache.match(ids, self.namespace).length if self.store.prefix_cache else 0
+        return {"prompt_tokens": len(ids), "local_tokens": n, "disk_tokens": 0, "remote_tokens": 0, "diverged_at": n}
+
+    def close(self) -> None:
+        """Finishes the tiers' queued writes and stops their writer thread (at most 30 s)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def _repr_html_(self) -> str:
+        rows = {"model": type(self.model).__name__, "format": str(self.store.kv_format or "model dtype"),
+                "page_size / max_batch": f"{self.store.page_size} / {self.max_batch}",
+                "prefix cache": "on" if self.store.prefix_cache is not None else "off"}
+        s = self._stats
+        if s:
+            rows.update({
+                "last generate": f"{s['requests']} requests, {s['prompt_tokens']} prompt tokens, "
+                                 f"{s['generated_tokens']} generated",
+                "prefix hits": f"{s['prefix_hit_tokens']} tokens ({_html.percent(s['prefix_hit_rate'])})",
+                "mean TTFT / TPOT": f"{1e3 * s['ttft_s']:.1f} ms / {1e3 * s['tpot_s']:.1f} ms",
+                "tokens / s": f"{s['tokens_per_s']:.1f}",
+                "peak KV bytes vs DynamicCache": f"{_html.human_bytes(s['kv_bytes'])} vs "
+                                                 f"{_html.human_bytes(s['dynamic_cache_bytes'])}",
+            })
+        return _html.table("kvcache.Engine", rows)
 
     def __repr__(self) -> str:
         return (f"Engine(model={type(self.model).__name__}, format={self.store.kv_format or 'model dtype'}, "

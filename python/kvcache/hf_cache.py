@@ -8,7 +8,7 @@ import copy
 import torch
 
 from .formats import CacheFormat
-from . import residual as res
+from . import _html, residual as res
 from .padding import PENDING_PADDING, Padding, leading_pads
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
@@ -22,6 +22,39 @@ try:  # transformers is optional for the rest of kvcache
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError:  # pragma: no cover - exercised only without transformers
     Cache, CacheLayerMixin = object, object
+try:  # the state layers of hybrid models (linear attention, conv, Mamba): transformers 5.5+
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+except ImportError:
+    DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin = None, None
+
+# layer types of a hybrid config whose cache is HF's own state layer (no per-token K/V to page)
+STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy", "moe", "mlp")
+
+
+def _state_layers(config) -> list | None:
+    """For a hybrid model (``config.layer_types`` naming linear-attention / conv / Mamba layers): one entry per
+    layer, HF's own state layer or None where the layer pages its K/V; None for a model of attention only."""
+    types = getattr(config, "layer_types", None) if config is not None else None
+    if not types or not any(t in ("linear_attention", "conv") or t.startswith("hybrid") for t in types):
+        return None  # attention only (layers without attention never call update: PagedLayers are fine)
+    bad = next(((i, t) for i, t in enumerate(types) if t.startswith("hybrid")), None)
+    if bad is not None:  # one layer holding both a Mamba state and attention K/V (Falcon-H1, Zamba)
+        raise ValueError(f"layer {bad[0]} of {type(config).__name__} is of type {bad[1]!r} (a state and attention "
+                         f"K/V in one layer): PagedCache does not page such layers; use DynamicCache")
+    if DYNAMIC_LAYER_TYPE_MAPPING is None:
+        import transformers
+        raise ValueError(f"{type(config).__name__} has linear-attention/Mamba layers, whose cache layers need "
+                         f"transformers >= 5.5 (installed: {transformers.__version__})")
+    states = getattr(config, "number_of_conv_states", 1)
+    layers = []
+    for t in types:
+        if t in ("dummy", "moe", "mlp"):
+            layers.append(DYNAMIC_LAYER_TYPE_MAPPING["dummy"]())
+        elif t in STATE_LAYER_TYPES:
+            layers.append(DYNAMIC_LAYER_TYPE_MAPPING[t](number_of_states=states))
+        else:
+            layers.append(None)
+    return layers
 
 
 class PagedLayer(CacheLayerMixin):
@@ -133,8 +166,25 @@ class PagedCache(Cache):
         self._plan: StepPlan | None = None
         self._external_plan: StepPlan | None = None
         self._dense_row_mode = False
-        layers = [PagedLayer(self, i) for i in range(num_layers)] if num_layers else []
+        states = _state_layers(text_config)
+        if states is not None:  # a hybrid model: HF's state layers where the model keeps states, pages elsewhere
+            layers = [PagedLayer(self, i) if st is None else st for i, st in enumerate(states)]
+        else:
+            layers = [PagedLayer(self, i) for i in range(num_layers)] if num_layers else []
         super().__init__(layers=layers)
+
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        """The layers whose K/V live in the pages (all of them, except a hybrid model's state layers)."""
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    @property
+    def state_layers(self) -> list:
+        """A hybrid model's own (transformers) cache layers of its linear-attention / conv / Mamba layers."""
+        return [layer for layer in self.layers if not isinstance(layer, PagedLayer)]
+
+    def _first_paged(self) -> int:
+        return next((i for i, layer in enumerate(self.layers) if isinstance(layer, PagedLayer)), 0)
 
     # ---- what transformers calls -----------------------------------------------------------------
     @property
@@ -146,6 +196,8 @@ class PagedCache(Cache):
         """For an owner that schedules its own (packed) steps, such as :class:`kvcache.Engine`: the next
         forwards write their K/V at ``plan``'s slots and attend with the ``"kvcache"`` kernel over its
         tables, without this cache's rows; ``None`` returns to the cache's own bookkeeping."""
+        if plan is not None:
+            self._refuse_states("packed steps (kvcache.Engine)")
         self._external_plan = plan
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -156,6 +208,9 @@ class PagedCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(PagedLayer(self, len(self.layers)))
         layer = self.layers[layer_idx]
+        if not isinstance(layer, PagedLayer):
+            raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
+                             f"attention layer: it has no K/V to update")
         if not layer.is_initialized:
             self._check_placement(key_states)
             layer.lazy_initialization(key_states, value_states)
@@ -165,7 +220,7 @@ class PagedCache(Cache):
             return self._tagged(key_states, value_states, layer_idx, plan)
         batch, _, q_len, _ = key_states.shape
         pending = PENDING_PADDING.get()
-        if layer_idx == 0 and pending is not None:
+        if layer_idx == self._first_paged() and pending is not None:
             PENDING_PADDING.set(None)  # one forward's padding: consumed (or dropped) by its first layer
         if not self.rows:
             self._start_rows(batch, q_len, layer.length, pending)
@@ -205,13 +260,21 @@ class PagedCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
             return 0
-        return self.layers[layer_idx].length
+        layer = self.layers[layer_idx]
+        if isinstance(layer, PagedLayer):
+            return layer.length
+        if layer_idx == 0:  # a hybrid model asking "how long": its first attention layer (as transformers does)
+            return self.layers[self._first_paged()].length
+        raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
 
     def reset(self) -> None:
         """Empties the cache (its pages go back to the allocator); the pools stay allocated."""
         self._release_rows()
         for layer in self.layers:
-            layer.length = 0
+            if isinstance(layer, PagedLayer):
+                layer.length = 0
+            else:
+                layer.reset()
 
     def free(self) -> None:
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
@@ -226,28 +289,41 @@ class PagedCache(Cache):
         self.free()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Row ``i`` becomes old row ``beam_idx[i]``: block tables are rewired, pages shared copy-on-write."""
+        """Row ``i`` becomes old row ``beam_idx[i]``: block tables are rewired, pages shared copy-on-write
+        (a hybrid model's state layers are reordered as transformers does)."""
         self._select_rows([int(i) for i in beam_idx.tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows([i for i in range(len(self.rows)) for _ in range(int(repeats))])
+        n = len(self.rows) or self._state_batch()
+        self._select_rows([i for i in range(n) for _ in range(int(repeats))])
 
     def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
         """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
         transformers < 5.14 convention) keeps the first ``n``. Exact for every format: the dropped slots
-        are simply rewritten later."""
+        are simply rewritten later. A hybrid model's conv states are cropped by transformers' own layers
+        (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
+        back, so cropping tokens then raises a ValueError."""
         if tokens_to_remove is None:  # older keyword names
             tokens_to_remove = next(kwargs[k] for k in ("max_length", "maximum_length", "tokens_to_remove") if k in kwargs)
         n = int(tokens_to_remove)
         length = self.get_seq_length()
         new_len = max(0, length + n) if n < 0 else (length if n == 0 else min(n, length))
+        if any(layer.length != length for layer in self.paged_layers):
+            raise RuntimeError("crop in the middle of a forward (layers hold different lengths)")
+        for i, layer in enumerate(self.layers):  # first, so that a state layer's refusal leaves the pages as they were
+            if (LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+                    and new_len != length and not layer.is_croppable):
+                raise ValueError(f"crop({n}): layer {i} is a {type(layer).__name__} holding a recurrent "
+                                 f"(linear-attention/Mamba) state, which cannot be rolled back; PagedCache crops "
+                                 f"attention pages and conv states only")
+        for layer in self.state_layers:  # transformers' state layers take the tokens to remove (<= 0); crop(0)
+            if new_len != length or getattr(layer, "record_past", True):  # trims the conv states a recording kept
+                layer.crop(new_len - length)
         if new_len == length:
             return
-        if any(layer.length != length for layer in self.layers):
-            raise RuntimeError("crop in the middle of a forward (layers hold different lengths)")
         alloc, page = self.store.allocator, self.store.page_size
         for b, seq in enumerate(self.rows):
             self.pads[b] = min(self.pads[b], new_len)
@@ -257,18 +333,24 @@ class PagedCache(Cache):
                 alloc.free(seq.blocks[keep:])
                 seq.blocks = seq.blocks[:keep].clone()
             seq.num_tokens = stored
-        for layer in self.layers:
+        for layer in self.paged_layers:
             layer.length = new_len
         self._version += 1
 
-    def activate_past_recording(self) -> None:  # nothing is ever evicted from the pages
-        pass
+    def activate_past_recording(self) -> None:
+        """Nothing is ever evicted from the pages; a hybrid model's conv states start keeping their past."""
+        for layer in self.state_layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     def __deepcopy__(self, memo) -> "PagedCache":
         """An independent copy that shares the pages copy-on-write (no data is copied until a write)."""
         other = copy.copy(self)
         other.layers = []
         for layer in self.layers:
+            if not isinstance(layer, PagedLayer):  # a hybrid model's state layer: small, copied
+                other.layers.append(copy.deepcopy(layer, memo))
+                continue
             new_layer = copy.copy(layer)
             new_layer.cache = other
             other.layers.append(new_layer)
@@ -299,6 +381,7 @@ class PagedCache(Cache):
         is left to compute."""
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
+        self._refuse_states("load_prefix")
         tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
         if self.rows or self.get_seq_length():
             raise ValueError("load_prefix needs an empty cache")
@@ -310,7 +393,7 @@ class PagedCache(Cache):
         self.rows, self.pads = [seq], [0]
         if not self.layers:
             raise ValueError("load_prefix needs the number of layers (PagedCache(config=...))")
-        for layer in self.layers:
+        for layer in self.paged_layers:
             layer.length = m.length
         self._version += 1
         return m.length
@@ -320,6 +403,7 @@ class PagedCache(Cache):
         cache; returns how many were cached already."""
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
+        self._refuse_states("save_prefix")
         tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
         if self.pads[row]:
             tokens = tokens[self.pads[row]:]
@@ -342,13 +426,14 @@ class PagedCache(Cache):
         if self.store.residual is not None:
             open_blocks = self.store.residual.slot_of
             residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
+        first = self.layers[self._first_paged()] if self.layers else None
         dense = 0
         for pool in self.store.pools.values():
-            elem = torch.finfo(self.layers[0].dtype).bits // 8 if self.layers and self.layers[0].is_initialized else 2
+            elem = torch.finfo(first.dtype).bits // 8 if first is not None and first.is_initialized else 2
             dense += 2 * len(self.rows) * length * pool.num_kv_heads * pool.head_dim * elem
         fmt = self.store.kv_format
-        if fmt is None and self.layers and self.layers[0].is_initialized:
-            fmt = CacheFormat.parse(self.layers[0].dtype)
+        if fmt is None and first is not None and first.is_initialized:
+            fmt = CacheFormat.parse(first.dtype)
         label = "+".join(filter(None, (str(fmt), self.store.residual_label))) if fmt is not None else "model dtype"
         return {
             "format": label,
@@ -363,6 +448,7 @@ class PagedCache(Cache):
             "waste_tokens": blocks * page - tokens,
             "waste_fraction": (blocks * page - tokens) / (blocks * page) if blocks else 0.0,
             "dynamic_cache_bytes": dense,
+            "state_bytes": self._state_bytes(),  # a hybrid model's own linear-attention/Mamba states (not paged)
         }
 
     def __repr__(self) -> str:
@@ -374,10 +460,33 @@ class PagedCache(Cache):
 
     def _repr_html_(self) -> str:
         s = self.stats()
-        rows = "".join(f"<tr><td>{k}</td><td>{_human(v) if 'bytes' in k else v}</td></tr>" for k, v in s.items())
-        return f"<b>kvcache.PagedCache</b> ({'kvcache attention' if self.fused else 'dense'})<table>{rows}</table>"
+        rows = {k: _human(v) if "bytes" in k else f"{v:.1%}" if k == "waste_fraction" else v for k, v in s.items()}
+        prefix = self.store.prefix_cache
+        if prefix is not None:
+            p = prefix.stats()
+            rows["prefix hit rate"] = f"{p['hit_rate']:.1%} ({p['hit_tokens']} of {p['lookup_tokens']} tokens)"
+        return _html.table("kvcache.PagedCache", rows, "kvcache attention" if self.fused else "dense")
 
     # ---- internals -------------------------------------------------------------------------------
+    def _refuse_states(self, what: str) -> None:
+        states = [(i, type(layer).__name__) for i, layer in enumerate(self.layers) if not isinstance(layer, PagedLayer)
+                  and type(layer).__name__ != "DummyLayer"]
+        if states:
+            raise ValueError(f"{what} is not supported for a hybrid model: layer {states[0][0]} is a {states[0][1]} "
+                             f"(a linear-attention/Mamba state of the whole history, not paged per token); use "
+                             f"model.generate with a PagedCache of its own")
+
+    def _state_tensors(self):
+        for layer in self.state_layers:
+            for group in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+                yield from (t for t in group.values() if t is not None)
+
+    def _state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._state_tensors())
+
+    def _state_batch(self) -> int:
+        return next((int(t.shape[0]) for t in self._state_tensors()), 0)
+
     def _check_placement(self, key: torch.Tensor) -> None:
         if self.device is not None and key.device != self.device:
             raise ValueError(f"PagedCache(device={self.device}) got key_states on {key.device}")
@@ -405,6 +514,11 @@ class PagedCache(Cache):
         self._version += 1
 
     def _select_rows(self, sources: list[int]) -> None:
+        if self.state_layers and self._state_batch():  # a hybrid model's states follow the rows
+            index = torch.tensor(sources, dtype=torch.long)
+            for layer in self.state_layers:
+                if hasattr(layer, "conv_states"):
+                    layer.reorder_cache(index)
         if not self.rows:
             return
         n = len(self.rows)
@@ -430,7 +544,7 @@ class PagedCache(Cache):
                 self.store.copy_blocks(copies)
         self.store.ensure_blocks(self._max_block + 1)
         self._version += 1
-        device = next((p.k.device for p in self.store.pools.values()), None) or self.layers[0].device
+        device = next((p.k.device for p in self.store.pools.values()), None) or self.layers[self._first_paged()].device
         self._plan = plan = plan_step(self.rows, [length - p for p in self.pads], [q_len] * len(self.rows),
                                       packed=False, page_size=self.store.page_size, device=device,
                                       residual=self.store.residual, length=length, version=self._version)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
+from . import _html, ops
 from .formats import CacheFormat, KVFormat
 from .layout import PageLayout
 from .quant import fp8_scale_for, rot_scales, rotate
@@ -164,3 +164,15 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    def _repr_html_(self) -> str:
+        slots = self.num_blocks * self.page_size
+        values = 2 * slots * self.num_kv_heads * self.head_dim
+        return _html.table("kvcache.KVPool", {
+            "format": str(self.format),
+            "blocks x page_size": f"{self.num_blocks} x {self.page_size} = {slots} token slots",
+            "kv heads x head_dim": f"{self.num_kv_heads} x {self.head_dim}",
+            "bytes": _html.human_bytes(self.nbytes),
+            "bits per value (scales included)": f"{8 * self.nbytes / values:.2f}",
+            "bytes in bf16": _html.human_bytes(2 * values),
+        }, "one layer")

@@ -47,7 +47,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from . import _C, ops
+from . import _C, _html, ops
 
 __all__ = [
     "BlockAllocator", "Insert", "Match", "MatchInto", "Namespace", "OutOfBlocksError", "PrefixCache", "RaggedMatch",
@@ -297,6 +297,16 @@ class BlockAllocator:
         return (f"BlockAllocator(num_blocks={s['num_blocks']}, page_size={self.page_size}, free={s['free']}, "
                 f"used={s['used']}, shared={s['shared']})")
 
+    def _repr_html_(self) -> str:
+        s = self.stats()
+        rows = {"blocks": f"{s['num_blocks']} of {self.page_size} tokens",
+                "free / used / shared": f"{s['free']} / {s['used']} / {s['shared']}",
+                "tokens held": s["filled_tokens"],
+                "unwritten slots in used blocks": f"{s['waste_tokens']} ({_html.percent(s['waste_fraction'])})"}
+        if self.bytes_per_block:
+            rows["bytes used"] = _html.human_bytes(s["used_bytes"])
+        return _html.table("kvcache.BlockAllocator", rows)
+
 
 # ---- prefix cache -------------------------------------------------------------------------------
 class PrefixCache:
@@ -310,6 +320,11 @@ class PrefixCache:
             of the device pools' block shape; pinned memory helps). Evicted prefixes are copied there
             with :func:`kvcache.swap_blocks` and copied back on a later match. Needs ``device_pools``.
         device_pools: the device pools, same form, in the same layer order.
+        disk, remote, chunk_tokens: prefix tiers beyond this process (:mod:`kvcache.tiers`): a directory and/or
+            a ``redis://host:port/db`` URL (or :class:`kvcache.DiskTier` / :class:`kvcache.RedisTier` objects).
+            The tree alone has no pages to fill: a :class:`kvcache.Engine` made over this cache
+            (``Engine(model, prefix_cache=cache)``) fetches into it and writes from it, and :meth:`stats`
+            then carries the tiers' counters under ``"tiers"``.
 
     A match returns blocks without taking references: either take them (``allocator.sequence(m)``),
     which keeps the data alive, and/or lock the node (``lock=True`` or :meth:`lock`), which keeps the
@@ -319,7 +334,8 @@ class PrefixCache:
     the locks they were asked for: a lookup in a namespace the cache holds nothing in costs no memory.
     """
 
-    def __init__(self, allocator: BlockAllocator, *, policy: str = "lru", host_pools=None, device_pools=None):
+    def __init__(self, allocator: BlockAllocator, *, policy: str = "lru", host_pools=None, device_pools=None,
+                 disk=None, remote=None, chunk_tokens: int | None = None):
         if not isinstance(allocator, BlockAllocator):
             raise TypeError(f"allocator must be a kvcache.BlockAllocator, got {type(allocator).__name__}")
         self.allocator = allocator
@@ -329,6 +345,12 @@ class PrefixCache:
         except RuntimeError as err:
             raise ValueError(str(err).splitlines()[0]) from None
         self.host_allocator: BlockAllocator | None = None
+        self.tiers = None  # the kvcache.tiers.PrefixTiers an Engine binds to this tree
+        self.tier_options = {}
+        if disk is not None or remote is not None:
+            from .tiers import _as_tier  # made now: a bad URL or path fails here, not at the first lookup
+            self.tier_options = {"disk": _as_tier(disk, "disk"), "remote": _as_tier(remote, "remote"),
+                                 "chunk_tokens": chunk_tokens}
         if (host_pools is None) != (device_pools is None):
             raise ValueError("a host tier needs both host_pools and device_pools")
         if host_pools is not None:
@@ -482,6 +504,8 @@ class PrefixCache:
         """
         s = dict(self.native.stats())
         s["hit_rate"] = s["hit_tokens"] / s["lookup_tokens"] if s["lookup_tokens"] else 0.0
+        if self.tiers is not None:
+            s["tiers"] = self.tiers.stats()
         return s
 
     def block_references(self, host: bool = False) -> list[int]:
@@ -499,3 +523,14 @@ class PrefixCache:
         host = f", host_nodes={s['host_nodes']}" if self.host_allocator is not None else ""
         return (f"PrefixCache(policy={self.policy!r}, nodes={s['nodes']}, device_tokens={s['device_tokens']}, "
                 f"locked_nodes={s['locked_nodes']}{host}, lookups={s['lookups']}, hit_tokens={s['hit_tokens']})")
+
+    def _repr_html_(self) -> str:
+        s = self.stats()
+        rows = {"policy": self.policy, "nodes (locked)": f"{s['nodes']} ({s['locked_nodes']})",
+                "cached tokens": s["device_tokens"], "cached blocks": s["device_blocks"],
+                "lookups": s["lookups"],
+                "hit rate": f"{_html.percent(s['hit_rate'])} ({s['hit_tokens']} of {s['lookup_tokens']} tokens)",
+                "evicted blocks": s["evicted_blocks"]}
+        if self.host_allocator is not None:
+            rows["host tier: nodes / tokens"] = f"{s['host_nodes']} / {s['host_tokens']}"
+        return _html.table("kvcache.PrefixCache", rows)

@@ -98,7 +98,9 @@ class PagedStore:
             _, heads, _, dim = key.shape
             if value.shape[1] != heads or value.shape[3] != dim:
                 raise ValueError(f"layer {layer}: value heads/head_dim {tuple(value.shape[1::2])} differ from the "
-                                 f"key's ({heads}, {dim}); kvcache pages need equal K and V shapes")
+                                 f"key's ({heads}, {dim}); kvcache pages need equal K and V shapes (an MLA model, "
+                                 f"e.g. DeepSeek-V2/V3, hands the cache latents of two widths: not paged yet, use "
+                                 f"DynamicCache)")
             fmt = self.kv_format or CacheFormat.parse(key.dtype)
             blocks = self.capacity_blocks if self.fixed_size else _grown(0, min_blocks)
             pool = KVPool.allocate(blocks, self.page_size, heads, dim, fmt, device=key.device)

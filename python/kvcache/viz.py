@@ -1,0 +1,255 @@
+"""Plotting helpers for the notebooks: small functions that each draw one kind of picture and return the
+matplotlib ``Figure``.
+
+matplotlib is an optional dependency (``pip install kvcache[viz]``): it is imported when a function here
+is first called, never by ``import kvcache``. Without a display (a test run, a server) the non-interactive
+``Agg`` backend is selected. :func:`save` writes a figure as a PNG file into ``$KVCACHE_FIGURES_DIR``
+when that is set (the notebook tests set it to a directory outside the repository).
+
+>>> from kvcache import viz
+>>> fig = viz.line_plot([1, 2, 4], {"bf16": [2, 4, 8], "int8": [1, 2, 4]}, xlabel="tokens", ylabel="bytes")
+>>> len(fig.axes[0].lines)
+2
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["bar_chart", "heatmap", "line_plot", "occupancy", "radix_tree", "roofline", "save"]
+
+FIGURES_ENV = "KVCACHE_FIGURES_DIR"
+
+
+def _pyplot():
+    """matplotlib.pyplot, imported on first use (Agg when there is no display)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("kvcache.viz needs matplotlib: pip install kvcache[viz]") from None
+    # An interactive backend without a display fails at the first figure; Jupyter sets MPLBACKEND (inline).
+    if "MPLBACKEND" not in os.environ and not os.environ.get("DISPLAY"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(figsize):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
+    return fig, ax
+
+
+def _check_series(x: Sequence, series: Mapping, x_name: str = "x") -> None:
+    if not isinstance(series, Mapping) or not series:
+        raise ValueError("series must be a non-empty mapping of label -> values")
+    for label, ys in series.items():
+        if len(ys) != len(x):
+            raise ValueError(f"series[{label!r}] has {len(ys)} values but {x_name} has {len(x)}")
+
+
+def line_plot(x: Sequence, series: Mapping[str, Sequence[float]], *, xlabel: str = "", ylabel: str = "",
+              title: str = "", logx: bool = False, logy: bool = False, markers: bool = True,
+              hlines: Mapping[str, float] | None = None, figsize=(6.4, 4.0)):
+    """One line per entry of ``series`` (label -> y values, one per ``x``); ``hlines`` adds labelled
+    horizontal reference lines (e.g. a memory budget)."""
+    _check_series(x, series)
+    fig, ax = _figure(figsize)
+    for label, ys in series.items():
+        ax.plot(list(x), list(ys), marker="o" if markers else None, markersize=3, label=str(label))
+    for i, (label, y) in enumerate((hlines or {}).items()):
+        ax.axhline(y, color="0.4", linestyle=("--", ":", "-.")[i % 3], linewidth=1, label=str(label))
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def bar_chart(labels: Sequence[str], series: Mapping[str, Sequence[float]], *, ylabel: str = "", title: str = "",
+              logy: bool = False, horizontal: bool = False, figsize=(6.4, 4.0)):
+    """Grouped bars: one group per label, one bar per entry of ``series`` (name -> one value per label)."""
+    _check_series(labels, series, "labels")
+    fig, ax = _figure(figsize)
+    n = len(series)
+    width = 0.8 / n
+    positions = range(len(labels))
+    for i, (name, values) in enumerate(series.items()):
+        offsets = [p - 0.4 + width * (i + 0.5) for p in positions]
+        if horizontal:
+            ax.barh(offsets, list(values), height=width, label=str(name))
+        else:
+            ax.bar(offsets, list(values), width=width, label=str(name))
+    if horizontal:
+        ax.set_yticks(list(positions), [str(label) for label in labels])
+        ax.invert_yaxis()
+        ax.set(xlabel=ylabel, title=title)
+        if logy:
+            ax.set_xscale("log")
+    else:
+        ax.set_xticks(list(positions), [str(label) for label in labels], rotation=30, ha="right")
+        ax.set(ylabel=ylabel, title=title)
+        if logy:
+            ax.set_yscale("log")
+    ax.grid(True, axis="x" if horizontal else "y", alpha=0.3)
+    if n > 1:
+        ax.legend(fontsize="small")
+    return fig
+
+
+def heatmap(values, *, xlabel: str = "", ylabel: str = "", title: str = "", colorbar: str = "", log: bool = False,
+            cmap: str = "viridis", figsize=(6.4, 4.0)):
+    """A 2-D array (rows drawn top to bottom) as a colour image, e.g. error per (layer, head)."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=float)
+    if data.ndim != 2 or 0 in data.shape:
+        raise ValueError(f"values must be a non-empty 2-D array, got shape {tuple(data.shape)}")
+    fig, ax = _figure(figsize)
+    norm = None
+    if log:
+        from matplotlib.colors import LogNorm
+
+        positive = data[data > 0]
+        if positive.size == 0:
+            raise ValueError("log=True needs at least one positive value")
+        norm = LogNorm(vmin=positive.min(), vmax=positive.max())
+    image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    fig.colorbar(image, ax=ax, label=colorbar)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return fig
+
+
+def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "block", figsize=(7.0, 4.0)):
+    """Pool occupancy over time: ``owners[t][b]`` is the request holding block ``b`` at step ``t``
+    (``-1`` = free). Each request gets a colour, free blocks are white."""
+    import numpy as np
+
+    grid = np.asarray(owners, dtype=float)
+    if grid.ndim != 2 or 0 in grid.shape:
+        raise ValueError(f"owners must be a non-empty [steps, blocks] array, got shape {tuple(grid.shape)}")
+    plt = _pyplot()
+    fig, ax = _figure(figsize)
+    masked = np.ma.masked_less(grid.T, 0)
+    cmap = plt.get_cmap("tab20").with_extremes(bad="white")
+    ax.imshow(masked % 20, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=19, origin="lower")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return fig
+
+
+def _radix(sequences) -> dict:
+    """The compressed trie of ``sequences``: nested {edge tuple: children}, split only where they diverge."""
+    root: dict = {}
+    for seq in sequences:
+        node, rest = root, tuple(seq)
+        while rest:
+            for edge in list(node):
+                n = 0
+                while n < min(len(edge), len(rest)) and edge[n] == rest[n]:
+                    n += 1
+                if n == 0:
+                    continue
+                if n < len(edge):  # split the edge where the new sequence leaves it
+                    node[edge[:n]] = {edge[n:]: node.pop(edge)}
+                    edge = edge[:n]
+                node, rest = node[edge], rest[n:]
+                break
+            else:
+                node[rest] = {}
+                rest = ()
+    return root
+
+
+def radix_tree(sequences, *, labels=None, title: str = "", figsize=(7.0, 4.5)):
+    """Draws the radix tree (compressed trie) of token ``sequences``: the tree a :class:`kvcache.PrefixCache`
+    holds after inserting them (with no eviction). Each edge is labelled with its token count (or with
+    ``labels(tokens)``); a node's width is its number of leaves. Returns the figure; ``fig.kvcache_nodes``
+    is the number of nodes drawn (the root excluded)."""
+    seqs = [list(s) for s in sequences]
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("sequences must be a non-empty list of non-empty token sequences")
+    tree = _radix(seqs)
+    fig, ax = _figure(figsize)
+
+    def leaves(node: dict) -> int:
+        return sum(leaves(child) for child in node.values()) or 1
+
+    count = 0
+    depth_max = 0
+
+    def draw(node: dict, x0: float, depth: int, xy: tuple[float, float]) -> None:
+        nonlocal count, depth_max
+        x = x0
+        for edge, child in node.items():
+            width = leaves(child)
+            cx, cy = x + width / 2, -(depth + 1)
+            ax.plot([xy[0], cx], [xy[1], cy], color="0.5", linewidth=1, zorder=1)
+            ax.scatter([cx], [cy], s=40, color="C0" if child else "C1", zorder=2)
+            text = labels(edge) if labels else f"{len(edge)}"
+            ax.annotate(text, ((xy[0] + cx) / 2, (xy[1] + cy) / 2), fontsize=7, ha="center", va="center",
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
+            count += 1
+            depth_max = max(depth_max, depth + 1)
+            draw(child, x, depth + 1, (cx, cy))
+            x += width
+
+    total = leaves(tree)
+    ax.scatter([total / 2], [0], s=60, color="k", zorder=2)
+    draw(tree, 0.0, 0, (total / 2, 0))
+    ax.set(title=title, xlim=(-0.5, total + 0.5), ylim=(-depth_max - 0.5, 0.5))
+    ax.axis("off")
+    fig.kvcache_nodes = count
+    return fig
+
+
+def roofline(points: Sequence[tuple[str, float, float]], *, peak_flops: float, peak_bandwidth: float,
+             title: str = "", figsize=(6.4, 4.2)):
+    """A roofline: measured ``(label, arithmetic intensity in FLOP/byte, achieved FLOP/s)`` points under
+    the roof ``min(peak_flops, intensity * peak_bandwidth)`` (both measured or quoted, in FLOP/s and
+    byte/s). Points left of the ridge are memory-bound, right of it compute-bound."""
+    if not points:
+        raise ValueError("points must hold at least one (label, intensity, flops) tuple")
+    for name, value in (("peak_flops", peak_flops), ("peak_bandwidth", peak_bandwidth)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    for label, intensity, flops in points:
+        if not (intensity > 0 and flops > 0):
+            raise ValueError(f"point {label!r} needs a positive intensity and FLOP/s, got {intensity}, {flops}")
+    import numpy as np
+
+    fig, ax = _figure(figsize)
+    lo = min(p[1] for p in points) / 4
+    hi = max(max(p[1] for p in points) * 4, 4 * peak_flops / peak_bandwidth)
+    xs = np.geomspace(lo, hi, 200)
+    ax.plot(xs, np.minimum(peak_flops, xs * peak_bandwidth), color="k", linewidth=1.5, label="roof")
+    ax.axvline(peak_flops / peak_bandwidth, color="0.6", linestyle=":", linewidth=1, label="ridge")
+    for i, (label, intensity, flops) in enumerate(points):
+        ax.scatter([intensity], [flops], s=30, color=f"C{i % 10}", zorder=3, label=str(label))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP / s", title=title)
+    ax.grid(True, which="both", alpha=0.2)
+    ax.legend(fontsize="x-small")
+    return fig
+
+
+def save(fig, name: str, directory: str | os.PathLike | None = None) -> Path | None:
+    """Writes ``fig`` as ``<name>.png`` into ``directory`` (default ``$KVCACHE_FIGURES_DIR``) and returns the
+    path; returns ``None`` and writes nothing when no directory is given or set. The figure stays open
+    (a notebook still shows it)."""
+    if not name or any(c in name for c in "/\\"):
+        raise ValueError(f"name must be a plain file name without slashes, got {name!r}")
+    directory = directory if directory is not None else os.environ.get(FIGURES_ENV)
+    if not directory:
+        return None
+    path = Path(directory).expanduser() / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,165 @@
+"""kvcache.PagedCache on hybrid models (linear-attention / Mamba layers beside attention layers): transformers'
+own state layers for the layers that are not attention, pages for those that are. Exact against DynamicCache in
+every generate mode transformers allows for them; what cannot work refuses with a clear error."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
+
+import kvcache  # noqa: E402
+
+if not hasattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin"):
+    pytest.skip(f"hybrid cache layers (LinearAttentionLayer) need transformers >= 5.5; installed "
+                f"{transformers.__version__}", allow_module_level=True)
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "qwen3_next":  # gated delta-net (linear attention) layers + full attention layers
+        config = transformers.Qwen3NextConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            max_position_embeddings=256,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+        return transformers.Qwen3NextForCausalLM(config).eval()
+    if name == "jamba":  # Mamba layers + attention layers
+        config = transformers.JambaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False, max_position_embeddings=256)
+        return transformers.JambaForCausalLM(config).eval()
+    raise ValueError(name)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "jamba"])
+def model(request):
+    return _model(request.param)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded by 5
+    ids[1, :5] = 0
+    return ids, mask
+
+
+# transformers refuses assisted generation (prompt lookup, assistant models) for stateful models; contrastive
+# search lives on the Hub in 5.x
+MODES = {
+    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
+    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
+    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
+    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
+}
+
+
+def _generate(model, cache, impl, **kwargs):
+    model.set_attn_implementation(impl)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0, **kwargs)
+
+
+def _max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_generate_matches_dynamic_cache(model, impl, mode):
+    kwargs = MODES[mode](*_inputs())
+    ref = _generate(model, DynamicCache(config=model.config), "eager" if impl == "eager" else "sdpa", **kwargs)
+    cache = kvcache.PagedCache(config=model.config)
+    got = _generate(model, cache, impl, **kwargs)
+    assert torch.equal(ref.sequences, got.sequences)
+    if impl == "kvcache":  # our kernel: same math, other sums
+        assert _max_diff(ref, got) <= 1e-5
+    else:
+        assert _max_diff(ref, got) == 0.0
+    types = model.config.layer_types
+    assert [isinstance(layer, kvcache.PagedLayer) for layer in cache.layers] == [t == "full_attention" for t in types]
+    assert sorted(cache.store.pools) == [i for i, t in enumerate(types) if t == "full_attention"]
+    assert cache.get_seq_length() == got.sequences.shape[1] - 1
+    assert cache.stats()["state_bytes"] > 0
+
+
+def test_assisted_generation_is_refused_as_transformers_does(model):
+    ids = _inputs()[0][:1]
+    with pytest.raises(ValueError, match="stateful"):
+        _generate(model, kvcache.PagedCache(config=model.config), "sdpa", input_ids=ids, prompt_lookup_num_tokens=3,
+                  do_sample=False)
+
+
+def _prefill(model, cache, ids):
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        return model(ids, past_key_values=cache, use_cache=True).logits
+
+
+def test_crop_refuses_a_recurrent_state_and_leaves_the_cache_untouched(model):
+    ids = _inputs()[0][:1]
+    cache = kvcache.PagedCache(config=model.config)
+    _prefill(model, cache, ids)
+    blocks = [s.blocks.tolist() for s in cache.rows]
+    with pytest.raises(ValueError, match=r"crop\(-3\): layer 0 .*recurrent"):
+        cache.crop(-3)
+    assert cache.get_seq_length() == 12 and [s.blocks.tolist() for s in cache.rows] == blocks
+    cache.crop(0)  # nothing to remove: allowed
+
+
+def test_deepcopy_continues_independently(model):
+    ids = _inputs()[0][:1]
+    cache = kvcache.PagedCache(config=model.config)
+    _prefill(model, cache, ids[:, :8])
+    other = copy.deepcopy(cache)
+    a = _prefill(model, cache, ids[:, 8:])
+    b = _prefill(model, other, ids[:, 8:])
+    ref_cache = DynamicCache(config=model.config)
+    _prefill(model, ref_cache, ids[:, :8])
+    ref = _prefill(model, ref_cache, ids[:, 8:])
+    assert torch.equal(a, ref) and torch.equal(b, ref)
+    assert cache.get_seq_length() == other.get_seq_length() == 12
+
+
+def test_reset_empties_pages_and_states(model):
+    ids = _inputs()[0][:1]
+    cache = kvcache.PagedCache(config=model.config)
+    first = _prefill(model, cache, ids)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.rows == []
+    assert torch.equal(_prefill(model, cache, ids), first)
+
+
+def test_prefix_reuse_and_the_engine_refuse_clearly(model):
+    ids = _inputs()[0][:1]
+    cache = kvcache.PagedCache(config=model.config, prefix_cache=True)
+    _prefill(model, cache, ids)
+    with pytest.raises(ValueError, match="save_prefix is not supported for a hybrid model: layer 0"):
+        cache.save_prefix(ids)
+    with pytest.raises(ValueError, match="load_prefix is not supported for a hybrid model"):
+        kvcache.PagedCache(config=model.config, store=cache.store).load_prefix(ids)
+    engine = kvcache.Engine(model, page_size=4)
+    with pytest.raises(ValueError, match=r"packed steps \(kvcache.Engine\) is not supported for a hybrid model"):
+        engine.generate([ids[0].tolist()], max_new_tokens=2)
+
+
+def test_a_layer_with_state_and_attention_is_refused():
+    config = transformers.Qwen3NextConfig(num_hidden_layers=2, layer_types=["hybrid", "full_attention"])
+    with pytest.raises(ValueError, match="layer 0 of Qwen3NextConfig is of type 'hybrid'"):
+        kvcache.PagedCache(config=config)

@@ -1,0 +1,76 @@
+"""What Jupyter shows for kvcache's objects (their ``_repr_html_``): the figures a user looks for."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import kvcache
+
+
+def _cells(html: str) -> dict[str, str]:
+    """The two-column table as {label: value}."""
+    return dict(re.findall(r"<tr><td[^>]*>(.*?)</td><td[^>]*>(.*?)</td></tr>", html))
+
+
+def test_kvpool_shows_format_bytes_and_bits_per_value():
+    pool = kvcache.KVPool.allocate(4, 16, 2, 64, "int8")
+    cells = _cells(pool._repr_html_())
+    assert "kvcache.KVPool" in pool._repr_html_()
+    assert cells["format"] == "int8"
+    assert cells["blocks x page_size"] == "4 x 16 = 64 token slots"
+    # int8: 64 codes + one float32 scale per (token, head): 68 bytes for 64 values
+    assert cells["bits per value (scales included)"] == f"{8 * 68 / 64:.2f}"
+    assert cells["bytes"] == f"{pool.nbytes / 1024:.1f} KiB"
+    assert cells["bytes in bf16"] == f"{2 * 2 * 64 * 2 * 64 / 1024:.1f} KiB"
+
+
+def test_block_allocator_shows_use_and_waste():
+    alloc = kvcache.BlockAllocator(8, 4, bytes_per_block=1024)
+    seq = alloc.sequence()
+    alloc.append(seq, 5)                       # 2 blocks, 3 unwritten slots
+    alloc.fork(seq)
+    cells = _cells(alloc._repr_html_())
+    assert cells["free / used / shared"] == "6 / 2 / 2"
+    assert cells["tokens held"] == "5"          # the fork shares them
+    assert cells["unwritten slots in used blocks"] == "3 (37.5%)"
+    assert cells["bytes used"] == "2.0 KiB"
+
+
+def test_prefix_cache_shows_its_hit_rate():
+    alloc = kvcache.BlockAllocator(8, 4)
+    cache = kvcache.PrefixCache(alloc, policy="lfu")
+    cache.insert([1, 2, 3, 4, 5, 6], alloc.allocate(2))
+    cache.match([1, 2, 3, 4, 9, 9, 9, 9])      # 4 of 8 tokens hit
+    cells = _cells(cache._repr_html_())
+    assert cells["policy"] == "lfu"
+    assert cells["hit rate"] == "50.0% (4 of 8 tokens)"
+    assert cells["cached tokens"] == "6" and cells["cached blocks"] == "2"
+
+
+def test_paged_cache_and_engine_show_tokens_bytes_and_hits():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = kvcache.PagedCache(config=config, kv_format="int8", residual_length=0)
+    with torch.no_grad():
+        model(torch.arange(1, 21)[None], past_key_values=cache)
+    cells = _cells(cache._repr_html_())
+    s = cache.stats()
+    assert cells["format"] == "int8" and cells["tokens"] == "20" and cells["blocks"] == str(s["blocks"])
+    assert cells["dynamic_cache_bytes"] == f"{s['dynamic_cache_bytes'] / 1024:.1f} KiB"
+
+    engine = kvcache.Engine(model, page_size=4)
+    html = engine._repr_html_()
+    assert "last generate" not in html       # nothing run yet
+    system = list(range(1, 20))
+    engine.generate([system + [30], system + [40, 41]], max_new_tokens=2, progress=False)
+    cells = _cells(engine._repr_html_())
+    st = engine.stats()
+    assert cells["prefix cache"] == "on"
+    assert cells["last generate"] == f"2 requests, {st['prompt_tokens']} prompt tokens, 4 generated"
+    assert cells["prefix hits"] == f"{st['prefix_hit_tokens']} tokens ({100 * st['prefix_hit_rate']:.1f}%)"
+    assert st["prefix_hit_tokens"] > 0

@@ -1,0 +1,420 @@
+"""Prefix tiers beyond one process (kvcache.tiers): chunk identity, blobs, the disk tier and a real Redis
+server on 127.0.0.1 (started here), including two worker processes and the server failing under them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import kvcache  # noqa: E402
+from kvcache import tiers  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
+from tiers_support import CHUNK, PAGE, PREFIX_TOKENS, prompts, tiny_model  # noqa: E402
+
+HERE = Path(__file__).parent
+FIRST, SECOND = prompts(2, 1), prompts(3, 2)  # worker A's prompts, then worker B's (same prefix)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """SECOND's tokens with no cache (full precision) and with a local-only cache that saw FIRST (int8)."""
+    out = {"None": [r.tokens for r in kvcache.Engine(model, page_size=PAGE, prefix_cache=False)
+                    .generate(SECOND, max_new_tokens=4)]}
+    local = kvcache.Engine(model, kv_format="int8", page_size=PAGE)
+    local.generate(FIRST, max_new_tokens=4)
+    out["int8"] = [r.tokens for r in local.generate(SECOND, max_new_tokens=4)]
+    return out
+
+
+@pytest.fixture
+def server():
+    s = RedisServer().start()
+    yield s
+    s.stop()  # SIGCONT first if a test left it paused
+
+
+def _engine(model, **kw):
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("chunk_tokens", CHUNK)
+    return kvcache.Engine(model, **kw)
+
+
+def _warm(model, server, **kw):
+    """Worker A in this process: FIRST's chunks written to the server."""
+    a = _engine(model, remote=server.url, **kw)
+    a.generate(FIRST, max_new_tokens=4)
+    assert a.tiers.flush(10)
+    a.close()
+    return a
+
+
+def _run_worker(args: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(HERE / "tiers_worker.py"), json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- identity and blobs ------------------------------------------------------------------------------
+def test_chunk_keys_chain_blake2b_over_the_namespace():
+    root = tiers.namespace_id({"model": "m"})
+    toks = list(range(100))
+    keys = tiers.chunk_keys(root, toks, chunk_tokens=32)
+    assert len(keys) == 3
+    prev = root  # recomputed from the definition in the README / docs/tiers.md
+    for i, key in enumerate(keys):
+        raw = torch.tensor(toks[i * 32:(i + 1) * 32], dtype=torch.int32).numpy().tobytes()
+        prev = __import__("hashlib").blake2b(prev + raw, digest_size=16, person=b"kvcache-chunk").digest()
+        assert key == prev
+    other = tiers.chunk_keys(tiers.namespace_id({"model": "m", "salt": "x"}), toks, chunk_tokens=32)
+    assert not set(keys) & set(other)
+    changed = tiers.chunk_keys(root, [99] + toks[1:], chunk_tokens=32)  # same tokens after the first chunk
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # the chain carries the difference
+
+
+def test_namespace_id_separates_everything_that_changes_kv(model, tmp_path):
+    ids = set()
+    for kw in ({}, {"kv_format": "int8"}, {"kv_format": "int8(hadamard)"}, {"kv_format": "k=int8,v=int4"},
+               {"kv_format": "int8", "residual_length": 0}, {"page_size": 32},
+               {"namespace": kvcache.Namespace(model="LlamaForCausalLM", salt="u")},
+               {"namespace": kvcache.Namespace(model="LlamaForCausalLM", revision="r2")}):
+        e = _engine(model, disk=tmp_path, **kw)
+        ids.add(e.tiers.ns)
+        e.close()
+    assert len(ids) == 8
+
+
+def _blob_engine(model, tmp_path):
+    e = _engine(model, kv_format="int8", disk=tmp_path / "tier")
+    e.generate(FIRST, max_new_tokens=4)
+    assert e.tiers.flush(10)
+    return e
+
+
+def test_blob_round_trip_and_every_check(model, tmp_path):
+    e = _blob_engine(model, tmp_path)
+    t = e.tiers
+    keys = t.chain(FIRST[0])
+    blob = (tmp_path / "tier" / t.ns.hex() / f"{keys[1].hex()}.kvc").read_bytes()
+    toks = FIRST[0][CHUNK:2 * CHUNK]
+    header = tiers.peek_header(blob)
+    assert header["tokens"] == CHUNK and header["k_format"] == "int8" and len(header["pages"]) == CHUNK // PAGE
+    pages, tensors = tiers.decode_blob(blob, ns=t.ns, key=keys[1], tokens=toks, meta=t.meta,
+                                       expect_tensors=t._expected_tensors)
+    assert tensors["0.k"].dtype == torch.int8 and tensors["0.k_scale"].dtype == torch.float32  # as stored
+    # the codes are the pool's own (not dequantized and re-quantized)
+    blocks = e.store.prefix_cache.match(FIRST[0], e.namespace).blocks
+    sealed = [b for b, p in zip(blocks[2:4].tolist(), pages) if p == "S"]
+    if sealed:
+        assert torch.equal(tensors["0.k"][:len(sealed)], e.store.pools[0].k[sealed])
+
+    def check(bad, reason, **kw):
+        args = dict(ns=t.ns, key=keys[1], tokens=toks, meta=t.meta, expect_tensors=t._expected_tensors) | kw
+        with pytest.raises(tiers.BlobError) as err:
+            tiers.decode_blob(bad, **args)
+        assert err.value.reason == reason
+
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0x40
+    check(bytes(flipped), "checksum")
+    check(blob[:-7], "truncated")
+    check(blob[:20], "truncated")
+    check(b"X" + blob[1:], "magic")
+    check(blob, "namespace", ns=bytes(16))
+    check(blob, "key", key=keys[0])
+    check(blob, "collision", tokens=[t + 1 for t in toks])
+    check(blob, "layout", meta=dict(t.meta, k_format="int4"))
+    e.close()
+
+
+# ---- disk -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def worker_b(model, tmp_path_factory):
+    """Worker A (this process) generates FIRST with both tiers and closes; then worker B, another process,
+    generates SECOND with Redis only, and then, as if restarted, with the disk only."""
+    server = RedisServer().start()
+    disk = tmp_path_factory.mktemp("tiers") / "disk"
+    try:
+        written = {}
+        for fmt in (None, "int8"):
+            a = _engine(model, kv_format=fmt, remote=server.url, disk=disk)
+            a.generate(FIRST, max_new_tokens=4)
+            a.close()
+            written[str(fmt)] = a.stats()["tiers"]
+        phases = _run_worker({"phases": [{"remote": server.url}, {"disk": str(disk)}], "formats": [None, "int8"],
+                              "seed": 3, "n": 2})
+        yield disk, written, phases
+    finally:
+        server.stop()
+
+
+def _check_worker(r: dict, hit: str, reference: list) -> None:
+    assert r[hit] == PREFIX_TOKENS, r
+    # only the suffixes are prefilled: the prefix came from the tier, the second prompt reuses the first's
+    assert r["prefill_tokens"] == r["prompt_tokens"] - PREFIX_TOKENS - _local_hits(SECOND), r
+    assert r["tokens"] == reference
+    assert r["bad_blobs"] == 0
+
+
+def test_two_processes_share_prefixes_through_redis(worker_b, reference):
+    _, written, (remote, _) = worker_b
+    for fmt in ("None", "int8"):
+        assert written[fmt]["remote_written_chunks"] >= PREFIX_TOKENS // CHUNK
+        _check_worker(remote[fmt], "remote_hit_tokens", reference[fmt])
+
+
+def test_disk_tier_survives_a_restart_in_another_process(worker_b, reference):
+    disk, written, (_, restarted) = worker_b
+    assert not list(disk.glob("*/.tmp-*"))  # atomic writes left no temporary files
+    assert len(list(disk.glob("*/namespace.json"))) == 2  # one description per namespace
+    for fmt in ("None", "int8"):
+        assert written[fmt]["disk_written_chunks"] >= PREFIX_TOKENS // CHUNK
+        _check_worker(restarted[fmt], "disk_hit_tokens", reference[fmt])
+
+
+def _local_hits(prompts_):
+    """Tokens the later prompts of a batch reuse from the first one's (longest common prefix, minus one)."""
+    first = prompts_[0]
+    total = 0
+    for p in prompts_[1:]:
+        n = 0
+        while n < min(len(p) - 1, len(first)) and p[n] == first[n]:
+            n += 1
+        total += n
+    return total
+
+
+def test_disk_tier_is_bounded_lru(tmp_path):
+    d = kvcache.DiskTier(tmp_path, max_bytes=10_000)
+    ns = bytes(16)
+    for i in range(6):
+        d.put(ns, bytes([i]) * 16, bytes(3000))
+        time.sleep(0.01)
+        d.fetch(ns, [bytes([0]) * 16])  # key 0 stays the most recently used
+    d.trim()
+    assert d.nbytes <= 10_000
+    assert d.lookup(ns, [bytes([0]) * 16]) == [3000]  # recently read: kept
+    assert d.lookup(ns, [bytes([1]) * 16]) == []      # oldest: evicted
+    with pytest.raises(ValueError, match="max_bytes=0"):
+        kvcache.DiskTier(tmp_path, max_bytes=0)
+
+
+# ---- redis: two processes ---------------------------------------------------------------------------
+# ---- redis: faults ----------------------------------------------------------------------------------
+def _tokens(engine, ps=SECOND):
+    return [r.tokens for r in engine.generate(ps, max_new_tokens=4)]
+
+
+def test_server_killed_mid_run(model, server, reference):
+    _warm(model, server)
+    b = _engine(model, remote=kvcache.RedisTier(server.url, timeout=0.3, breaker_s=60))
+    server.kill()
+    t0 = time.perf_counter()
+    assert _tokens(b) == reference["None"]
+    assert time.perf_counter() - t0 < 20
+    s = b.stats()
+    assert s["remote_hit_tokens"] == 0 and s["remote_errors"] == 1
+    assert s["tiers"]["remote_breaker_open"] and s["tiers"]["remote_breaker_trips"] == 1
+    assert b.tiers.flush(5)  # the chunks it tried to write were dropped by the open breaker, quickly
+    assert b.stats()["tiers"]["remote_skipped_calls"] >= 1
+    b.close()
+
+
+def test_server_paused_calls_time_out(model, server, reference):
+    _warm(model, server)
+    timeout = 0.3
+    b = _engine(model, remote=kvcache.RedisTier(server.url, timeout=timeout, breaker_s=60))
+    server.pause()
+    try:
+        t0 = time.perf_counter()
+        assert _tokens(b) == reference["None"]
+        s = b.stats()
+        # one lookup waited for its timeout, then the breaker stopped every further call
+        assert s["remote_fetch_s"] < 4 * timeout
+        assert s["remote_errors"] == 1 and s["tiers"]["remote_breaker_open"]
+        assert b.tiers.flush(4 * timeout)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        server.resume()
+    b.close()
+
+
+def test_server_restarted_empty(model, server, reference):
+    _warm(model, server)
+    b = _engine(model, remote=kvcache.RedisTier(server.url, timeout=0.3, breaker_s=0.2))
+    server.restart()
+    time.sleep(0.05)
+    assert _tokens(b) == reference["None"]
+    s = b.stats()
+    assert s["remote_hit_tokens"] == 0 and s["bad_blobs"] == 0
+    assert b.tiers.flush(10)
+    assert b.stats()["tiers"]["remote_written_chunks"] >= PREFIX_TOKENS // CHUNK  # it fills the new server
+    b.close()
+
+
+def test_server_at_its_memory_cap_evicts_inside_a_chain(model, reference):
+    server = RedisServer(maxmemory="2mb").start()
+    try:
+        a = _warm(model, server)
+        keys = [a.tiers.remote._key(a.tiers.ns, k) for k in a.tiers.chain(FIRST[0])]
+        c = server.client()
+        i = 0
+        while all(c.exists(k) for k in keys[:PREFIX_TOKENS // CHUNK]):
+            c.get(keys[0])  # the chain's first chunk stays recently used
+            c.set(f"junk{i}", bytes(64 << 10))
+            i += 1
+        present = next(n for n, k in enumerate(keys) if not c.exists(k))
+        # the hole is made; the junk goes so that nothing more is evicted while worker B runs (Redis's LRU is
+        # sampled: under the cap it may evict any chunk at any time), and B's calls get time on a busy host
+        c.delete(*[f"junk{j}" for j in range(i)])
+        assert all(c.exists(k) for k in keys[:present])
+        b = _engine(model, remote=kvcache.RedisTier(server.url, timeout=5.0))
+        assert _tokens(b) == reference["None"]
+        s = b.stats()
+        assert s["remote_hit_tokens"] == present * CHUNK, (s["remote_hit_tokens"], present)  # up to the hole
+        assert s["bad_blobs"] == 0
+        b.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("damage", ["checksum", "truncated", "namespace", "collision"])
+def test_corrupt_blobs_are_misses(model, server, reference, damage):
+    a = _warm(model, server)
+    t = a.tiers
+    c = server.client()
+    keys = t.chain(FIRST[0])
+    name = t.remote._key(t.ns, keys[2])
+    blob = c.get(name)
+    if damage == "checksum":
+        bad = bytearray(blob)
+        bad[len(bad) // 2] ^= 1
+    elif damage == "truncated":
+        bad = blob[: len(blob) // 2]
+    elif damage == "namespace":  # a whole valid blob of another namespace (salt) under this key
+        other = _engine(model, remote=server.url, namespace=kvcache.Namespace(model="m", salt="other"))
+        other.generate(FIRST, max_new_tokens=1)
+        assert other.tiers.flush(10)
+        bad = c.get(other.tiers.remote._key(other.tiers.ns, other.tiers.chain(FIRST[0])[2]))
+        other.close()
+    else:  # a valid blob with this key and checksum but other tokens: what a hash collision would serve
+        pages, tensors = tiers.decode_blob(blob, ns=t.ns, key=keys[2], tokens=FIRST[0][2 * CHUNK:3 * CHUNK],
+                                           meta=t.meta, expect_tensors=t._expected_tensors)
+        bad = tiers.encode_blob(t.ns, keys[2], [7] * CHUNK, pages, list(tensors.items()), t.meta)
+    c.set(name, bytes(bad))
+    b = _engine(model, remote=server.url)
+    assert _tokens(b) == reference["None"]
+    s = b.stats()
+    assert s["remote_hit_tokens"] == 2 * CHUNK  # the chunks before the bad one
+    assert s["bad_blobs"] == 1
+    assert s["tiers"]["bad_blob_reasons"] == {damage: 1}
+    b.close()
+
+
+def test_namespaces_never_share(model, server):
+    _warm(model, server)
+    for kw in ({"kv_format": "int8"}, {"namespace": kvcache.Namespace(model="another")},
+               {"namespace": kvcache.Namespace(model="LlamaForCausalLM", salt="tenant-2")}):
+        b = _engine(model, remote=server.url, **kw)
+        b.generate(SECOND, max_new_tokens=1)
+        s = b.stats()
+        assert s["remote_hit_tokens"] == 0 and s["bad_blobs"] == 0, kw
+        b.close()
+
+
+def test_cost_model_declines_and_explain_says_where_a_prompt_diverged(model, server, reference):
+    _warm(model, server)
+    b = _engine(model, remote=kvcache.RedisTier(server.url))
+    b.tiers.remote.cost.compute_s_per_token = 1e-12  # recomputing is "free": no fetch is worth it
+    assert _tokens(b) == reference["None"]
+    s = b.stats()
+    assert s["remote_hit_tokens"] == 0 and s["declined_fetches"] >= 1 and s["declined_tokens"] >= PREFIX_TOKENS
+    assert s["tiers"]["remote_cost_model"]["compute_s_per_token"] > 0
+    turn = SECOND[0][:PREFIX_TOKENS + 1] + [5] * 40
+    e = b.explain(turn)
+    assert e["remote_tokens"] == PREFIX_TOKENS and e["diverged_at"] >= PREFIX_TOKENS
+    b.close()
+
+
+def test_write_queue_drops_instead_of_blocking(model, server):
+    b = _engine(model, remote=server.url)
+    b.tiers._queue.maxsize = 1
+    server.pause()
+    try:
+        b.generate(prompts(5, 3, prefix_seed=9), max_new_tokens=1)
+        assert b.stats()["tiers"]["dropped_writes"] >= 1
+    finally:
+        server.resume()
+    b.close()
+
+
+def test_bad_options(model, monkeypatch):
+    with pytest.raises(ValueError, match="chunk_tokens=24 must be a positive multiple of page_size=16"):
+        _engine(model, disk="/tmp/x", chunk_tokens=24)
+    with pytest.raises(ValueError, match="remote='http://x' must be a redis:// URL"):
+        _engine(model, remote="http://x")
+    with pytest.raises(ValueError, match="need the prefix cache"):
+        _engine(model, remote="redis://127.0.0.1:1/0", prefix_cache=False)
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(ImportError, match=r"pip install kvcache\[redis\]"):
+        kvcache.RedisTier("redis://127.0.0.1:1/0")
+
+
+def test_prefix_cache_takes_the_tier_options(model, tmp_path, reference):
+    alloc = kvcache.BlockAllocator(256, PAGE)
+    with pytest.raises(ValueError, match="remote='http://x' must be a redis:// URL"):
+        kvcache.PrefixCache(alloc, remote="http://x")
+    warm = _engine(model, prefix_cache=kvcache.PrefixCache(kvcache.BlockAllocator(256, PAGE), disk=tmp_path,
+                                                           chunk_tokens=CHUNK))
+    warm.generate(FIRST, max_new_tokens=4)
+    warm.close()
+    cache = kvcache.PrefixCache(alloc, disk=tmp_path, chunk_tokens=CHUNK)
+    e = kvcache.Engine(model, page_size=PAGE, prefix_cache=cache)
+    assert _tokens(e) == reference["None"]
+    assert cache.stats()["tiers"]["disk_hit_tokens"] == PREFIX_TOKENS
+    e.close()
+
+
+def test_an_engine_dropped_without_close_is_collected(model, tmp_path):
+    import gc
+    import weakref
+    e = _engine(model, disk=tmp_path)
+    e.generate(FIRST, max_new_tokens=1)
+    assert e.tiers.flush(10)
+    ref, thread = weakref.ref(e.tiers), e.tiers._worker
+    del e
+    gc.collect()
+    assert ref() is None  # the writer thread holds no reference to its tiers (nor their pages)
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "kivi2", "fp8_e4m3", "k=int8(hadamard),v=int4"])
+def test_every_format_loads_the_stored_state(tmp_path, fmt):
+    model = tiny_model(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32, for the grouped formats
+    local = _engine(model, kv_format=fmt)
+    local.generate(FIRST, max_new_tokens=4)
+    expected = _tokens(local)
+    a = _engine(model, kv_format=fmt, disk=tmp_path)
+    a.generate(FIRST, max_new_tokens=4)
+    a.close()
+    b = _engine(model, kv_format=fmt, disk=tmp_path)
+    assert _tokens(b) == expected  # what a local-only cache gives after FIRST
+    s = b.stats()
+    assert s["disk_hit_tokens"] == PREFIX_TOKENS and s["bad_blobs"] == 0
+    b.close()

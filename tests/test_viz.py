@@ -1,0 +1,146 @@
+"""kvcache.viz on small inputs: what each figure holds, the PNG it saves, and its errors."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+
+import pytest
+
+if not os.environ.get("CI"):  # CI installs matplotlib in both environments: there a missing one fails
+    pytest.importorskip("matplotlib")
+
+from kvcache import viz  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_import_kvcache_does_not_import_matplotlib():
+    code = "import sys, kvcache, kvcache.viz; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install kvcache\[viz\]"):
+        viz.line_plot([1, 2], {"a": [1, 2]})
+
+
+def test_line_plot_draws_each_series_and_reference_line():
+    fig = viz.line_plot([1, 2, 4], {"bf16": [2, 4, 8], "int8": [1, 2, 4]}, hlines={"budget": 5}, logx=True,
+                        xlabel="tokens", ylabel="bytes")
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    assert set(lines) == {"bf16", "int8", "budget"}
+    assert list(lines["int8"].get_ydata()) == [1, 2, 4]
+    assert list(lines["budget"].get_ydata()) == [5, 5]
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "tokens"
+
+
+def test_line_plot_rejects_a_series_of_the_wrong_length():
+    with pytest.raises(ValueError, match=r"series\['b'\] has 1 values but x has 2"):
+        viz.line_plot([1, 2], {"a": [1, 2], "b": [1]})
+    with pytest.raises(ValueError, match="series must be a non-empty mapping"):
+        viz.line_plot([1, 2], {})
+
+
+def test_bar_chart_groups_bars():
+    fig = viz.bar_chart(["a", "b", "c"], {"x": [1, 2, 3], "y": [3, 2, 1]}, logy=True)
+    ax = fig.axes[0]
+    heights = sorted(p.get_height() for p in ax.patches)
+    assert heights == [1, 1, 2, 2, 3, 3]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
+    fig = viz.bar_chart(["a", "b"], {"x": [4, 5]}, horizontal=True)
+    assert sorted(p.get_width() for p in fig.axes[0].patches) == [4, 5]
+    with pytest.raises(ValueError, match="has 1 values but labels has 2"):
+        viz.bar_chart(["a", "b"], {"x": [1]})
+
+
+def test_heatmap_shows_the_array():
+    fig = viz.heatmap([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], log=True, colorbar="error")
+    image = fig.axes[0].images[0]
+    assert image.get_array().shape == (2, 3) and float(image.get_array()[1, 2]) == 6.0
+    with pytest.raises(ValueError, match=r"2-D array, got shape \(3,\)"):
+        viz.heatmap([1, 2, 3])
+    with pytest.raises(ValueError, match="needs at least one positive value"):
+        viz.heatmap([[0.0, -1.0]], log=True)
+
+
+def test_occupancy_masks_free_blocks():
+    owners = [[-1, 0, 0], [1, 0, -1]]          # 2 steps x 3 blocks
+    fig = viz.occupancy(owners)
+    data = fig.axes[0].images[0].get_array()
+    assert data.shape == (3, 2)                 # blocks drawn as rows
+    assert bool(data.mask[0, 0]) and bool(data.mask[2, 1]) and not data.mask[1, 0]
+    with pytest.raises(ValueError, match="owners must be a non-empty"):
+        viz.occupancy([])
+
+
+def test_radix_tree_splits_where_sequences_diverge():
+    # [1..6], [1,2,3,9] and [1,2,3,4,5,6,7]: edges 1-2-3 | 4-5-6 | 7, and 9
+    fig = viz.radix_tree([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6, 7]])
+    assert fig.kvcache_nodes == 4
+    texts = sorted(t.get_text() for t in fig.axes[0].texts)
+    assert texts == ["1", "1", "3", "3"]
+    assert viz.radix_tree([[5, 6], [7]]).kvcache_nodes == 2
+    with pytest.raises(ValueError, match="non-empty token sequences"):
+        viz.radix_tree([[1], []])
+
+
+def test_radix_tree_matches_the_prefix_cache():
+    import random
+
+    import kvcache
+
+    rng = random.Random(0)
+    system = [rng.randrange(100) for _ in range(20)]
+    seqs = [system + [rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(6)]
+    seqs += [system[:7] + [rng.randrange(100) for _ in range(5)]]
+    alloc = kvcache.BlockAllocator(64, 4)
+    cache = kvcache.PrefixCache(alloc)
+    for s in seqs:
+        cache.insert(s, alloc.allocate(-(-len(s) // 4)))
+    assert viz.radix_tree(seqs).kvcache_nodes == cache.stats()["nodes"]
+
+
+def test_roofline_draws_the_roof_and_points():
+    fig = viz.roofline([("decode", 1.0, 1e9), ("prefill", 50.0, 5e10)], peak_flops=1e11, peak_bandwidth=1e10)
+    ax = fig.axes[0]
+    roof = next(line for line in ax.lines if line.get_label() == "roof")
+    assert max(roof.get_ydata()) == pytest.approx(1e11)
+    assert roof.get_ydata()[0] == pytest.approx(roof.get_xdata()[0] * 1e10)
+    assert len(ax.collections) == 2
+    with pytest.raises(ValueError, match="peak_bandwidth must be a positive number, got 0"):
+        viz.roofline([("a", 1.0, 1.0)], peak_flops=1.0, peak_bandwidth=0)
+    with pytest.raises(ValueError, match="point 'a' needs a positive intensity"):
+        viz.roofline([("a", 0.0, 1.0)], peak_flops=1.0, peak_bandwidth=1.0)
+
+
+def test_save_writes_a_png_into_the_figures_dir(tmp_path, monkeypatch):
+    fig = viz.line_plot([1, 2], {"a": [1, 2]})
+    monkeypatch.delenv(viz.FIGURES_ENV, raising=False)
+    assert viz.save(fig, "nothing") is None
+    monkeypatch.setenv(viz.FIGURES_ENV, str(tmp_path / "figs"))
+    path = viz.save(fig, "line")
+    assert path == tmp_path / "figs" / "line.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert viz.save(fig, "other", tmp_path) == tmp_path / "other.png"
+    with pytest.raises(ValueError, match="name must be a plain file name"):
+        viz.save(fig, "../escape")
+
