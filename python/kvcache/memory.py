@@ -1,11 +1,25 @@
 """KV-cache memory calculator.
 
-The cache of a decoder holds, for every layer, a key and a value vector per KV head and token::
+The cache of a decoder holds, for every attention layer, a key and a value vector per KV head and
+token::
 
-    M = L * h_kv * d * (s_K + s_V) * sum_i T_i   (+ metadata, e.g. quantization scales)
+    M = L * h_kv * (d_K * s_K + d_V * s_V) * sum_i T_i   (+ metadata, e.g. quantization scales)
 
-with ``L`` layers, ``h_kv`` KV heads, head dim ``d``, ``s_K``/``s_V`` bytes per element and ``T_i``
-tokens of sequence ``i``. A layer with a sliding window ``W`` holds at most ``min(T_i, W)`` tokens.
+with ``L`` attention layers, ``h_kv`` KV heads, key and value widths ``d_K`` and ``d_V`` (both the
+head dim ``d`` in ordinary attention), ``s_K``/``s_V`` bytes per element and ``T_i`` tokens of
+sequence ``i``. A layer with a sliding window ``W`` holds at most ``min(T_i, W)`` tokens.
+
+Two families fit the same formula:
+
+- **Multi-head latent attention** (MLA: DeepSeek-V2/V3 and their descendants) caches, per token
+  and layer, one latent of ``kv_lora_rank`` values and one rotary key of ``qk_rope_head_dim``
+  values shared by every head: ``h_kv = 1``, ``d_K = kv_lora_rank``, ``d_V = qk_rope_head_dim``.
+  The sides are the ones transformers 5.x hands the cache: the latent as the key, the rotary part
+  as the value (so ``k_bits`` is the latent's format and ``v_bits`` the rotary part's).
+- **Hybrid models** (Qwen3-Next, Jamba, ...) where only some layers attend: ``L`` counts the
+  attention layers only. The linear-attention / Mamba / conv layers keep a state per sequence
+  that does not grow with tokens; :class:`KVShape` counts its elements apart from the per-token
+  cache and :func:`state_bytes` sizes it.
 
 Sizes are computed exactly: element sizes are kept in bits and sums in :class:`fractions.Fraction`,
 so sub-byte formats (e.g. 3- or 4-bit) never round. Every byte count returned is an ``int`` when it
@@ -23,7 +37,7 @@ from typing import Any
 
 __all__ = [
     "KVShape", "MemoryReport", "bytes_per_token", "cache_bytes", "paged_memory",
-    "contiguous_memory", "dtype_bits", "format_bytes",
+    "contiguous_memory", "state_bytes", "dtype_bits", "format_bytes",
 ]  # fmt: skip
 
 Bytes = int | Fraction
@@ -108,32 +122,80 @@ def _missing(*names: str) -> ValueError:
     return ValueError(f"config has no {names[0]!r}{alts}")
 
 
-@dataclass(frozen=True)
+# Layer types (``config.layer_types`` and Jamba's ``layers_block_type``) whose layers cache every
+# token, and those whose layers keep a fixed-size state per sequence instead.
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+_STATE_TYPES = ("linear_attention", "mamba", "conv")
+
+
+def _optional_count(value: Any, name: str) -> int | None:
+    return None if value is None else _non_negative_int(value, name)
+
+
+@dataclass(frozen=True, repr=False)
 class KVShape:
     """Cache geometry of a model.
 
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
-        Positive sizes; ``num_kv_heads=1`` is multi-query attention.
+        Positive sizes; ``num_kv_heads=1`` is multi-query attention. ``num_layers`` counts the
+        layers that cache every token (the attention layers of a hybrid model).
     sliding_windows : int or sequence of (int or None), optional
         Per-layer sliding window (``None`` = full attention); a single int applies to every layer.
         Stored as a tuple of ``num_layers`` entries, or ``None`` when no layer has a window.
+    v_head_dim : int, optional
+        Width of a cached value vector when it differs from the key's ``head_dim``; stored as
+        ``head_dim`` when not given.
+    mla : bool, default False
+        Multi-head latent attention: one "head" (``num_kv_heads=1``) whose key side is the
+        ``kv_lora_rank`` latent and whose value side the ``qk_rope_head_dim`` rotary key, as
+        transformers 5.x hands them to the cache. Build it with :meth:`mla_shape`.
+    state_layers : int, default 0
+        Layers that keep a fixed-size state per sequence instead of a per-token cache
+        (linear attention, Mamba, conv layers of hybrid models).
+    conv_state_elements, recurrent_state_elements : int or None, default 0
+        Elements of that state per sequence, summed over the state layers: the rolling
+        convolution window and the recurrent (SSM / linear-attention) matrix. ``None`` when
+        unknown (a hybrid family whose state :meth:`from_config` cannot size).
 
     Examples
     --------
     >>> KVShape(4, 8, 128, sliding_windows=[1024, None, 1024, None]).window_groups
     ((1024, 2), (None, 2))
+    >>> KVShape.mla_shape(61, kv_lora_rank=512, qk_rope_head_dim=64)  # DeepSeek-V3
+    KVShape(num_layers=61, num_kv_heads=1, head_dim=512, v_head_dim=64, mla=True)
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_windows: tuple[int | None, ...] | None = None
+    v_head_dim: int | None = None
+    mla: bool = False
+    state_layers: int = 0
+    conv_state_elements: int | None = 0
+    recurrent_state_elements: int | None = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             object.__setattr__(self, name, _positive_int(getattr(self, name), name))
+        v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        object.__setattr__(self, "v_head_dim", _positive_int(v_dim, "v_head_dim"))
+        if not isinstance(self.mla, bool):
+            raise ValueError(f"mla must be a bool, got {self.mla!r}")
+        if self.mla and self.num_kv_heads != 1:
+            raise ValueError(
+                f"num_kv_heads must be 1 with mla=True (one latent shared by every head), "
+                f"got {self.num_kv_heads!r}"
+            )
+        state_layers = _non_negative_int(self.state_layers, "state_layers")
+        object.__setattr__(self, "state_layers", state_layers)
+        for name in ("conv_state_elements", "recurrent_state_elements"):
+            count = _optional_count(getattr(self, name), name)
+            if state_layers == 0 and count != 0:
+                raise ValueError(f"{name} must be 0 without state layers (state_layers=0), got {count!r}")
+            object.__setattr__(self, name, count)
         windows = self.sliding_windows
         if windows is not None:
             if _is_int(windows):
@@ -153,6 +215,42 @@ class KVShape:
             windows = None if all(w is None for w in windows) else windows
         object.__setattr__(self, "sliding_windows", windows)
 
+    def __repr__(self) -> str:
+        # the three sizes always; the other fields only where they differ from their defaults
+        shown = [f"num_layers={self.num_layers}", f"num_kv_heads={self.num_kv_heads}",
+                 f"head_dim={self.head_dim}"]  # fmt: skip
+        if self.sliding_windows is not None:
+            shown.append(f"sliding_windows={self.sliding_windows!r}")
+        if self.v_head_dim != self.head_dim:
+            shown.append(f"v_head_dim={self.v_head_dim}")
+        if self.mla:
+            shown.append("mla=True")
+        if self.state_layers:
+            shown += [f"state_layers={self.state_layers}",
+                      f"conv_state_elements={self.conv_state_elements!r}",
+                      f"recurrent_state_elements={self.recurrent_state_elements!r}"]  # fmt: skip
+        return f"KVShape({', '.join(shown)})"
+
+    @classmethod
+    def mla_shape(
+        cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+        sliding_windows: Any = None,
+    ) -> "KVShape":  # fmt: skip
+        """The cache of multi-head latent attention: per token and layer, a ``kv_lora_rank``
+        latent (the key side) and a ``qk_rope_head_dim`` rotary key (the value side).
+
+        The number of query heads and their ``qk_nope_head_dim``/``v_head_dim`` do not enter: the
+        heads are expanded from the latent by ``kv_b_proj``, never cached.
+
+        Examples
+        --------
+        >>> bytes_per_token(KVShape.mla_shape(61, 512, 64), dtype="bfloat16")  # 61 * 576 * 2
+        70272
+        """
+        rank = _positive_int(kv_lora_rank, "kv_lora_rank")
+        rope = _positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+        return cls(num_layers, 1, rank, sliding_windows, v_head_dim=rope, mla=True)
+
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """The window of every layer, ``None`` for full attention."""
@@ -170,22 +268,62 @@ class KVShape:
     def from_config(cls, config: Any) -> "KVShape":
         """Read the geometry from a Hugging Face config object, a namespace or a dict.
 
-        Multimodal configs are read through ``text_config``. Layer windows come from
-        ``layer_types`` when present, else from Qwen-style ``use_sliding_window``/
-        ``max_window_layers``, Gemma-3-style ``sliding_window_pattern`` or Gemma-2 alternation,
-        else ``sliding_window`` applies to every layer. MLA (DeepSeek) caches are not modelled.
-        Raises ``ValueError`` naming the attribute that is missing.
+        Multimodal configs are read through ``text_config``.
+
+        - **Layers.** From ``layer_types`` when present (else Jamba's ``layers_block_type`` or
+          ``attn_layer_period``/``attn_layer_offset``): ``full_attention``, ``sliding_attention``,
+          ``chunked_attention`` and ``attention`` layers cache every token; ``linear_attention``,
+          ``mamba`` and ``conv`` layers are counted as ``state_layers``. Any other type raises.
+        - **Windows.** A sliding layer holds ``sliding_window`` tokens; without ``layer_types``,
+          Qwen-style ``use_sliding_window``/``max_window_layers``, Gemma-3-style
+          ``sliding_window_pattern`` or Gemma-2 alternation decide, else ``sliding_window``
+          applies to every layer.
+        - **MLA.** A config with ``kv_lora_rank`` and ``qk_rope_head_dim`` (DeepSeek-V2/V3 and
+          their descendants) caches the latent and the rotary key: :meth:`mla_shape`. That is
+          what DeepSeek's inference and transformers >= 5 hold; transformers 4.x expands the
+          latent and caches ``num_key_value_heads`` full K and V heads instead. Multi-token
+          prediction layers (``num_nextn_predict_layers``) are not counted.
+        - **State of hybrid layers.** Sized for Qwen3-Next (``model_type="qwen3_next"``: a
+          conv window of ``linear_conv_kernel_dim`` over the q, k and v channels, and a
+          ``linear_key_head_dim x linear_value_head_dim`` matrix per value head) and Jamba
+          (``"jamba"``: ``mamba_expand * hidden_size`` channels, a conv window of
+          ``mamba_d_conv`` and ``mamba_d_state`` SSM values each). For other families the two
+          state counts are ``None``.
+
+        Raises ``ValueError`` naming the attribute that is missing or wrong.
 
         Examples
         --------
         >>> KVShape.from_config({"n_layer": 12, "n_head": 12, "n_embd": 768})
-        KVShape(num_layers=12, num_kv_heads=12, head_dim=64, sliding_windows=None)
+        KVShape(num_layers=12, num_kv_heads=12, head_dim=64)
         """
         text = _get(config, "text_config")
         config = config if text is None else text
         num_layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
         if num_layers is None:
             raise _missing("num_hidden_layers", "n_layer", "num_layers")
+        kinds = _layer_kinds(config, num_layers)
+        windows = _config_windows(config, num_layers, kinds)
+        state_layers, state = 0, (0, 0)
+        if kinds is not None:
+            attention = [i for i, kind in enumerate(kinds) if kind in _ATTENTION_TYPES]
+            if not attention:
+                raise ValueError(
+                    f"layer_types has no attention layer (got {sorted(set(kinds))}): "
+                    "nothing is cached per token"
+                )
+            state_layers = len(kinds) - len(attention)
+            num_layers = len(attention)
+            windows = None if windows is None else [windows[i] for i in attention]
+            if state_layers:
+                state = _state_elements(config, state_layers)
+        extra = dict(state_layers=state_layers, conv_state_elements=state[0],
+                     recurrent_state_elements=state[1])  # fmt: skip
+        rank, rope = _get(config, "kv_lora_rank"), _get(config, "qk_rope_head_dim")
+        if rank is not None and rope is not None:
+            rank = _positive_int(rank, "kv_lora_rank")
+            rope = _positive_int(rope, "qk_rope_head_dim")
+            return cls(num_layers, 1, rank, windows, v_head_dim=rope, mla=True, **extra)
         num_heads = _first(config, "num_attention_heads", "n_head")
         kv_names = ("num_key_value_heads", "num_kv_heads", "num_attention_heads", "n_head")
         if _get(config, "multi_query") and not _get(config, "new_decoder_architecture"):
@@ -204,32 +342,85 @@ class KVShape:
                     f"hidden_size={hidden!r} is not divisible by num_attention_heads={num_heads!r}"
                 )
             head_dim = hidden // num_heads
-        return cls(num_layers, num_kv_heads, head_dim, _config_windows(config, num_layers))
+        return cls(num_layers, num_kv_heads, head_dim, windows, **extra)
 
 
-def _config_windows(config: Any, num_layers: Any) -> list[int | None] | None:
+def _layer_kinds(config: Any, num_layers: Any) -> list[str] | None:
+    """The type of every layer, or None when the config says every layer is alike."""
+    kinds, name = _get(config, "layer_types"), "layer_types"
+    if kinds is None:  # Jamba: a property in transformers 4.x, absent from its config.json
+        kinds, name = _get(config, "layers_block_type"), "layers_block_type"
+    if kinds is None:
+        period, offset = _get(config, "attn_layer_period"), _get(config, "attn_layer_offset")
+        if period is None or offset is None or not _is_int(num_layers):
+            return None
+        period = _positive_int(period, "attn_layer_period")
+        offset = _non_negative_int(offset, "attn_layer_offset")
+        if offset >= period:
+            raise ValueError(
+                f"attn_layer_offset must be below attn_layer_period={period}, got {offset}"
+            )
+        return ["attention" if i % period == offset else "mamba" for i in range(num_layers)]
+    kinds = list(kinds)
+    if len(kinds) != num_layers:
+        raise ValueError(f"{name} has {len(kinds)} entries, expected {num_layers} (num_layers)")
+    for i, kind in enumerate(kinds):
+        if kind not in _ATTENTION_TYPES + _STATE_TYPES:
+            raise ValueError(
+                f"{name}[{i}]={kind!r} is not a supported layer type (per-token cache: "
+                f"{', '.join(_ATTENTION_TYPES)}; fixed state: {', '.join(_STATE_TYPES)})"
+            )
+    return kinds
+
+
+def _config_ints(config: Any, *names: str) -> list[int] | None:
+    values = [_get(config, n) for n in names]
+    if any(v is None for v in values):
+        return None
+    return [_positive_int(v, n) for v, n in zip(values, names)]
+
+
+def _state_elements(config: Any, state_layers: int) -> tuple[int | None, int | None]:
+    """(conv, recurrent) state elements per sequence over all state layers, None if unknown."""
+    model_type = _get(config, "model_type")
+    if model_type == "qwen3_next":  # Gated DeltaNet: conv over [q, k, v] channels, S per v head
+        sizes = _config_ints(config, "linear_num_key_heads", "linear_key_head_dim",
+                             "linear_num_value_heads", "linear_value_head_dim",
+                             "linear_conv_kernel_dim")  # fmt: skip
+        if sizes is not None:
+            k_heads, k_dim, v_heads, v_dim, kernel = sizes
+            conv = (2 * k_heads * k_dim + v_heads * v_dim) * kernel
+            return state_layers * conv, state_layers * v_heads * k_dim * v_dim
+    elif model_type == "jamba":  # Mamba-1: expand * hidden channels, each a conv window and an SSM
+        sizes = _config_ints(config, "mamba_expand", "hidden_size", "mamba_d_conv", "mamba_d_state")
+        if sizes is not None:
+            expand, hidden, d_conv, d_state = sizes
+            return state_layers * expand * hidden * d_conv, state_layers * expand * hidden * d_state
+    return None, None
+
+
+def _config_windows(
+    config: Any, num_layers: Any, kinds: list[str] | None
+) -> list[int | None] | None:
     window = _get(config, "sliding_window")
     use = _get(config, "use_sliding_window")
     if use is not None and not use:
         window = None  # Qwen2 config.json files keep a window size while sliding is off
-    layer_types = _get(config, "layer_types")
-    if layer_types is not None:
-        layer_types = list(layer_types)
-        if len(layer_types) != num_layers:
-            raise ValueError(
-                f"layer_types has {len(layer_types)} entries, expected {num_layers} (num_layers)"
-            )
+    if kinds is not None:
         chunk = _get(config, "attention_chunk_size")
         windows: list[int | None] = []
-        for i, kind in enumerate(layer_types):
-            if kind == "full_attention":
-                windows.append(None)
-            elif kind == "sliding_attention":
+        for i, kind in enumerate(kinds):
+            if kind == "sliding_attention":
                 windows.append(window)  # a None window means full attention, as in transformers
-            elif kind == "chunked_attention" and chunk:
+            elif kind == "chunked_attention":
+                if not chunk:
+                    raise ValueError(
+                        f"layer_types[{i}]='chunked_attention' needs attention_chunk_size, "
+                        f"got {chunk!r}"
+                    )
                 windows.append(chunk)  # Llama-4: a chunk never holds more than chunk_size tokens
             else:
-                raise ValueError(f"layer_types[{i}]={kind!r} is not a supported attention type")
+                windows.append(None)  # full attention, or a state layer (dropped by the caller)
         return windows
     if not window or not _is_int(num_layers):
         return None  # KVShape reports a bad num_layers by name
@@ -247,13 +438,13 @@ def _config_windows(config: Any, num_layers: Any) -> list[int | None] | None:
 def _layer_bits(
     shape: KVShape, k_bits: Any, v_bits: Any, dtype: Any, k_meta: Any, v_meta: Any
 ) -> Fraction:
-    """Bits one token occupies in one layer: h_kv * (d * (b_K + b_V) + 8 * metadata bytes)."""
+    """Bits one token occupies in one layer: h_kv * (d_K * b_K + d_V * b_V + 8 * metadata bytes)."""
     default = 16 if dtype is None else dtype_bits(dtype, "dtype")
     kb = default if k_bits is None else dtype_bits(k_bits, "k_bits")
     vb = default if v_bits is None else dtype_bits(v_bits, "v_bits")
     meta = _meta_bytes(k_meta, "k_meta_bytes_per_token_head")
     meta += _meta_bytes(v_meta, "v_meta_bytes_per_token_head")
-    return shape.num_kv_heads * (shape.head_dim * (kb + vb) + 8 * meta)
+    return shape.num_kv_heads * (shape.head_dim * kb + shape.v_head_dim * vb + 8 * meta)
 
 
 def _lengths(lengths: int | Iterable[int], batch_size: int) -> tuple[int, ...]:
@@ -273,13 +464,17 @@ def bytes_per_token(
 ) -> Bytes:  # fmt: skip
     """Bytes one cached token takes across all layers (a token shorter than every window).
 
+    Only the layers that cache every token count: the fixed state of a hybrid model's other
+    layers is :func:`state_bytes`.
+
     Parameters
     ----------
     shape : KVShape
         Cache geometry.
     k_bits, v_bits : int, str or dtype, optional
         Bits per element of K and of V (or a dtype such as ``"bfloat16"``, ``torch.int8``).
-        Each defaults to ``dtype``, which defaults to 16 bits.
+        Each defaults to ``dtype``, which defaults to 16 bits. For MLA, K is the latent and V the
+        rotary key.
     dtype : int, str or dtype, optional
         Shorthand setting both ``k_bits`` and ``v_bits``.
     k_meta_bytes_per_token_head, v_meta_bytes_per_token_head : int or Fraction
@@ -289,7 +484,7 @@ def bytes_per_token(
     Returns
     -------
     int or Fraction
-        ``L * h_kv * (d * (bits_K + bits_V) / 8 + meta_K + meta_V)``; an int when whole.
+        ``L * h_kv * ((d_K * bits_K + d_V * bits_V) / 8 + meta_K + meta_V)``; an int when whole.
 
     Examples
     --------
@@ -335,6 +530,51 @@ def cache_bytes(
         shape, k_bits, v_bits, dtype, k_meta_bytes_per_token_head, v_meta_bytes_per_token_head
     )
     return _whole(bits * _held_tokens(shape, seqs) / 8)
+
+
+def state_bytes(
+    shape: KVShape, *, batch_size: int = 1, dtype: Any = None, conv_bits: Any = None,
+    recurrent_bits: Any = "float32",
+) -> Bytes | None:  # fmt: skip
+    """Bytes of the fixed state a hybrid model's non-attention layers keep for ``batch_size``
+    sequences, however long they are; ``0`` without such layers, ``None`` when unknown.
+
+    Parameters
+    ----------
+    shape : KVShape
+        Cache geometry, with ``state_layers`` and the two state element counts.
+    batch_size : int, default 1
+        Number of sequences.
+    dtype : int, str or dtype, optional
+        Bits per conv-state element (the model's dtype, which transformers keeps that window
+        in); defaults to 16 bits. ``conv_bits`` overrides it.
+    recurrent_bits : int, str or dtype, default "float32"
+        Bits per element of the recurrent state: the Qwen3-Next (gated delta rule) and Jamba
+        (selective scan) layers of transformers 5.x keep it in float32 whatever the model's dtype
+        (their conv window is in the model's dtype).
+
+    Returns
+    -------
+    int, Fraction or None
+        ``batch_size * (conv_elements * bits_conv + recurrent_elements * bits_recurrent) / 8``;
+        ``None`` when the shape leaves the state unknown (``conv_state_elements`` or
+        ``recurrent_state_elements`` is ``None``).
+
+    Examples
+    --------
+    >>> jamba_like = KVShape(1, 8, 128, state_layers=7, conv_state_elements=7 * 8192 * 4,
+    ...                      recurrent_state_elements=7 * 8192 * 16)
+    >>> state_bytes(jamba_like, dtype="bfloat16")  # 7 layers * 8192 * (4 * 2 + 16 * 4) bytes
+    4128768
+    """
+    batch_size = _positive_int(batch_size, "batch_size")
+    default = 16 if dtype is None else dtype_bits(dtype, "dtype")
+    cb = default if conv_bits is None else dtype_bits(conv_bits, "conv_bits")
+    rb = dtype_bits(recurrent_bits, "recurrent_bits")
+    conv, recurrent = shape.conv_state_elements, shape.recurrent_state_elements
+    if conv is None or recurrent is None:
+        return None
+    return _whole(Fraction(batch_size * (conv * cb + recurrent * rb), 8))
 
 
 def _held_tokens(shape: KVShape, seqs: tuple[int, ...]) -> int:
