@@ -1,5 +1,6 @@
 """Tests of kvcache.memory. Expected values are worked out by hand in each test, from the formula
-M = L * h_kv * d * (s_K + s_V) * sum_i T_i (+ metadata), never copied from the code's output."""
+M = L * h_kv * (d_K * s_K + d_V * s_V) * sum_i T_i (+ metadata) and, for MLA and hybrid models, from
+the published configs' arithmetic, never copied from the code's output."""
 
 from __future__ import annotations
 
@@ -173,9 +174,9 @@ def test_from_config_errors_name_the_missing_attribute():
         KVShape.from_config({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 64})
     with pytest.raises(ValueError, match="layer_types"):
         KVShape.from_config({**vars(_llama_like()), "layer_types": ["full_attention"] * 3})
-    with pytest.raises(ValueError, match=r"layer_types\[1\]"):
+    with pytest.raises(ValueError, match=r"layer_types\[1\]='indexed_attention'"):  # DeepSeek-V3.2's DSA
         KVShape.from_config({**vars(_llama_like(num_hidden_layers=2)),
-                             "layer_types": ["full_attention", "linear_attention"]})  # fmt: skip
+                             "layer_types": ["full_attention", "indexed_attention"]})  # fmt: skip
     with pytest.raises(ValueError, match="num_layers"):
         KVShape.from_config(_llama_like(num_hidden_layers=0))
 
@@ -198,6 +199,235 @@ def test_from_config_real_transformers_configs():
         gemma3 = transformers.Gemma3Config(text_config=dict(num_hidden_layers=6, sliding_window=128,
                                                             num_key_value_heads=1, head_dim=256))
         assert KVShape.from_config(gemma3) == KVShape(6, 1, 256, [128] * 5 + [None])
+
+
+# ---------------------------------------------------------------- MLA (DeepSeek-V2/V3)
+
+# DeepSeek-V3 as its config.json states it (num_key_value_heads 128; no head_dim: the per-head K is
+# qk_nope_head_dim + qk_rope_head_dim = 192 wide, V 128, but neither is what the cache holds)
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
+                   num_key_value_heads=128, hidden_size=7168, kv_lora_rank=512, q_lora_rank=1536,
+                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)  # fmt: skip
+
+
+def test_deepseek_v3_mla_bytes_per_token_by_hand():
+    shape = KVShape.mla_shape(61, kv_lora_rank=512, qk_rope_head_dim=64)
+    # per token and layer one 512-value latent and one 64-value rotary key, shared by all 128 heads:
+    # 61 * (512 + 64) = 35136 values; bf16: 70272 bytes = 68.625 KiB
+    assert memory.bytes_per_token(shape, dtype="bfloat16") == 70272
+    assert memory.format_bytes(70272) == "68.62 KiB"
+    # the latent is the key side, the rotary key the value side: an int8 latent beside a bf16
+    # rotary key is 61 * (512 * 1 + 64 * 2) = 39040 bytes; the other way round 61 * (1024 + 64) = 66368
+    assert memory.bytes_per_token(shape, k_bits="int8", v_bits="bfloat16") == 39040
+    assert memory.bytes_per_token(shape, k_bits="bfloat16", v_bits="int8") == 66368
+    # 8192 tokens: 70272 * 8192 = 575668224 bytes = 549 MiB
+    assert memory.cache_bytes(shape, 8192, dtype="bfloat16") == 575668224 == 549 * MiB
+    # against the same 61 layers caching K and V heads of 128 dims (bf16):
+    # GQA with 8 KV heads 61 * 8 * 128 * 4 = 249856 B, MHA with 128 heads 61 * 128 * 128 * 4 = 3997696 B
+    assert memory.bytes_per_token(KVShape(61, 8, 128)) == 249856
+    assert memory.bytes_per_token(KVShape(61, 128, 128)) == 3997696
+    assert Fraction(70272, 3997696) == Fraction(9, 512)  # MLA keeps 576 of 32768 values: 1.76%
+
+
+def test_mla_config_path_equals_the_explicit_path():
+    explicit = KVShape.mla_shape(61, 512, 64)
+    assert explicit == KVShape(61, 1, 512, v_head_dim=64, mla=True)
+    assert (explicit.num_kv_heads, explicit.head_dim, explicit.v_head_dim) == (1, 512, 64)
+    assert KVShape.from_config(DEEPSEEK_V3) == explicit
+    assert KVShape.from_config(SimpleNamespace(**DEEPSEEK_V3)) == explicit
+    # DeepSeek-V2 (60 layers, the same latent and rotary widths): 60 * 576 * 2 = 69120 bytes bf16
+    v2 = KVShape.from_config({**DEEPSEEK_V3, "model_type": "deepseek_v2", "num_hidden_layers": 60})
+    assert memory.bytes_per_token(v2) == 69120
+
+
+def test_mla_from_real_transformers_configs():
+    transformers = pytest.importorskip("transformers")
+    v3 = transformers.DeepseekV3Config()
+    # the defaults are DeepSeek-V3's published attention shapes
+    assert (v3.num_hidden_layers, v3.kv_lora_rank, v3.qk_rope_head_dim) == (61, 512, 64)
+    assert (v3.num_attention_heads, v3.qk_nope_head_dim, v3.v_head_dim) == (128, 128, 128)
+    # head_dim is set to qk_rope_head_dim and num_key_value_heads to 128: neither is the cache
+    assert KVShape.from_config(v3) == KVShape.mla_shape(61, 512, 64)
+    assert memory.bytes_per_token(KVShape.from_config(v3)) == 61 * (512 + 64) * 2
+    tiny = transformers.DeepseekV2Config(num_hidden_layers=3, num_attention_heads=4, hidden_size=64,
+                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                         v_head_dim=16, q_lora_rank=None)  # fmt: skip
+    assert KVShape.from_config(tiny) == KVShape.mla_shape(3, 16, 8)
+    assert memory.bytes_per_token(KVShape.from_config(tiny), dtype="float32") == 3 * (16 + 8) * 4
+
+
+# ---------------------------------------------------------------- hybrid layer mixes
+
+# Qwen3-Next-80B-A3B's config.json: 48 layers, every 4th full attention (2 KV heads of 256), the
+# others Gated DeltaNet (16 key heads and 32 value heads of 128, conv kernel 4)
+QWEN3_NEXT = dict(model_type="qwen3_next", num_hidden_layers=48, num_attention_heads=16,
+                  num_key_value_heads=2, head_dim=256, hidden_size=2048, linear_num_key_heads=16,
+                  linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, full_attention_interval=4,
+                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                               for i in range(48)])  # fmt: skip
+
+
+def test_qwen3_next_only_its_attention_layers_cache_tokens():
+    shape = KVShape.from_config(QWEN3_NEXT)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (12, 2, 256)
+    # 12 attention layers * 2 heads * 256 * (2 + 2) bytes = 24576 bytes per token (not 48 layers' 98304)
+    assert memory.bytes_per_token(shape) == 24576
+    assert memory.cache_bytes(shape, 32768) == 24576 * 32768 == 768 * MiB
+    # 36 Gated DeltaNet layers; each convolves the q, k, v channels 2 * 16 * 128 + 32 * 128 = 8192 over
+    # 4 steps (32768 values) and keeps a 128 x 128 matrix per value head (32 * 16384 = 524288 values)
+    assert shape.state_layers == 36
+    assert shape.conv_state_elements == 36 * 32768 == 1179648
+    assert shape.recurrent_state_elements == 36 * 524288 == 18874368
+    # bf16 conv window, float32 recurrent state: 36 * (32768 * 2 + 524288 * 4) = 77856768 bytes
+    assert memory.state_bytes(shape, dtype="bfloat16") == 77856768
+    assert memory.state_bytes(shape, dtype="bfloat16", batch_size=3) == 3 * 77856768
+    assert memory.state_bytes(shape, conv_bits=8, recurrent_bits=16) == 36 * (32768 + 524288 * 2)
+
+
+# Jamba-v0.1's config.json: 32 layers, attention at i % 8 == 4 (8 KV heads of 4096 / 32 = 128), Mamba
+# elsewhere (expand 2 of hidden 4096, d_conv 4, d_state 16); no layer_types in the file
+JAMBA = dict(model_type="jamba", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+             hidden_size=4096, attn_layer_period=8, attn_layer_offset=4, mamba_expand=2,
+             mamba_d_conv=4, mamba_d_state=16)  # fmt: skip
+
+
+def test_jamba_only_its_attention_layers_cache_tokens():
+    shape = KVShape.from_config(JAMBA)
+    assert shape == KVShape(4, 8, 128, state_layers=28, conv_state_elements=28 * 8192 * 4,
+                            recurrent_state_elements=28 * 8192 * 16)  # fmt: skip
+    # layers 4, 12, 20, 28 attend: 4 * 8 * 128 * 4 = 16384 bytes per token (not 32 layers' 131072)
+    assert memory.bytes_per_token(shape, dtype="bfloat16") == 16384
+    # 28 Mamba layers of 8192 channels: 4 bf16 conv steps (8 B) + 16 float32 SSM values (64 B) each
+    assert memory.state_bytes(shape, dtype="bfloat16") == 28 * 8192 * (8 + 64) == 16515072
+    # transformers 4.x's layers_block_type and 5.x's layer_types say the same thing
+    kinds = ["attention" if i % 8 == 4 else "mamba" for i in range(32)]
+    assert KVShape.from_config({**JAMBA, "layers_block_type": kinds}) == shape
+    types = ["full_attention" if k == "attention" else "linear_attention" for k in kinds]
+    assert KVShape.from_config(SimpleNamespace(**JAMBA, layer_types=types)) == shape
+
+
+def test_hybrid_state_of_an_unknown_family_is_none_and_windows_apply_to_sliding_layers():
+    cfg = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+               sliding_window=3, layer_types=["sliding_attention", "linear_attention",
+                                              "full_attention", "conv"])  # fmt: skip
+    shape = KVShape.from_config(cfg)
+    assert shape.sliding_windows == (3, None) and shape.state_layers == 2
+    assert shape.conv_state_elements is None and shape.recurrent_state_elements is None
+    assert memory.state_bytes(shape) is None
+    # bf16: 8 * 4 = 32 bytes per token-layer; the sliding layer holds 3 of 10 tokens, the full one 10
+    assert memory.cache_bytes(shape, 10) == 32 * (3 + 10)
+    assert memory.paged_memory(shape, [10], page_size=2).blocks_per_seq == (2 + 5,)
+    # a model without state layers has no state
+    assert memory.state_bytes(KVShape(2, 2, 8)) == 0
+
+
+def _tiny_qwen3_next(transformers):
+    return transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=3, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=256,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+
+
+def _tiny_jamba(transformers):
+    return transformers.JambaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=256)
+
+
+def test_hybrid_tiny_transformers_configs():
+    transformers = pytest.importorskip("transformers")
+    qwen = KVShape.from_config(_tiny_qwen3_next(transformers))
+    # 1 attention layer of 2 heads * 16; 3 DeltaNet layers: conv (2 * 2 * 16 + 4 * 8) * 3 = 288, S 4 * 16 * 8 = 512
+    assert qwen == KVShape(1, 2, 16, state_layers=3, conv_state_elements=3 * 288,
+                           recurrent_state_elements=3 * 512)  # fmt: skip
+    jamba = KVShape.from_config(_tiny_jamba(transformers))
+    # attention at layers 1 and 3 (2 heads of 32 / 4 = 8); 2 Mamba layers of 2 * 32 = 64 channels
+    assert jamba == KVShape(2, 2, 8, state_layers=2, conv_state_elements=2 * 64 * 4,
+                            recurrent_state_elements=2 * 64 * 8)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next", "jamba"])
+def test_bytes_equal_what_the_real_models_cache(family):
+    """The tiny models of transformers' own classes, run once on a DynamicCache: the bytes of the
+    tensors it holds are kvcache.memory's per-token cache plus its fixed state."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x caches MLA's expanded heads and keeps hybrid state in model-specific caches")
+    transformers.logging.set_verbosity_error()
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
+        model = transformers.DeepseekV3ForCausalLM(config)
+    elif family == "qwen3_next":
+        config = _tiny_qwen3_next(transformers)
+        model = transformers.Qwen3NextForCausalLM(config)
+    else:
+        config = _tiny_jamba(transformers)
+        model = transformers.JambaForCausalLM(config)
+    model = model.eval().to(torch.bfloat16)
+    batch, tokens = 2, 7
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (batch, tokens - 1)), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.randint(0, 128, (batch, 1)), past_key_values=cache, use_cache=True)
+    held = {"kv": 0, "state": 0}
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            held["kv"] += t.nbytes if isinstance(t, torch.Tensor) else 0
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            held["state"] += sum(t.nbytes for t in states.values() if t is not None)
+    shape = KVShape.from_config(config)
+    assert held["kv"] == memory.cache_bytes(shape, tokens, batch_size=batch, dtype="bfloat16") > 0
+    assert held["state"] == memory.state_bytes(shape, batch_size=batch, dtype="bfloat16")
+    assert (held["state"] == 0) == (family == "deepseek_v3")
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: KVShape(61, 8, 512, v_head_dim=64, mla=True), "num_kv_heads.*8"),
+        (lambda: KVShape(61, 1, 512, mla="yes"), "mla.*'yes'"),
+        (lambda: KVShape(2, 1, 8, v_head_dim=0), "v_head_dim.*0"),
+        (lambda: KVShape(2, 1, 8, v_head_dim=4.0), "v_head_dim"),
+        (lambda: KVShape.mla_shape(61, 0, 64), "kv_lora_rank.*0"),
+        (lambda: KVShape.mla_shape(61, 512, -64), "qk_rope_head_dim.*-64"),
+        (lambda: KVShape.mla_shape(0, 512, 64), "num_layers.*0"),
+        (lambda: KVShape(2, 1, 8, state_layers=-1), "state_layers.*-1"),
+        (lambda: KVShape(2, 1, 8, state_layers=2, conv_state_elements=-5), "conv_state_elements.*-5"),
+        (lambda: KVShape(2, 1, 8, state_layers=2, recurrent_state_elements=1.5),
+         "recurrent_state_elements.*1.5"),
+        (lambda: KVShape(2, 1, 8, conv_state_elements=10), r"conv_state_elements.*state_layers=0.*10"),
+        (lambda: KVShape.from_config({**DEEPSEEK_V3, "kv_lora_rank": 0}), "kv_lora_rank.*0"),
+        (lambda: KVShape.from_config({**DEEPSEEK_V3, "qk_rope_head_dim": "64"}), "qk_rope_head_dim.*'64'"),
+        (lambda: KVShape.from_config({**QWEN3_NEXT, "layer_types": ["linear_attention"] * 48}),
+         "no attention layer"),
+        (lambda: KVShape.from_config({**QWEN3_NEXT, "layer_types": ["mamba2"] * 48}),
+         r"layer_types\[0\]='mamba2'"),
+        (lambda: KVShape.from_config({**QWEN3_NEXT, "linear_conv_kernel_dim": 0}), "linear_conv_kernel_dim.*0"),
+        (lambda: KVShape.from_config({**JAMBA, "attn_layer_offset": 8}), "attn_layer_offset.*8"),
+        (lambda: KVShape.from_config({**JAMBA, "attn_layer_period": 0}), "attn_layer_period.*0"),
+        (lambda: KVShape.from_config({**JAMBA, "layers_block_type": ["attention"] * 31}),
+         "layers_block_type has 31 entries"),
+        (lambda: KVShape.from_config({**QWEN3_NEXT, "layer_types": ["chunked_attention"] * 48}),
+         "attention_chunk_size"),
+        (lambda: memory.state_bytes(KVShape.from_config(JAMBA), batch_size=0), "batch_size.*0"),
+        (lambda: memory.state_bytes(KVShape.from_config(JAMBA), recurrent_bits="fp33"), "recurrent_bits.*fp33"),
+        (lambda: memory.state_bytes(KVShape.from_config(JAMBA), conv_bits=-8), "conv_bits.*-8"),
+    ],
+)  # fmt: skip
+def test_bad_mla_and_hybrid_values_raise_naming_them(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 # ---------------------------------------------------------------- element sizes and metadata
