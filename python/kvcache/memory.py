@@ -194,7 +194,9 @@ class KVShape:
         for name in ("conv_state_elements", "recurrent_state_elements"):
             count = _optional_count(getattr(self, name), name)
             if state_layers == 0 and count != 0:
-                raise ValueError(f"{name} must be 0 without state layers (state_layers=0), got {count!r}")
+                raise ValueError(
+                    f"{name} must be 0 without state layers (state_layers=0), got {count!r}"
+                )
             object.__setattr__(self, name, count)
         windows = self.sliding_windows
         if windows is not None:
