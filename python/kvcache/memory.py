@@ -547,9 +547,9 @@ def state_bytes(
         Cache geometry, with ``state_layers`` and the two state element counts.
     batch_size : int, default 1
         Number of sequences.
-    dtype : int, str or dtype, optional
-        Bits per conv-state element (the model's dtype, which transformers keeps that window
-        in); defaults to 16 bits. ``conv_bits`` overrides it.
+    dtype, conv_bits : int, str or dtype, optional
+        Bits per conv-state element: ``conv_bits``, else ``dtype`` (the model's dtype, which
+        transformers keeps that window in), else 16 bits.
     recurrent_bits : int, str or dtype, default "float32"
         Bits per element of the recurrent state: the Qwen3-Next (gated delta rule) and Jamba
         (selective scan) layers of transformers 5.x keep it in float32 whatever the model's dtype
