@@ -14,7 +14,7 @@ import torch
 import kvcache
 from kvcache import reference as ref
 
-from conftest import DEVICES, DTYPES, HAS_CUDA_EMULATION, make_paged_batch
+from conftest import DEVICES, DTYPES, HAS_CUDA_EMULATION, SUPPORTED_ISAS, make_paged_batch
 
 def cu_from(q_lens: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
@@ -308,3 +308,14 @@ def test_bad_merge_states_arguments():
         kvcache.merge_states(v, lse, v.double(), lse)
     with pytest.raises(TypeError, match=r"lse tensors must be float32"):
         kvcache.merge_states(v, lse.double(), v, lse)
+
+
+def test_cpu_isa_names_the_kernel_build_in_use():
+    before = kvcache.cpu_isa()
+    assert before == SUPPORTED_ISAS[-1]  # the best this CPU supports, chosen at import
+    try:
+        for name in SUPPORTED_ISAS:
+            kvcache._C.set_cpu_isa(name)
+            assert kvcache.cpu_isa() == name
+    finally:
+        kvcache._C.set_cpu_isa(before)

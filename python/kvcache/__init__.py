@@ -39,6 +39,13 @@ _install_registration()  # attn_implementation="kvcache", as soon as transformer
 __version__ = "0.1.0"
 build_info: dict = dict(_C.build_info)
 
+
+def cpu_isa() -> str:
+    """The build of the CPU attention kernel this process runs: "generic", "avx2", "avx512" or "avx512bf16"
+    (the best the CPU supports, chosen at import; write it beside every CPU timing)."""
+    return _C.cpu_isa()
+
+
 __all__ = [
     "BlobError",
     "BlockAllocator",
@@ -73,6 +80,7 @@ __all__ = [
     "build_info",
     "formats",
     "copy_blocks",
+    "cpu_isa",
     "memory",
     "merge_states",
     "ops",

