@@ -66,6 +66,9 @@ def line_plot(x: Sequence, series: Mapping[str, Sequence[float]], *, xlabel: str
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(v).is_integer() for v in x):  # counts (requests, steps): no ticks between them
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if logy:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
@@ -187,14 +190,17 @@ def radix_tree(sequences, *, labels=None, title: str = "", figsize=(7.0, 4.5)):
     def draw(node: dict, x0: float, depth: int, xy: tuple[float, float]) -> None:
         nonlocal count, depth_max
         x = x0
-        for edge, child in node.items():
+        for i, (edge, child) in enumerate(node.items()):
             width = leaves(child)
             cx, cy = x + width / 2, -(depth + 1)
             ax.plot([xy[0], cx], [xy[1], cy], color="0.5", linewidth=1, zorder=1)
             ax.scatter([cx], [cy], s=40, color="C0" if child else "C1", zorder=2)
             text = labels(edge) if labels else f"{len(edge)}"
-            ax.annotate(text, ((xy[0] + cx) / 2, (xy[1] + cy) / 2), fontsize=7, ha="center", va="center",
-                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
+            # towards the child, where siblings are a whole leaf apart, alternately higher and lower so that
+            # neighbouring labels do not overlap
+            t = 0.62 if i % 2 == 0 else 0.82
+            ax.annotate(text, (xy[0] + t * (cx - xy[0]), xy[1] + t * (cy - xy[1])), fontsize=7, ha="center",
+                        va="center", bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
             count += 1
             depth_max = max(depth_max, depth + 1)
             draw(child, x, depth + 1, (cx, cy))
