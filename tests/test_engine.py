@@ -99,9 +99,13 @@ def test_engine_bad_input(model):
     assert small.store.allocator.num_free == small.store.allocator.num_blocks  # nothing leaked
 
 
-def test_engine_progress_bar_counts_requests_and_turns_off(model, capsys):
+def test_engine_progress_bar_counts_requests_and_turns_off(model, capsys, monkeypatch):
     engine = kvcache.Engine(model, page_size=4)
     prompts = _prompts()[:3]
+    monkeypatch.setattr(kvcache.engine, "PROGRESS_DELAY_S", 60.0)
+    engine.generate(prompts, max_new_tokens=2)              # done before the bar's delay: no bar
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(kvcache.engine, "PROGRESS_DELAY_S", 0.0)
     engine.generate(prompts, max_new_tokens=2)
     err = capsys.readouterr().err
     assert "kvcache.Engine" in err and f"/{len(prompts)} " in err   # the bar counts requests out of 3

@@ -44,6 +44,10 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+# seconds a generate call runs before its bar appears: short calls (tests, a loop of small batches) stay quiet
+PROGRESS_DELAY_S = 1.0
+
+
 def _progress_bar(total: int, progress: bool):
     """A tqdm bar over ``total`` requests, or None when turned off, for a single prompt, or without tqdm
     (transformers brings it; kvcache itself does not depend on it)."""
@@ -53,7 +57,7 @@ def _progress_bar(total: int, progress: bool):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="kvcache.Engine", unit="request", leave=False)
+    return tqdm(total=total, desc="kvcache.Engine", unit="request", leave=False, delay=PROGRESS_DELAY_S)
 
 
 @dataclass
@@ -140,7 +144,8 @@ class Engine:
                  top_k: int | None = None, eos_token_id: int | None = None, seed: int = 0,
                  progress: bool = True) -> list[Result]:
         """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order.
-        With several prompts a tqdm bar counts finished requests on stderr; ``progress=False`` turns it off."""
+        With several prompts a tqdm bar counts finished requests on stderr once the call has run for
+        ``kvcache.engine.PROGRESS_DELAY_S`` (1 s); ``progress=False`` turns it off."""
         prompts = [self._encode(p) for p in prompts]
         bar = _progress_bar(len(prompts), progress)
         if eos_token_id is None and self.tokenizer is not None:
