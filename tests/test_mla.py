@@ -98,6 +98,17 @@ def test_generate_matches_dynamic_cache_bit_for_bit(model, impl, mode):
     assert tuple(pool.k.shape[1:]) == (1, 4, 16) and tuple(pool.v.shape[1:]) == (1, 4, 8)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_assisted_decoding_with_an_assistant_model(model, impl):
+    assistant = _model("deepseek_v3")  # a draft model of the same vocabulary (its own cache: DynamicCache)
+    ids = _inputs()[0][:1]
+    ref = _generate(model, DynamicCache(config=model.config), impl, input_ids=ids, assistant_model=assistant,
+                    do_sample=False)
+    got = _generate(model, kvcache.PagedCache(config=model.config, page_size=4), impl, input_ids=ids,
+                    assistant_model=assistant, do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences)
+
+
 def test_pages_hold_the_latents_dynamic_cache_holds(model):
     ids, _ = _inputs()
     ref, cache = DynamicCache(config=model.config), kvcache.PagedCache(config=model.config, page_size=4)

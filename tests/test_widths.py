@@ -197,11 +197,13 @@ def filled_pool(fmt, k_dim, v_dim, lens, page=16, heads=2, in_dtype=torch.float3
     return pool, table, torch.tensor(lens, dtype=torch.int32), keys, values
 
 
-@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt, k_dim, v_dim", QUANTIZED, ids=lambda x: str(x))
+# inputs in float32 and bfloat16; a full-precision side takes its pool's dtype (float32 here)
+QUANTIZED_CALLS = [(f, k, v, dt) for f, k, v in QUANTIZED for dt in (torch.float32, torch.bfloat16)
+                   if dt == torch.float32 or "fp32" not in f]
+
+
+@pytest.mark.parametrize("fmt, k_dim, v_dim, in_dtype", QUANTIZED_CALLS, ids=lambda x: str(x))
 def test_quantized_append_codes_and_gathers_match_reference(backend, fmt, k_dim, v_dim, in_dtype):
-    if "fp32" in fmt and in_dtype != torch.float32:
-        pytest.skip("a full-precision side takes its pool's dtype (float32 here)")
     lens = [48, 16] if "kivi" in fmt else [37, 5]
     pool, table, lens_t, keys, values = filled_pool(fmt, k_dim, v_dim, lens, in_dtype=in_dtype)
     assert pool.v.shape[-1] * pool.format.v.dims_per_code == v_dim
