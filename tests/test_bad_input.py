@@ -254,7 +254,7 @@ def test_swap_blocks_bad_input(backend, pools):
     with pytest.raises(ValueError, match=r"needs distinct source and destination pools"):
         kvcache.swap_blocks(*pools, *pools, torch.tensor([[0, 1]]))
     other_shape = kvcache.PageLayout(6, 8, 2, 8, F16).allocate()
-    with pytest.raises(ValueError, match=r"src pools have blocks of shape \[2, 4, 8\] but dst pools have blocks of shape \[2, 8, 8\]"):
+    with pytest.raises(ValueError, match=r"src pools have K blocks of shape \[2, 4, 8\] but dst pools have K blocks of shape \[2, 8, 8\]"):
         kvcache.swap_blocks(*pools, *other_shape, torch.tensor([[0, 1]]))
     other_dtype = kvcache.PageLayout(6, 4, 2, 8, torch.bfloat16).allocate()
     with pytest.raises(TypeError, match=r"src pools hold Half but dst pools hold BFloat16"):

@@ -1,32 +1,259 @@
-"""MLA models (DeepSeek-V2/V3) on kvcache: their latents (kv_nope, k_rot) have rows of two widths, which the
-pages do not hold yet; PagedCache says so clearly instead of failing inside a kernel."""
+"""MLA models (DeepSeek-V2/V3) on kvcache: transformers hands the cache their latents, kv_nope
+[b, 1, s, kv_lora_rank] as the key and the rotated k_rot [b, 1, s, qk_rope_head_dim] as the value. The pages
+hold rows of those two widths (PageLayout.v_head_dim), so the models run unchanged with eager/sdpa attention:
+bit-identical to DynamicCache in full precision in every generate mode, close with int8 latents, prefix-shared
+through the Engine. The "kvcache" attention does not read pages of two widths yet and refuses clearly."""
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
 
 import kvcache  # noqa: E402
 
-if not hasattr(transformers, "DeepseekV3ForCausalLM"):
-    pytest.skip(f"DeepseekV3ForCausalLM is not in transformers {transformers.__version__}", allow_module_level=True)
+for _name in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
+    if not hasattr(transformers, _name):
+        pytest.skip(f"{_name} is not in transformers {transformers.__version__}", allow_module_level=True)
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+_MLA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
 
 
-def _deepseek_v3():
+def _model(name: str, kv_lora_rank: int = 16, rope: int = 8):
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
-    return transformers.DeepseekV3ForCausalLM(config).eval()
+    if name == "deepseek_v3":
+        config = transformers.DeepseekV3Config(q_lora_rank=32, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+                                               qk_nope_head_dim=16, v_head_dim=16, **_MLA)
+        return transformers.DeepseekV3ForCausalLM(config).eval()
+    if name == "deepseek_v2":  # no query LoRA (DeepSeek-V2-Lite), complex rotary embedding
+        config = transformers.DeepseekV2Config(q_lora_rank=None, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+                                               qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1, **_MLA)
+        return transformers.DeepseekV2ForCausalLM(config).eval()
+    raise ValueError(name)
 
 
-def test_mla_latents_of_two_widths_are_refused_clearly():
-    model = _deepseek_v3()
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
+def model(request):
+    return _model(request.param)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded by 5
+    ids[1, :5] = 0
+    return ids, mask
+
+
+MODES = {  # every mode tests/test_hf.py runs on the other architectures
+    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
+    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
+    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
+    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
+    "prompt_lookup": lambda ids, mask: dict(input_ids=torch.cat([ids[:1], ids[:1, :6]], 1), prompt_lookup_num_tokens=3,
+                                            do_sample=False),
+}
+
+
+def _generate(model, cache, impl, **kwargs):
+    model.set_attn_implementation(impl)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0, **kwargs)
+
+
+def _max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+def test_cache_geometry_reads_the_latent_widths(model):
+    assert kvcache.hf_cache.cache_geometry(model.config) == (1, 16, 8)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_generate_matches_dynamic_cache_bit_for_bit(model, impl, mode):
+    kwargs = MODES[mode](*_inputs())
+    ref = _generate(model, DynamicCache(config=model.config), impl, **kwargs)
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    got = _generate(model, cache, impl, **kwargs)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert _max_diff(ref, got) == 0.0  # bit-identical logits: the pages hand back exactly the latents stored
+    assert got.past_key_values is cache and cache.get_seq_length() == got.sequences.shape[1] - 1
+    # the pages hold the latents, not expanded K/V: one kv head, rows of kv_lora_rank and qk_rope_head_dim
+    pool = cache.store.pools[0]
+    assert (pool.num_kv_heads, pool.head_dim, pool.v_head_dim) == (1, 16, 8)
+    assert tuple(pool.k.shape[1:]) == (1, 4, 16) and tuple(pool.v.shape[1:]) == (1, 4, 8)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_assisted_decoding_with_an_assistant_model(model, impl):
+    assistant = _model("deepseek_v3")  # a draft model of the same vocabulary (its own cache: DynamicCache)
+    ids = _inputs()[0][:1]
+    ref = _generate(model, DynamicCache(config=model.config), impl, input_ids=ids, assistant_model=assistant,
+                    do_sample=False)
+    got = _generate(model, kvcache.PagedCache(config=model.config, page_size=4), impl, input_ids=ids,
+                    assistant_model=assistant, do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_pages_hold_the_latents_dynamic_cache_holds(model):
+    ids, _ = _inputs()
+    ref, cache = DynamicCache(config=model.config), kvcache.PagedCache(config=model.config, page_size=4)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model(ids[:1], past_key_values=ref, use_cache=True)
+        model(ids[:1], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == ref.get_seq_length() == 12
+    for layer in range(model.config.num_hidden_layers):
+        k, v = cache._dense(layer, torch.float32)
+        assert torch.equal(k, ref.layers[layer].keys) and torch.equal(v, ref.layers[layer].values)
+    s = cache.stats()
+    assert s["dynamic_cache_bytes"] == 2 * 12 * (16 + 8) * 4  # layers x tokens x (latent + rope) x fp32
+    assert s["bytes"] == s["blocks"] * 2 * 4 * (16 + 8) * 4   # 3 pages of 4 tokens, both layers
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_deepcopy_and_multi_turn(model, impl):
+    """A prompt cache deep-copied per request (pages shared copy-on-write), and one cache across turns."""
+    ids = _inputs()[0][:1]
+    model.set_attn_implementation(impl)
+    prompt_cache = kvcache.PagedCache(config=model.config, page_size=4)
+    with torch.no_grad():
+        model(ids[:, :7], past_key_values=prompt_cache)
+    blocks_before = prompt_cache.rows[0].blocks.clone()
+    ref = _generate(model, DynamicCache(config=model.config), impl, input_ids=ids, do_sample=False)
+    for _ in range(2):
+        got = _generate(model, copy.deepcopy(prompt_cache), impl, input_ids=ids, do_sample=False)
+        assert torch.equal(ref.sequences, got.sequences) and _max_diff(ref, got) <= 1e-5
+    assert torch.equal(prompt_cache.rows[0].blocks, blocks_before) and prompt_cache.get_seq_length() == 7
+    cache, ref_cache = kvcache.PagedCache(config=model.config, page_size=4), DynamicCache(config=model.config)
+    conversation = ref_conversation = ids
+    for _ in range(3):
+        conversation = _generate(model, cache, impl, input_ids=conversation, do_sample=False).sequences
+        ref_conversation = _generate(model, ref_cache, impl, input_ids=ref_conversation, do_sample=False).sequences
+        assert torch.equal(conversation, ref_conversation)
+        conversation = torch.cat([conversation, ids[:, :3]], 1)
+        ref_conversation = torch.cat([ref_conversation, ids[:, :3]], 1)
+
+
+def test_int8_latents_run_and_stay_close(model):
+    ids, mask = _inputs()
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, attention_mask=mask,
+                    do_sample=False)
+    for fmt, residual in (("int8", 0), ("int8", 4), ("k=int8,v=fp8_e4m3", 0)):
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt, page_size=4, residual_length=residual)
+        got = _generate(model, cache, "sdpa", input_ids=ids, attention_mask=mask, do_sample=False)
+        assert cache.store.pools[0].k.dtype == torch.int8
+        diff = _max_diff(ref, got)
+        scale = max(x.abs().max().item() for x in ref.logits)
+        assert 0 < diff <= 0.05 * scale, (fmt, residual, diff, scale)  # quantized, and close
+
+
+def test_int4_and_kivi_latents_need_widths_of_multiples_of_32():
+    model = _model("deepseek_v3")  # latents of 16 and 8 dims
+    ids, _ = _inputs()
+    for fmt, side, name, width, kind in (("int4", "K", "head_dim", 16, "int4"), ("k=int8,v=int4", "V", "v_head_dim", 8, "int4"),
+                                         ("kivi4", "K", "head_dim", 16, "kivi4")):
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt, page_size=4, residual_length=0)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match=rf"layer 0: {side} rows: {name}={width} must be a multiple of 32 for {kind}"):
+            with torch.no_grad():
+                model(ids[:1], past_key_values=cache, use_cache=True)
+        assert not cache.store.pools  # nothing allocated
+    wide = _model("deepseek_v3", kv_lora_rank=64, rope=32)  # widths int4 and KIVI can take
+    ref = _generate(wide, DynamicCache(config=wide.config), "sdpa", input_ids=ids[:1], do_sample=False)
+    diffs = {}
+    for fmt in ("int8", "int4", "kivi4"):
+        cache = kvcache.PagedCache(config=wide.config, kv_format=fmt, page_size=4, residual_length=4)
+        got = _generate(wide, cache, "sdpa", input_ids=ids[:1], do_sample=False)
+        pool = cache.store.pools[0]
+        assert (pool.head_dim, pool.v_head_dim, pool.k.shape[-1]) == (64, 32, 64 // pool.format.k.dims_per_code)
+        assert all(bool(torch.isfinite(x).all()) for x in got.logits)
+        diffs[fmt] = _max_diff(ref, got)
+    assert 0 < diffs["int8"] < min(diffs["int4"], diffs["kivi4"]), diffs  # 4-bit latents: quantized, coarser
+
+
+def test_kvcache_attention_refuses_latents_of_two_widths_before_writing(model):
+    ids, _ = _inputs()
     cache = kvcache.PagedCache(config=model.config)
-    with pytest.raises(ValueError, match=r"layer 0: value heads/head_dim .* differ from the key's .*MLA model"):
+    model.set_attn_implementation("kvcache")
+    try:
+        with pytest.raises(ValueError, match=r'layer 0: the model hands the cache K and V rows of two widths '
+                                             r'\(16 and 8: MLA latents.*"kvcache" attention does not read'):
+            with torch.no_grad():
+                model(ids[:1], past_key_values=cache, use_cache=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cache.get_seq_length() == 0 and not cache.rows and not cache.store.pools
+
+
+def test_prefix_cache_reuses_latent_pages(model):
+    ids, _ = _inputs()
+    prompt = ids[:1]
+    first = kvcache.PagedCache(config=model.config, page_size=4, prefix_cache=True)
+    _generate(model, first, "sdpa", input_ids=prompt[:, :9], do_sample=False)
+    first.save_prefix(prompt[:, :9])
+    second = kvcache.PagedCache(config=model.config, store=first.store)
+    assert second.load_prefix(prompt) == 9
+    got = _generate(model, second, "sdpa", input_ids=prompt, do_sample=False)
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=prompt, do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert _max_diff(ref, got) <= 1e-5  # the prompt's last 3 tokens in their own forward: same math, other sums
+
+
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+def test_engine_with_prefix_sharing_gives_dynamic_cache_tokens(model, kv_format):
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 128, (11,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 6, 1, 9)]
+    engine = kvcache.Engine(model, kv_format=kv_format, page_size=4, max_batch=2, prefix_cache=True)
+    before = model.config._attn_implementation
+    results = engine.generate(prompts, max_new_tokens=6, progress=False)
+    assert model.config._attn_implementation == before  # the engine's attention choice is undone
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] >= 8  # later prompts reuse the system prompt's latent pages
+    assert stats["dynamic_cache_bytes"] > 0
+    model.set_attn_implementation("sdpa")
+    for prompt, res in zip(prompts, results):
+        # full precision: DynamicCache's tokens; int8: those of a PagedCache of the same format under HF generate
+        cache = DynamicCache(config=model.config) if kv_format is None else kvcache.PagedCache(
+            config=model.config, kv_format=kv_format, page_size=4)
         with torch.no_grad():
-            model(torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+            ref = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        assert ref[0, len(prompt):].tolist() == res.tokens
+    alloc = engine.store.allocator
+    assert alloc.num_blocks - alloc.num_free == len(set(engine.store.prefix_cache.block_references()))
+
+
+@pytest.mark.parametrize("kv_format, residual", [(None, None), ("int8", 0), ("int8", None)])
+def test_disk_tier_stores_and_loads_latent_pages(model, tmp_path, kv_format, residual):
+    # int8 with residual_length=0: sealed pages (codes and scales); with the default window: open pages
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (16,), generator=g).tolist() + [5, 6, 7]]
+    kw = dict(kv_format=kv_format, residual_length=residual, page_size=4, chunk_tokens=8)
+    expected = [r.tokens for r in kvcache.Engine(model, **kw).generate(prompts, max_new_tokens=4, progress=False)]
+    a = kvcache.Engine(model, disk=tmp_path, **kw)
+    a.generate(prompts, max_new_tokens=4, progress=False)
+    a.close()
+    b = kvcache.Engine(model, disk=tmp_path, **kw)
+    assert [r.tokens for r in b.generate(prompts, max_new_tokens=4, progress=False)] == expected
+    s = b.stats()
+    assert s["disk_hit_tokens"] == 16 and s["bad_blobs"] == 0
+    b.close()
+    import json
+    description = json.loads(next(tmp_path.glob("*/namespace.json")).read_text())
+    assert (description["num_kv_heads"], description["head_dim"], description["v_head_dim"]) == (1, 16, 8)

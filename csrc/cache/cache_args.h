@@ -13,7 +13,7 @@ namespace kvcache {
 /// append: write K/V of new tokens into the pools at their slots.
 struct AppendArgs {
   const void* key = nullptr;       // [batch, num_kv_heads, q_len, head_dim], any strides
-  const void* value = nullptr;     // same shape as key, any strides
+  const void* value = nullptr;     // [batch, num_kv_heads, q_len, v_head_dim], any strides
   int64_t key_strides[4] = {};     // element strides of key, in (batch, head, token, dim) order
   int64_t value_strides[4] = {};
   int64_t batch = 0;
@@ -21,8 +21,8 @@ struct AppendArgs {
   const int64_t* slots = nullptr;  // [batch, q_len]; -1 skips a token
   int64_t slot_strides[2] = {};
   void* k_cache = nullptr;         // [num_blocks, num_kv_heads, page_size, head_dim], contiguous
-  void* v_cache = nullptr;
-  PagedLayout layout;
+  void* v_cache = nullptr;         // [num_blocks, num_kv_heads, page_size, v_head_dim], contiguous
+  PagedLayout layout;              // layout.side(true): the V pool's
   // Quantized storage (core/kv_format.h): key/value (dtype in_dtype) are quantized on the way in.
   DType in_dtype = DType::kFloat32;
   KVKind k_kind = KVKind::kFull, v_kind = KVKind::kFull;
@@ -34,15 +34,15 @@ struct AppendArgs {
 /// paged_gather / paged_gather_ragged: block tables + lengths -> contiguous K/V.
 struct GatherArgs {
   const void* k_cache = nullptr;      // [num_blocks, num_kv_heads, page_size, head_dim]
-  const void* v_cache = nullptr;
-  PagedLayout layout;
+  const void* v_cache = nullptr;      // [num_blocks, num_kv_heads, page_size, v_head_dim]
+  PagedLayout layout;                 // layout.side(true): the V pool's
   const int32_t* block_table = nullptr;  // [batch, max_blocks_per_seq]
   int64_t table_stride = 0;              // elements between rows of block_table
   int64_t batch = 0;
-  // padded form: seq_lens [batch]; out [batch, num_kv_heads, max_len, head_dim], padding zeroed
+  // padded form: seq_lens [batch]; out [batch, num_kv_heads, max_len, head_dim] (v_out: v_head_dim), padding zeroed
   const int32_t* seq_lens = nullptr;
   int64_t max_len = 0;
-  // ragged form: cu_seq_lens [batch + 1]; out [total_tokens, num_kv_heads, head_dim]
+  // ragged form: cu_seq_lens [batch + 1]; out [total_tokens, num_kv_heads, head_dim] (v_out: v_head_dim)
   const int32_t* cu_seq_lens = nullptr;
   void* k_out = nullptr;
   void* v_out = nullptr;
@@ -58,7 +58,8 @@ struct GatherArgs {
 struct BlockCopyArgs {
   const int64_t* pairs = nullptr;  // [n, 2] (src block, dst block)
   int64_t n = 0;
-  int64_t block_bytes = 0;
+  int64_t block_bytes = 0;    // of a K block
+  int64_t v_block_bytes = 0;  // of a V block (K and V rows may differ in width)
   const char* k_src = nullptr;
   const char* v_src = nullptr;
   char* k_dst = nullptr;

@@ -11,22 +11,22 @@
 
 namespace kvcache::cpu {
 
-/// Work item i = (b * q_len + q) * num_kv_heads + h: one head_dim row of K and of V.
+/// Work item i = (b * q_len + q) * num_kv_heads + h: one row of K (head_dim) and of V (v_head_dim).
 template <typename U>
 void append_rows(const AppendArgs& a, int64_t begin, int64_t end) {
-  const PagedLayout& L = a.layout;
+  const PagedLayout L = a.layout.side(false), Lv = a.layout.side(true);
   const U* key = static_cast<const U*>(a.key);
   const U* value = static_cast<const U*>(a.value);
   U* kc = static_cast<U*>(a.k_cache);
   U* vc = static_cast<U*>(a.v_cache);
-  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t H = L.num_kv_heads, D = L.head_dim, Dv = Lv.head_dim;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t h = i % H, token = i / H;
     const int64_t b = token / a.q_len, q = token % a.q_len;
     const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
     if (slot < 0) continue;
     U* kd = kc + L.slot_offset(slot, h);
-    U* vd = vc + L.slot_offset(slot, h);
+    U* vd = vc + Lv.slot_offset(slot, h);
     const U* ks = key + b * a.key_strides[0] + h * a.key_strides[1] + q * a.key_strides[2];
     const U* vs = value + b * a.value_strides[0] + h * a.value_strides[1] + q * a.value_strides[2];
     if (a.key_strides[3] == 1) {
@@ -35,9 +35,9 @@ void append_rows(const AppendArgs& a, int64_t begin, int64_t end) {
       for (int64_t d = 0; d < D; ++d) kd[d] = ks[d * a.key_strides[3]];
     }
     if (a.value_strides[3] == 1) {
-      std::memcpy(vd, vs, sizeof(U) * D);
+      std::memcpy(vd, vs, sizeof(U) * Dv);
     } else {
-      for (int64_t d = 0; d < D; ++d) vd[d] = vs[d * a.value_strides[3]];
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = vs[d * a.value_strides[3]];
     }
   }
 }
@@ -45,15 +45,16 @@ void append_rows(const AppendArgs& a, int64_t begin, int64_t end) {
 /// append into quantized pools (either of K, V or both): work items as in append_rows. A full-precision
 /// side copies its elements (elem_bytes wide), a quantized side quantizes from a.in_dtype.
 inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t begin, int64_t end) {
-  const PagedLayout& L = a.layout;
-  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t H = a.layout.num_kv_heads;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t h = i % H, token = i / H;
     const int64_t b = token / a.q_len, q = token % a.q_len;
     const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
     if (slot < 0) continue;
-    const int64_t block = L.block_of(slot), pos = L.offset_in_page(slot);
+    const int64_t block = a.layout.block_of(slot), pos = a.layout.offset_in_page(slot);
     for (int role = 0; role < 2; ++role) {
+      const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+      const int64_t D = L.head_dim;
       const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
       const void* src = role == 0 ? a.key : a.value;
       const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
@@ -77,7 +78,7 @@ inline void append_rows_quantized(const AppendArgs& a, int elem_bytes, int64_t b
 /// KIVI key pages of an append (validated: each row's slots are whole pages in order, or -1). Work item
 /// i = ((b * (q_len / P)) + page of the row) * num_kv_heads + h.
 inline void append_kivi_key_pages(const AppendArgs& a, int64_t begin, int64_t end) {
-  const PagedLayout& L = a.layout;
+  const PagedLayout L = a.layout.side(false);
   const int64_t H = L.num_kv_heads, D = L.head_dim, P = L.page_size, per_row = a.q_len / P;
   const int bits = kivi_bits(a.k_kind);
   for (int64_t i = begin; i < end; ++i) {
@@ -93,20 +94,20 @@ inline void append_kivi_key_pages(const AppendArgs& a, int64_t begin, int64_t en
 }
 
 /// Dequantized (or converted) copy of tokens [0, len) of one (sequence, head) into out rows of dtype
-/// a.out_dtype (dst_row_stride elements apart).
+/// a.out_dtype (k_row_stride / v_row_stride elements apart).
 inline void gather_head_dequantized(const GatherArgs& a, int64_t b, int64_t h, int64_t len, int64_t k_dst,
-                                    int64_t v_dst, int64_t dst_row_stride) {
-  const PagedLayout& L = a.layout;
+                                    int64_t v_dst, int64_t k_row_stride, int64_t v_row_stride) {
   const int32_t* row = a.block_table + b * a.table_stride;
-  const int64_t D = L.head_dim;
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t block = row[t >> L.page_shift], pos = t & (L.page_size - 1);
+    const int64_t block = row[t >> a.layout.page_shift], pos = t & (a.layout.page_size - 1);
     for (int role = 0; role < 2; ++role) {
+      const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+      const int64_t D = L.head_dim;
       const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
       const void* pool = role == 0 ? a.k_cache : a.v_cache;
       const float* scales = role == 0 ? a.k_scale : a.v_scale;
       void* out = role == 0 ? a.k_out : a.v_out;
-      const int64_t dst = (role == 0 ? k_dst : v_dst) + t * dst_row_stride;
+      const int64_t dst = role == 0 ? k_dst + t * k_row_stride : v_dst + t * v_row_stride;
       const int64_t off = L.offset(block, h, pos);
       if (kind == KVKind::kFull) {  // full-precision side of a mixed pair: the pool has out's dtype
         for (int64_t d = 0; d < D; ++d) store_from_float(out, dst + d, a.out_dtype, load_as_float(pool, off + d, a.out_dtype));
@@ -138,33 +139,29 @@ inline void gather_head_dequantized(const GatherArgs& a, int64_t b, int64_t h, i
 
 /// Padded and ragged gathers from quantized pools. Work item i = b * num_kv_heads + h.
 inline void gather_padded_dequantized(const GatherArgs& a, int64_t begin, int64_t end) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / H, h = i % H, len = a.seq_lens[b];
-    gather_head_dequantized(a, b, h, len, i * a.max_len * D, i * a.max_len * D, D);
-    for (int64_t e = len * D; e < a.max_len * D; ++e) {
-      store_from_float(a.k_out, i * a.max_len * D + e, a.out_dtype, 0.f);
-      store_from_float(a.v_out, i * a.max_len * D + e, a.out_dtype, 0.f);
-    }
+    gather_head_dequantized(a, b, h, len, i * a.max_len * D, i * a.max_len * Dv, D, Dv);
+    for (int64_t e = len * D; e < a.max_len * D; ++e) store_from_float(a.k_out, i * a.max_len * D + e, a.out_dtype, 0.f);
+    for (int64_t e = len * Dv; e < a.max_len * Dv; ++e) store_from_float(a.v_out, i * a.max_len * Dv + e, a.out_dtype, 0.f);
   }
 }
 
 inline void gather_ragged_dequantized(const GatherArgs& a, int64_t begin, int64_t end) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / H, h = i % H;
     const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
-    gather_head_dequantized(a, b, h, len, (start * H + h) * D, (start * H + h) * D, H * D);
+    gather_head_dequantized(a, b, h, len, (start * H + h) * D, (start * H + h) * Dv, H * D, H * Dv);
   }
 }
 
-/// Copies tokens [0, len) of one (sequence, head) from the pages into a dense run of len rows.
+/// Copies tokens [0, len) of one side's pool (layout L) of one (sequence, head) into a run of len rows,
+/// dst_row_stride elements apart.
 template <typename U>
-inline void gather_head(const GatherArgs& a, int64_t b, int64_t h, int64_t len, U* k_dst, U* v_dst,
-                        int64_t dst_row_stride) {
-  const PagedLayout& L = a.layout;
-  const U* kc = static_cast<const U*>(a.k_cache);
-  const U* vc = static_cast<const U*>(a.v_cache);
+inline void gather_side(const GatherArgs& a, const PagedLayout& L, const U* pool, int64_t b, int64_t h, int64_t len,
+                        U* dst, int64_t dst_row_stride) {
   const int32_t* row = a.block_table + b * a.table_stride;
   const int64_t D = L.head_dim;
   // One page at a time: within a page the rows of one head are contiguous (head-major layout).
@@ -172,44 +169,48 @@ inline void gather_head(const GatherArgs& a, int64_t b, int64_t h, int64_t len, 
     const int64_t n = (len - t0 < L.page_size) ? len - t0 : L.page_size;
     const int64_t src = L.offset(row[t0 >> L.page_shift], h, 0);
     if (dst_row_stride == D) {
-      std::memcpy(k_dst + t0 * D, kc + src, sizeof(U) * n * D);
-      std::memcpy(v_dst + t0 * D, vc + src, sizeof(U) * n * D);
+      std::memcpy(dst + t0 * D, pool + src, sizeof(U) * n * D);
     } else {
-      for (int64_t t = 0; t < n; ++t) {
-        std::memcpy(k_dst + (t0 + t) * dst_row_stride, kc + src + t * D, sizeof(U) * D);
-        std::memcpy(v_dst + (t0 + t) * dst_row_stride, vc + src + t * D, sizeof(U) * D);
-      }
+      for (int64_t t = 0; t < n; ++t) std::memcpy(dst + (t0 + t) * dst_row_stride, pool + src + t * D, sizeof(U) * D);
     }
   }
+}
+
+/// Copies tokens [0, len) of one (sequence, head) from the K and V pages into dense runs of len rows.
+template <typename U>
+inline void gather_head(const GatherArgs& a, int64_t b, int64_t h, int64_t len, U* k_dst, U* v_dst,
+                        int64_t k_row_stride, int64_t v_row_stride) {
+  gather_side<U>(a, a.layout.side(false), static_cast<const U*>(a.k_cache), b, h, len, k_dst, k_row_stride);
+  gather_side<U>(a, a.layout.side(true), static_cast<const U*>(a.v_cache), b, h, len, v_dst, v_row_stride);
 }
 
 /// Padded gather. Work item i = b * num_kv_heads + h; rows past seq_lens[b] are zeroed.
 template <typename U>
 void gather_padded(const GatherArgs& a, int64_t begin, int64_t end) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   U* ko = static_cast<U*>(a.k_out);
   U* vo = static_cast<U*>(a.v_out);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / H, h = i % H;
     const int64_t len = a.seq_lens[b];
-    U* kd = ko + i * a.max_len * D;  // out is [batch, H, max_len, D], contiguous
-    U* vd = vo + i * a.max_len * D;
-    gather_head<U>(a, b, h, len, kd, vd, D);
+    U* kd = ko + i * a.max_len * D;  // out is [batch, H, max_len, D] (v_out: Dv), contiguous
+    U* vd = vo + i * a.max_len * Dv;
+    gather_head<U>(a, b, h, len, kd, vd, D, Dv);
     std::memset(kd + len * D, 0, sizeof(U) * (a.max_len - len) * D);
-    std::memset(vd + len * D, 0, sizeof(U) * (a.max_len - len) * D);
+    std::memset(vd + len * Dv, 0, sizeof(U) * (a.max_len - len) * Dv);
   }
 }
 
-/// Ragged gather into [total_tokens, num_kv_heads, head_dim]. Work item i = b * num_kv_heads + h.
+/// Ragged gather into [total_tokens, num_kv_heads, head_dim] (v_out: v_head_dim). Work item i = b * num_kv_heads + h.
 template <typename U>
 void gather_ragged(const GatherArgs& a, int64_t begin, int64_t end) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   U* ko = static_cast<U*>(a.k_out);
   U* vo = static_cast<U*>(a.v_out);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / H, h = i % H;
     const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
-    gather_head<U>(a, b, h, len, ko + (start * H + h) * D, vo + (start * H + h) * D, H * D);
+    gather_head<U>(a, b, h, len, ko + (start * H + h) * D, vo + (start * H + h) * Dv, H * D, H * Dv);
   }
 }
 
@@ -218,7 +219,7 @@ inline void copy_block_pairs(const BlockCopyArgs& a, int64_t begin, int64_t end)
   for (int64_t i = begin; i < end; ++i) {
     const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
     std::memcpy(a.k_dst + dst * a.block_bytes, a.k_src + src * a.block_bytes, a.block_bytes);
-    std::memcpy(a.v_dst + dst * a.block_bytes, a.v_src + src * a.block_bytes, a.block_bytes);
+    std::memcpy(a.v_dst + dst * a.v_block_bytes, a.v_src + src * a.v_block_bytes, a.v_block_bytes);
   }
 }
 

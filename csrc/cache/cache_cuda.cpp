@@ -22,14 +22,16 @@ void check_on_cuda(const at::Tensor& t, const char* name) {
 }
 
 // The CUDA kernels hold a rotated row in registers: 8 dims per lane.
-void check_rotated_dim(const PoolFormats& f, int64_t head_dim) {
-  TORCH_CHECK_VALUE(!(f.k_rot || f.v_rot) || head_dim <= 256, "head_dim = ", head_dim,
+void check_rotated_dim(const PoolFormats& f, const PagedLayout& layout) {
+  TORCH_CHECK_VALUE(!f.k_rot || layout.head_dim <= 256, "k_cache: head_dim = ", layout.head_dim,
+                    " is too large for Hadamard-rotated formats on CUDA (at most 256)");
+  TORCH_CHECK_VALUE(!f.v_rot || layout.v_head_dim <= 256, "v_cache: head_dim = ", layout.v_head_dim,
                     " is too large for Hadamard-rotated formats on CUDA (at most 256)");
 }
 
 void launch_append_call(const AppendArgs& a, const PoolFormats& f, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const char* op) {
-  check_rotated_dim(f, a.layout.head_dim);
+  check_rotated_dim(f, a.layout);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (f.quantized()) {
     const int elem = static_cast<int>(f.k_kind == KVKind::kFull ? k_cache.element_size() : v_cache.element_size());
@@ -68,7 +70,7 @@ void paged_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, con
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
   const GatherArgs a = prepare_gather(k_cache, v_cache, block_tables, seq_lens, k_out, v_out, f);
-  check_rotated_dim(f, a.layout.head_dim);
+  check_rotated_dim(f, a.layout);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/false, stream)
                              : cuda::launch_gather_padded(a, kv_element_bytes(k_cache), stream),
@@ -83,7 +85,7 @@ void paged_gather_ragged_cuda(const at::Tensor& k_cache, const at::Tensor& v_cac
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const PoolFormats f = make_formats(k_format, v_format, k_scale, v_scale);
   const GatherArgs a = prepare_gather_ragged(k_cache, v_cache, block_tables, cu_seq_lens, k_out, v_out, f);
-  check_rotated_dim(f, a.layout.head_dim);
+  check_rotated_dim(f, a.layout);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_launch(f.quantized() ? cuda::launch_gather_dequantized(a, /*ragged=*/true, stream)
                              : cuda::launch_gather_ragged(a, kv_element_bytes(k_cache), stream),

@@ -20,25 +20,24 @@ constexpr int kRowsPerCta = 16;     // token rows one CTA of the gather kernels 
 constexpr int kMaxGridY = 65535;
 constexpr int kMaxPerLane = 8;      // rotated rows: head_dim <= 256, dims lane + 32 k per lane
 
-/// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim values of K and of V.
+/// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim values of K and the
+/// num_kv_heads x v_head_dim values of V.
 template <typename U>
 __global__ void append_kernel(AppendArgs a) {
   const int64_t token = blockIdx.x;
   const int64_t b = token / a.q_len, q = token % a.q_len;
   const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
   if (slot < 0) return;
-  const PagedLayout& L = a.layout;
-  const U* key = static_cast<const U*>(a.key);
-  const U* value = static_cast<const U*>(a.value);
-  U* kc = static_cast<U*>(a.k_cache);
-  U* vc = static_cast<U*>(a.v_cache);
-  const int64_t n = L.num_kv_heads * L.head_dim;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int64_t h = i / L.head_dim, d = i % L.head_dim;
-    const int64_t dst = L.slot_offset(slot, h) + d;
-    kc[dst] = key[b * a.key_strides[0] + h * a.key_strides[1] + q * a.key_strides[2] + d * a.key_strides[3]];
-    vc[dst] = value[b * a.value_strides[0] + h * a.value_strides[1] + q * a.value_strides[2] +
-                    d * a.value_strides[3]];
+  for (int role = 0; role < 2; ++role) {
+    const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+    const U* src = static_cast<const U*>(role == 0 ? a.key : a.value);
+    const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
+    U* pool = static_cast<U*>(role == 0 ? a.k_cache : a.v_cache);
+    const int64_t n = L.num_kv_heads * L.head_dim;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const int64_t h = i / L.head_dim, d = i % L.head_dim;
+      pool[L.slot_offset(slot, h) + d] = src[b * st[0] + h * st[1] + q * st[2] + d * st[3]];
+    }
   }
 }
 
@@ -46,35 +45,30 @@ __global__ void append_kernel(AppendArgs a) {
 template <typename U>
 __device__ __forceinline__ void gather_row(const GatherArgs& a, int64_t b, int64_t h, int64_t t, U* k_dst,
                                            U* v_dst, bool zero) {
-  const PagedLayout& L = a.layout;
+  const PagedLayout K = a.layout.side(false), V = a.layout.side(true);  // K and V rows may differ in width
   if (zero) {
-    for (int64_t d = threadIdx.x; d < L.head_dim; d += blockDim.x) {
-      k_dst[d] = U(0);
-      v_dst[d] = U(0);
-    }
+    for (int64_t d = threadIdx.x; d < K.head_dim; d += blockDim.x) k_dst[d] = U(0);
+    for (int64_t d = threadIdx.x; d < V.head_dim; d += blockDim.x) v_dst[d] = U(0);
     return;
   }
-  const int64_t block = a.block_table[b * a.table_stride + (t >> L.page_shift)];
-  const int64_t src = L.token_offset(block, h, t);
-  const U* kc = static_cast<const U*>(a.k_cache);
-  const U* vc = static_cast<const U*>(a.v_cache);
-  for (int64_t d = threadIdx.x; d < L.head_dim; d += blockDim.x) {
-    k_dst[d] = kc[src + d];
-    v_dst[d] = vc[src + d];
-  }
+  const int64_t block = a.block_table[b * a.table_stride + (t >> K.page_shift)];
+  const U* kc = static_cast<const U*>(a.k_cache) + K.token_offset(block, h, t);
+  const U* vc = static_cast<const U*>(a.v_cache) + V.token_offset(block, h, t);
+  for (int64_t d = threadIdx.x; d < K.head_dim; d += blockDim.x) k_dst[d] = kc[d];
+  for (int64_t d = threadIdx.x; d < V.head_dim; d += blockDim.x) v_dst[d] = vc[d];
 }
 
 /// grid.x = batch * num_kv_heads; grid.y strides over chunks of kRowsPerCta rows of max_len.
 template <typename U>
 __global__ void gather_padded_kernel(GatherArgs a) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
   const int64_t len = a.seq_lens[b];
   U* ko = static_cast<U*>(a.k_out) + bh * a.max_len * D;
-  U* vo = static_cast<U*>(a.v_out) + bh * a.max_len * D;
+  U* vo = static_cast<U*>(a.v_out) + bh * a.max_len * Dv;
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < a.max_len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
     for (int64_t t = t0; t < t0 + kRowsPerCta && t < a.max_len; ++t) {
-      gather_row<U>(a, b, h, t, ko + t * D, vo + t * D, t >= len);
+      gather_row<U>(a, b, h, t, ko + t * D, vo + t * Dv, t >= len);
     }
   }
 }
@@ -82,33 +76,31 @@ __global__ void gather_padded_kernel(GatherArgs a) {
 /// grid.x = batch * num_kv_heads; grid.y strides over chunks of each sequence's rows.
 template <typename U>
 __global__ void gather_ragged_kernel(GatherArgs a) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim;
+  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
   const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
   const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
   U* ko = static_cast<U*>(a.k_out);
   U* vo = static_cast<U*>(a.v_out);
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
     for (int64_t t = t0; t < t0 + kRowsPerCta && t < len; ++t) {
-      const int64_t row = ((start + t) * H + h) * D;
-      gather_row<U>(a, b, h, t, ko + row, vo + row, false);
+      const int64_t row = (start + t) * H + h;
+      gather_row<U>(a, b, h, t, ko + row * D, vo + row * Dv, false);
     }
   }
 }
 
-/// One CTA per (src, dst) pair; copies the block's bytes of K and of V in units of U.
+/// One CTA per (src, dst) pair; copies the block's bytes of K and of V (blocks of their own sizes) in units of U.
 template <typename U>
 __global__ void copy_blocks_kernel(BlockCopyArgs a) {
   const int64_t i = blockIdx.x;
   const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
-  const int64_t n = a.block_bytes / int64_t(sizeof(U));
+  const int64_t n = a.block_bytes / int64_t(sizeof(U)), nv = a.v_block_bytes / int64_t(sizeof(U));
   const U* ks = reinterpret_cast<const U*>(a.k_src + src * a.block_bytes);
-  const U* vs = reinterpret_cast<const U*>(a.v_src + src * a.block_bytes);
+  const U* vs = reinterpret_cast<const U*>(a.v_src + src * a.v_block_bytes);
   U* kd = reinterpret_cast<U*>(a.k_dst + dst * a.block_bytes);
-  U* vd = reinterpret_cast<U*>(a.v_dst + dst * a.block_bytes);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    kd[j] = ks[j];
-    vd[j] = vs[j];
-  }
+  U* vd = reinterpret_cast<U*>(a.v_dst + dst * a.v_block_bytes);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) kd[j] = ks[j];
+  for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) vd[j] = vs[j];
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -140,16 +132,17 @@ __device__ __forceinline__ uint16_t group_scale_bits(float mn, float mx, int bit
 /// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
 __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
   KVC_SHARED(float, rotated, [kThreads / 32][kMaxPerLane * 32]);  // one row buffer per warp
-  const PagedLayout L = a.layout;
-  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t H = a.layout.num_kv_heads;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= a.batch * a.q_len * H) return;  // whole warps exit together
   const int64_t h = row % H, token = row / H, b = token / a.q_len, q = token % a.q_len;
   const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
   if (slot < 0) return;
-  const int64_t block = L.block_of(slot), pos = L.offset_in_page(slot), off = L.offset(block, h, pos);
+  const int64_t block = a.layout.block_of(slot), pos = a.layout.offset_in_page(slot);
   for (int role = 0; role < 2; ++role) {
+    const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+    const int64_t D = L.head_dim, off = L.offset(block, h, pos);
     const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
     const void* src = role == 0 ? a.key : a.value;
     const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
@@ -318,43 +311,43 @@ __device__ __forceinline__ float dequantize(const char* pool, int64_t off, int64
   }
 }
 
-/// Dequantizing gather. grid.x = batch * num_kv_heads; threads stride over (token, dim) of the sequence.
+/// Dequantizing gather. grid.x = batch * num_kv_heads; threads stride over (token, dim) of the sequence,
+/// first of K, then of V (their rows may differ in width).
 /// Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged: [total, H, D].
 __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
-  const PagedLayout L = a.layout;
-  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t H = a.layout.num_kv_heads;
   const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
   const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
   const int64_t rows = ragged ? len : a.max_len;
   const int32_t* table = a.block_table + b * a.table_stride;
-  for (int64_t i = threadIdx.x; i < rows * D; i += blockDim.x) {
-    const int64_t t = i / D, d = i % D;
-    const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
-    if (t >= len) {
-      store_any(a.k_out, dst, a.out_dtype, 0.f);
-      store_any(a.v_out, dst, a.out_dtype, 0.f);
-      continue;
+  for (int role = 0; role < 2; ++role) {
+    const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+    const int64_t D = L.head_dim;
+    const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+    const float* scales = role == 0 ? a.k_scale : a.v_scale;
+    const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
+    void* out = role == 0 ? a.k_out : a.v_out;
+    for (int64_t i = threadIdx.x; i < rows * D; i += blockDim.x) {
+      const int64_t t = i / D, d = i % D;
+      const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
+      if (t >= len) {
+        store_any(out, dst, a.out_dtype, 0.f);
+        continue;
+      }
+      const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
+      const int64_t r = L.row_index(block, h, pos);
+      const float s = kind == KVKind::kInt8 ? scales[r]
+                      : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
+      store_any(out, dst, a.out_dtype, dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0));
     }
-    const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
-    const int64_t r = L.row_index(block, h, pos);
-    auto scale_of = [&](KVKind kind, const float* s) {
-      return kind == KVKind::kInt8 ? s[r] : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? s[h] : 1.f);
-    };
-    store_any(a.k_out, dst, a.out_dtype,
-              dequantize(static_cast<const char*>(a.k_cache), off, d, a.k_kind, scale_of(a.k_kind, a.k_scale), a.out_dtype,
-                         a.k_scale, L, true));
-    store_any(a.v_out, dst, a.out_dtype,
-              dequantize(static_cast<const char*>(a.v_cache), off, d, a.v_kind, scale_of(a.v_kind, a.v_scale), a.out_dtype,
-                         a.v_scale, L, false));
   }
 }
 
 /// Dequantizing gather when K or V rows are Hadamard-rotated: one warp per token row (the inverse
 /// transform needs the whole row). grid.x = batch * num_kv_heads; warps stride over the rows.
 __global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
-  const PagedLayout L = a.layout;
-  const int64_t H = L.num_kv_heads, D = L.head_dim;
+  const int64_t H = a.layout.num_kv_heads;
   const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
   const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
@@ -362,26 +355,35 @@ __global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
   const int32_t* table = a.block_table + b * a.table_stride;
   const int lane = threadIdx.x % 32;
   for (int64_t t = threadIdx.x / 32; t < rows; t += blockDim.x / 32) {
-    const int64_t dst = ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D;
     for (int role = 0; role < 2; ++role) {
+      const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+      const int64_t D = L.head_dim;
+      const int64_t dst = ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D;
       void* out = role == 0 ? a.k_out : a.v_out;
+      const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+      const float* scales = role == 0 ? a.k_scale : a.v_scale;
+      const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
+      const int64_t block = t < len ? table[t >> L.page_shift] : 0, pos = t & (L.page_size - 1);
+      const int64_t off = L.offset(block, h, pos), r = L.row_index(block, h, pos);
+      const float s = t >= len ? 0.f
+                      : kind == KVKind::kInt8 ? scales[r]
+                      : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
+      if (!(role == 0 ? a.k_rot : a.v_rot)) {  // the other side's rows, of any width (K and V may differ)
+        for (int64_t d = lane; d < D; d += 32) {
+          store_any(out, dst + d, a.out_dtype, t < len ? dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0) : 0.f);
+        }
+        continue;
+      }
       float x[kMaxPerLane];
 #pragma unroll
       for (int k = 0; k < kMaxPerLane; ++k) x[k] = 0.f;
       if (t < len) {  // uniform across the warp
-        const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
-        const float* scales = role == 0 ? a.k_scale : a.v_scale;
-        const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
-        const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
-        const int64_t r = L.row_index(block, h, pos);
-        const float s = kind == KVKind::kInt8 ? scales[r]
-                        : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
 #pragma unroll
         for (int k = 0; k < kMaxPerLane; ++k) {
           const int64_t d = lane + 32 * k;
           if (d < D) x[k] = dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0);
         }
-        if (role == 0 ? a.k_rot : a.v_rot) warp_unrotate(x, D, lane);
+        warp_unrotate(x, D, lane);
       }
 #pragma unroll
       for (int k = 0; k < kMaxPerLane; ++k) {
@@ -416,7 +418,8 @@ cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0 || a.max_len == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(bh), grid_y(a.max_len));
-  const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
+  const int64_t wider = a.layout.head_dim > a.layout.v_head_dim ? a.layout.head_dim : a.layout.v_head_dim;
+  const int threads = wider < kThreads ? static_cast<int>(wider) : kThreads;
   if (elem_bytes == 4) {
     KVC_LAUNCH(grid, threads, stream, gather_padded_kernel<uint32_t>)(a);
   } else {
@@ -430,7 +433,8 @@ cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream
   if (bh == 0) return cudaSuccess;
   // Lengths live on the device; a fixed grid.y strides over however many rows each sequence has.
   const dim3 grid(static_cast<unsigned>(bh), 64);
-  const int threads = a.layout.head_dim < kThreads ? static_cast<int>(a.layout.head_dim) : kThreads;
+  const int64_t wider = a.layout.head_dim > a.layout.v_head_dim ? a.layout.head_dim : a.layout.v_head_dim;
+  const int threads = wider < kThreads ? static_cast<int>(wider) : kThreads;
   if (elem_bytes == 4) {
     KVC_LAUNCH(grid, threads, stream, gather_ragged_kernel<uint32_t>)(a);
   } else {
@@ -470,9 +474,10 @@ cudaError_t launch_swap_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
   for (int64_t i = 0; i < a.n; ++i) {
     const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
     for (int kv = 0; kv < 2; ++kv) {
-      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * a.block_bytes;
-      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * a.block_bytes;
-      const cudaError_t err = cudaMemcpyAsync(to, from, a.block_bytes, cudaMemcpyDefault, stream);
+      const int64_t bytes = kv == 0 ? a.block_bytes : a.v_block_bytes;  // K and V blocks may differ in size
+      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * bytes;
+      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * bytes;
+      const cudaError_t err = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream);
       if (err != cudaSuccess) return err;
     }
   }
@@ -480,8 +485,8 @@ cudaError_t launch_swap_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_copy_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
-  if (a.n == 0 || a.block_bytes == 0) return cudaSuccess;
-  const bool wide = a.block_bytes % 16 == 0 && aligned16(a.k_src) && aligned16(a.v_src) &&
+  if (a.n == 0 || (a.block_bytes == 0 && a.v_block_bytes == 0)) return cudaSuccess;
+  const bool wide = a.block_bytes % 16 == 0 && a.v_block_bytes % 16 == 0 && aligned16(a.k_src) && aligned16(a.v_src) &&
                     aligned16(a.k_dst) && aligned16(a.v_dst);
   if (wide) {
     KVC_LAUNCH(static_cast<unsigned>(a.n), kThreads, stream, copy_blocks_kernel<uint4>)(a);

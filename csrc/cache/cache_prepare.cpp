@@ -27,9 +27,18 @@ std::vector<int64_t> to_int64(const at::Tensor& host_int32) {
 }
 
 void check_out_pair(const at::Tensor& k_out, const at::Tensor& v_out, const at::Tensor& k_cache,
-                    const at::Tensor& v_cache, const PoolFormats& f) {
-  TORCH_CHECK_VALUE(k_out.sizes() == v_out.sizes(), "k_out has shape ", k_out.sizes(),
-                    " but v_out has shape ", v_out.sizes(), "; they must match");
+                    const at::Tensor& v_cache, const PoolFormats& f, const PagedLayout& layout) {
+  // K and V rows may differ in width (layout.v_head_dim): every other dimension matches
+  const int64_t last = k_out.dim() - 1;
+  TORCH_CHECK_VALUE(v_out.dim() == k_out.dim() && k_out.sizes().slice(0, last) == v_out.sizes().slice(0, last),
+                    "k_out has shape ", k_out.sizes(), " but v_out has shape ", v_out.sizes(),
+                    "; they must match but for the last dimension (head_dim ", layout.head_dim, " and v_head_dim ",
+                    layout.v_head_dim, ")");
+  TORCH_CHECK_VALUE(k_out.size(last) == layout.head_dim, "k_out.shape[", last, "] = ", k_out.size(last),
+                    " must equal head_dim of the cache = ", layout.head_dim, " (shape ", k_out.sizes(), ")");
+  TORCH_CHECK_VALUE(v_out.size(last) == layout.v_head_dim, "v_out.shape[", last, "] = ", v_out.size(last),
+                    " must equal v_head_dim of the cache (v_cache's rows) = ", layout.v_head_dim, " (shape ",
+                    v_out.sizes(), ")");
   // Full-precision pools gather bit for bit into their own dtype; quantized pools dequantize into any
   // float dtype (k_out and v_out alike).
   const at::Tensor& full = f.k_kind == KVKind::kFull ? k_cache : v_cache;
@@ -79,8 +88,10 @@ int kv_element_bytes(const at::Tensor& cache) { return static_cast<int>(cache.el
 PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* k_name,
                         const char* v_name) {
   TORCH_CHECK_VALUE(k_cache.dim() == 4, k_name, " must be a 4-D tensor but has shape ", k_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), k_name, " has shape ", k_cache.sizes(), " but ", v_name,
-                    " has shape ", v_cache.sizes(), "; the K and V pools must match");
+  // The K and V pools share blocks, heads and pages; their rows may differ in width (MLA latents).
+  TORCH_CHECK_VALUE(v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), k_name,
+                    " has shape ", k_cache.sizes(), " but ", v_name, " has shape ", v_cache.sizes(),
+                    "; the K and V pools must match in [num_blocks, num_kv_heads, page_size] (only head_dim may differ)");
   TORCH_CHECK_TYPE(is_kv_dtype(k_cache.scalar_type()), k_name, " has dtype ", k_cache.scalar_type(),
                    "; supported: float32, float16, bfloat16");
   TORCH_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(), v_name, " has dtype ", v_cache.scalar_type(),
@@ -97,7 +108,8 @@ PagedLayout check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, co
                     " is [num_blocks, num_kv_heads, page_size, head_dim])");
   TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_cache.size(3) > 0, k_name, " has shape ", k_cache.sizes(),
                     "; num_kv_heads and head_dim must be positive");
-  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3));
+  TORCH_CHECK_VALUE(v_cache.size(3) > 0, v_name, " has shape ", v_cache.sizes(), "; head_dim must be positive");
+  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_cache.size(3), v_cache.size(3));
 }
 
 PoolFormats make_formats(int64_t k_format, int64_t v_format, const std::optional<at::Tensor>& k_scale,
@@ -204,25 +216,28 @@ PagedLayout check_formatted_pools(const at::Tensor& k_cache, const at::Tensor& v
   }
   KVC_CHECK_DIM(k_cache, 4);
   KVC_CHECK_DIM(v_cache, 4);
-  // Packed formats store head_dim / dims_per_code elements per row; compare logical shapes.
+  // Packed formats store head_dim / dims_per_code elements per row: the widths are in dims, not elements.
+  // K and V rows may differ in width (MLA latents); blocks, heads and pages match.
   const int64_t k_dim = k_cache.size(3) * dims_per_code(f.k_kind), v_dim = v_cache.size(3) * dims_per_code(f.v_kind);
-  TORCH_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) && k_dim == v_dim, "k_cache has shape ",
+  TORCH_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), "k_cache has shape ",
                     k_cache.sizes(), " (head_dim ", k_dim, ") but v_cache has shape ", v_cache.sizes(), " (head_dim ", v_dim,
-                    "); the K and V pools must match");
+                    "); the K and V pools must match in [num_blocks, num_kv_heads, page_size] (only head_dim may differ)");
   KVC_CHECK_SAME_DEVICE(v_cache, k_cache);
   KVC_CHECK_CONTIGUOUS(k_cache);
   KVC_CHECK_CONTIGUOUS(v_cache);
   check_one_pool(k_cache, "k_cache", f.k_kind, f.k_scale, "k_scale", /*is_key=*/true);
   check_one_pool(v_cache, "v_cache", f.v_kind, f.v_scale, "v_scale", /*is_key=*/false);
   if (f.k_kind == KVKind::kFull && f.v_kind == KVKind::kFull) return check_pools(k_cache, v_cache);
-  TORCH_CHECK_VALUE(!(f.k_rot || f.v_rot) || quant::rot_supported(k_dim), "head_dim = ", k_dim,
-                    " must be a power of two (2 to 1024) for Hadamard-rotated formats");
+  TORCH_CHECK_VALUE(!f.k_rot || quant::rot_supported(k_dim), "k_cache: head_dim = ", k_dim,
+                    " must be a power of two (2 to 1024) for Hadamard-rotated formats (k_format)");
+  TORCH_CHECK_VALUE(!f.v_rot || quant::rot_supported(v_dim), "v_cache: head_dim = ", v_dim,
+                    " must be a power of two (2 to 1024) for Hadamard-rotated formats (v_format)");
   const int64_t page_size = k_cache.size(2);
   TORCH_CHECK_VALUE(is_supported_page_size(page_size), "page_size (k_cache.shape[2]) = ", page_size,
                     " must be a power of two from 1 to ", kMaxPageSize);
-  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_dim > 0, "k_cache has shape ", k_cache.sizes(),
-                    "; num_kv_heads and head_dim must be positive");
-  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_dim);  // head_dim in dims, not bytes
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0 && k_dim > 0 && v_dim > 0, "k_cache has shape ", k_cache.sizes(),
+                    " and v_cache ", v_cache.sizes(), "; num_kv_heads and head_dim must be positive");
+  return PagedLayout(k_cache.size(0), page_size, k_cache.size(1), k_dim, v_dim);  // widths in dims, not bytes
 }
 
 namespace {
@@ -232,8 +247,10 @@ AppendArgs check_append_call(const at::Tensor& key, const at::Tensor& value, con
                              const at::Tensor& v_cache, const PoolFormats& f) {
   const PagedLayout layout = check_formatted_pools(k_cache, v_cache, f);
   KVC_CHECK_DIM(key, 4);
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
-                    key.sizes(), "; both are [batch, num_kv_heads, q_len, head_dim]");
+  KVC_CHECK_DIM(value, 4);
+  TORCH_CHECK_VALUE(value.sizes().slice(0, 3) == key.sizes().slice(0, 3), "value has shape ", value.sizes(),
+                    " but key has shape ", key.sizes(), "; they are [batch, num_kv_heads, q_len, head_dim] and "
+                    "[batch, num_kv_heads, q_len, v_head_dim]");
   if (f.k_kind == KVKind::kFull) KVC_CHECK_DTYPE(key, k_cache.scalar_type());
   if (f.v_kind == KVKind::kFull) KVC_CHECK_DTYPE(value, v_cache.scalar_type());
   TORCH_CHECK_TYPE(is_kv_dtype(key.scalar_type()), "key has dtype ", key.scalar_type(), "; supported: float32, float16, bfloat16");
@@ -242,6 +259,7 @@ AppendArgs check_append_call(const at::Tensor& key, const at::Tensor& value, con
   KVC_CHECK_SAME_DEVICE(value, k_cache);
   KVC_CHECK_SIZE(key, 1, layout.num_kv_heads, "num_kv_heads of the cache");
   KVC_CHECK_SIZE(key, 3, layout.head_dim, "head_dim of the cache");
+  KVC_CHECK_SIZE(value, 3, layout.v_head_dim, "v_head_dim of the cache (v_cache's rows)");
   AppendArgs a;
   a.key = key.data_ptr();
   a.value = value.data_ptr();
@@ -331,10 +349,9 @@ GatherArgs prepare_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, 
   const int64_t batch = seq_lens.size(0);
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 4);
-  check_out_pair(k_out, v_out, k_cache, v_cache, f);
   KVC_CHECK_SIZE(k_out, 0, batch, "the batch size (len(seq_lens))");
   KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
-  KVC_CHECK_SIZE(k_out, 3, layout.head_dim, "head_dim of the cache");
+  check_out_pair(k_out, v_out, k_cache, v_cache, f, layout);
 
   const at::Tensor table_host = host_copy(block_tables);
   const std::vector<int64_t> lens = to_int64(host_copy(seq_lens));
@@ -369,9 +386,8 @@ GatherArgs prepare_gather_ragged(const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t batch = cu_seq_lens.size(0) - 1;
   check_block_table_tensor(block_tables, k_cache, batch);
   KVC_CHECK_DIM(k_out, 3);
-  check_out_pair(k_out, v_out, k_cache, v_cache, f);
   KVC_CHECK_SIZE(k_out, 1, layout.num_kv_heads, "num_kv_heads of the cache");
-  KVC_CHECK_SIZE(k_out, 2, layout.head_dim, "head_dim of the cache");
+  check_out_pair(k_out, v_out, k_cache, v_cache, f, layout);
 
   const at::Tensor cu_host = host_copy(cu_seq_lens);
   std::vector<int64_t> lens;
@@ -402,8 +418,10 @@ BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_sr
   const PagedLayout src = same_pool ? check_pools(k_src, v_src) : check_pools(k_src, v_src, "k_src", "v_src");
   const PagedLayout dst = same_pool ? src : check_pools(k_dst, v_dst, "k_dst", "v_dst");
   if (!same_pool) {
-    TORCH_CHECK_VALUE(k_src.sizes().slice(1) == k_dst.sizes().slice(1), "src pools have blocks of shape ",
-                      k_src.sizes().slice(1), " but dst pools have blocks of shape ", k_dst.sizes().slice(1));
+    TORCH_CHECK_VALUE(k_src.sizes().slice(1) == k_dst.sizes().slice(1), "src pools have K blocks of shape ",
+                      k_src.sizes().slice(1), " but dst pools have K blocks of shape ", k_dst.sizes().slice(1));
+    TORCH_CHECK_VALUE(v_src.sizes().slice(1) == v_dst.sizes().slice(1), "src pools have V blocks of shape ",
+                      v_src.sizes().slice(1), " but dst pools have V blocks of shape ", v_dst.sizes().slice(1));
     TORCH_CHECK_TYPE(k_src.scalar_type() == k_dst.scalar_type(), "src pools hold ", k_src.scalar_type(),
                      " but dst pools hold ", k_dst.scalar_type());
   }
@@ -417,7 +435,8 @@ BlockCopyArgs prepare_block_copy(const at::Tensor& k_src, const at::Tensor& v_sr
   BlockCopyArgs a;
   a.pairs = block_mapping.data_ptr<int64_t>();
   a.n = block_mapping.size(0);
-  a.block_bytes = src.block_stride() * k_src.element_size();
+  a.block_bytes = src.side(false).block_stride() * k_src.element_size();
+  a.v_block_bytes = src.side(true).block_stride() * v_src.element_size();
   a.k_src = static_cast<const char*>(k_src.data_ptr());
   a.v_src = static_cast<const char*>(v_src.data_ptr());
   a.k_dst = static_cast<char*>(k_dst.data_ptr());

@@ -8,6 +8,12 @@
 // unit stride and prefetched well, and a per-(page, head) quantization scale sits next to it. The
 // cost lands on append, which writes head_dim-long rows at a stride - a much smaller amount of data.
 //
+// K and V rows may differ in width (MLA models cache a latent of kv_lora_rank dims as the key and the
+// rotary part of qk_rope_head_dim dims as the value): the V pool is then
+//     [num_blocks, num_kv_heads, page_size, v_head_dim]
+// with the same blocks, heads and pages. Every accessor below describes the K pool; side(true) is the
+// layout of the V pool (a single-width layout whose head_dim is v_head_dim), so one code path serves both.
+//
 // A slot names one token position in the pool: slot = block_id * page_size + offset_in_page.
 // Page sizes are powers of two from 1 to 256, so the division is a shift and a mask.
 // Torch-free: included by CPU code, CUDA kernels and the GoogleTest suite alike.
@@ -36,13 +42,26 @@ struct PagedLayout {
   int64_t num_blocks = 0;
   int64_t page_size = 0;     // tokens per page, a power of two
   int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;      // width of a K row (dims per token and kv head)
   int page_shift = 0;        // log2(page_size)
+  int64_t v_head_dim = 0;    // width of a V row: head_dim unless the pools differ in width
 
   PagedLayout() = default;
-  PagedLayout(int64_t blocks, int64_t page, int64_t heads, int64_t dim)
+  /// v_dim < 0: V rows as wide as K rows.
+  PagedLayout(int64_t blocks, int64_t page, int64_t heads, int64_t dim, int64_t v_dim = -1)
       : num_blocks(blocks), page_size(page), num_kv_heads(heads), head_dim(dim),
-        page_shift(log2_exact(page)) {}
+        page_shift(log2_exact(page)), v_head_dim(v_dim < 0 ? dim : v_dim) {}
+
+  /// Whether K and V rows have one width (what paged_attention reads).
+  KVC_HOST_DEVICE bool equal_widths() const { return v_head_dim == head_dim; }
+  /// Width of the rows of one side: K (value = false) or V (value = true).
+  KVC_HOST_DEVICE int64_t dim(bool value) const { return value ? v_head_dim : head_dim; }
+  /// The layout of one side's pool as a single-width layout: its accessors give that pool's offsets.
+  KVC_HOST_DEVICE PagedLayout side(bool value) const {
+    PagedLayout s = *this;
+    s.head_dim = s.v_head_dim = dim(value);
+    return s;
+  }
 
   KVC_HOST_DEVICE int64_t num_slots() const { return num_blocks << page_shift; }
   KVC_HOST_DEVICE int64_t head_stride() const { return page_size * head_dim; }

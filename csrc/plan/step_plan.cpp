@@ -57,6 +57,7 @@ std::tuple<at::Tensor, at::Tensor> build_step_plan(
   h.page_size = layout.page_size;
   h.kv_heads = layout.num_kv_heads;
   h.head_dim = layout.head_dim;
+  h.v_head_dim = layout.v_head_dim;
   h.k_format = k_format;
   h.v_format = v_format;
   h.table_width = width;
@@ -144,10 +145,11 @@ const StepPlanHeader& check_step_plan(const at::Tensor& plan_host, const at::Ten
                     "plan_device must be the second tensor plan_step returned (", h.device_bytes,
                     " bytes) but is ", plan_device.scalar_type(), " of shape ", plan_device.sizes());
   TORCH_CHECK_VALUE(layout.page_size == h.page_size && layout.num_kv_heads == h.kv_heads &&
-                        layout.head_dim == h.head_dim,
+                        layout.head_dim == h.head_dim && layout.v_head_dim == h.v_head_dim,
                     "the pools have page_size ", layout.page_size, ", num_kv_heads ", layout.num_kv_heads,
                     " and head_dim ", layout.head_dim, " but the plan was made for page_size ", h.page_size,
-                    ", num_kv_heads ", h.kv_heads, " and head_dim ", h.head_dim);
+                    ", num_kv_heads ", h.kv_heads, " and head_dim ", h.head_dim, " (V rows: v_head_dim ",
+                    layout.v_head_dim, " in the pools, ", h.v_head_dim, " in the plan)");
   TORCH_CHECK_VALUE(k_format == h.k_format && v_format == h.v_format, "k_format = ", k_format, " and v_format = ",
                     v_format, " but the plan was made for k_format = ", h.k_format, " and v_format = ", h.v_format);
   TORCH_CHECK_INDEX(layout.num_blocks >= h.required_blocks, "the pools hold ", layout.num_blocks,

@@ -27,7 +27,7 @@ struct StepPlanHeader {
   int64_t backend = kPlanForCpu;
   int64_t batch = 0, total_q = 0, q_heads = 0;
   // the pools it was validated against: their shape (num_blocks aside) and formats
-  int64_t page_size = 0, kv_heads = 0, head_dim = 0, k_format = 0, v_format = 0;
+  int64_t page_size = 0, kv_heads = 0, head_dim = 0, v_head_dim = 0, k_format = 0, v_format = 0;
   int64_t required_blocks = 0;  // pools must hold at least this many blocks: 1 + the largest block id used
   int64_t table_width = 0;      // columns of the block tables
   int64_t slot_rows = 0, slot_cols = 0;  // slot_mapping [rows, cols]; 0 x 0 when the plan has none

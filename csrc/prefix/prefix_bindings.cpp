@@ -267,8 +267,14 @@ struct PrefixCacheClass : torch::CustomClassHolder {
                           pool->sizes());
         TORCH_CHECK_TYPE(pool->scalar_type() == device_k[0].scalar_type(), "layer ", l, ": pool dtype ",
                          pool->scalar_type(), " differs from ", device_k[0].scalar_type());
-        TORCH_CHECK_VALUE(pool->sizes().slice(1) == device_k[0].sizes().slice(1), "layer ", l, ": block shape ",
-                          pool->sizes().slice(1), " differs from ", device_k[0].sizes().slice(1));
+        // K and V rows may differ in width (MLA latents): K pools match K pools, V pools V pools
+        const bool value = pool == &device_v[l] || pool == &host_v[l];
+        const at::Tensor& first = value ? device_v[0] : device_k[0];
+        TORCH_CHECK_VALUE(pool->sizes().slice(1) == first.sizes().slice(1), "layer ", l, ": ", value ? "V" : "K",
+                          " block shape ", pool->sizes().slice(1), " differs from ", first.sizes().slice(1));
+        TORCH_CHECK_VALUE(pool->sizes().slice(1, 2) == device_k[0].sizes().slice(1, 2), "layer ", l, ": ",
+                          value ? "V" : "K", " pool shape ", pool->sizes(), " differs from the K pool's ",
+                          device_k[0].sizes(), " in num_kv_heads or page_size");
       }
       TORCH_CHECK_VALUE(device_k[l].size(0) == allocator->core->num_blocks() &&
                             device_v[l].size(0) == allocator->core->num_blocks(),

@@ -52,3 +52,43 @@ TEST(PagedLayout, PagesFor) {
   EXPECT_EQ(L.pages_for(17), 2);
   EXPECT_EQ(PagedLayout(1, 1, 1, 1).pages_for(5), 5);
 }
+
+TEST(PagedLayout, ValueRowsDefaultToTheKeysWidth) {
+  const PagedLayout L(3, 4, 2, 16);
+  EXPECT_EQ(L.v_head_dim, 16);
+  EXPECT_TRUE(L.equal_widths());
+  EXPECT_EQ(L.dim(false), 16);
+  EXPECT_EQ(L.dim(true), 16);
+  for (bool value : {false, true}) {
+    const PagedLayout S = L.side(value);
+    EXPECT_EQ(S.pool_elements(), L.pool_elements());
+    EXPECT_EQ(S.offset(2, 1, 3), L.offset(2, 1, 3));
+  }
+}
+
+TEST(PagedLayout, ValueRowsOfAnotherWidthHaveTheirOwnOffsets) {
+  // MLA: a 512-dim latent as K, the 64-dim rotary part as V; one kv head, the same blocks and pages
+  for (int64_t page = 1; page <= 256; page *= 4) {
+    const PagedLayout L(/*blocks=*/5, page, /*heads=*/2, /*dim=*/24, /*v_dim=*/6);
+    EXPECT_FALSE(L.equal_widths());
+    EXPECT_EQ(L.dim(false), 24);
+    EXPECT_EQ(L.dim(true), 6);
+    const PagedLayout K = L.side(false), V = L.side(true);
+    EXPECT_TRUE(K.equal_widths() && V.equal_widths());
+    EXPECT_EQ(K.pool_elements(), 5 * 2 * page * 24);
+    EXPECT_EQ(V.pool_elements(), 5 * 2 * page * 6);
+    EXPECT_EQ(V.num_slots(), L.num_slots());
+    EXPECT_EQ(V.page_shift, L.page_shift);
+    std::set<int64_t> seen;
+    for (int64_t s = 0; s < L.num_slots(); ++s) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t b = s / page, t = s % page;
+        EXPECT_EQ(K.slot_offset(s, h), ((b * 2 + h) * page + t) * 24);  // [blocks, heads, page, 24]
+        EXPECT_EQ(V.slot_offset(s, h), ((b * 2 + h) * page + t) * 6);   // [blocks, heads, page, 6]
+        EXPECT_EQ(V.row_index(b, h, t), K.row_index(b, h, t));         // per-row scales: one index for both
+        EXPECT_LE(V.slot_offset(s, h) + 6, V.pool_elements());
+        EXPECT_TRUE(seen.insert(V.slot_offset(s, h)).second);
+      }
+    }
+  }
+}

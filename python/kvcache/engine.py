@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _html, residual as res
-from .hf_cache import ATTENTION_NAME, PagedCache
+from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, packed_attention_mask
 from .step import plan_step
 from .store import PagedStore
 from .prefix import Match, Namespace, Sequence
@@ -86,6 +86,10 @@ class _Running:
 class Engine:
     """Batched prefill and decode of many prompts over one paged store.
 
+    MLA models (DeepSeek-V2/V3), whose latent pages the ``"kvcache"`` attention does not read yet, run with the
+    model's own eager/sdpa attention (sdpa unless the model uses eager) over the packed step: each layer gets every
+    request's history row after row, and the model a 4-D mask that keeps each query to its own request's keys.
+
     Args:
         model: a transformers causal LM; the engine runs it with the ``"kvcache"`` attention implementation.
         tokenizer: optional; lets prompts be strings and results carry text.
@@ -120,9 +124,9 @@ class Engine:
         self.store.namespace = self.namespace
         self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans
         self._dtype_bytes = next(model.parameters()).element_size()
-        self._kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
-                          or config.num_attention_heads,
-                          getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        heads, k_dim, v_dim = cache_geometry(config)
+        self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
+        self.latent = k_dim != v_dim  # MLA latents: pages of two widths, read with PyTorch attention
         self._stats: dict = {}
         self._forwards = 0
         self.tiers = None
@@ -158,7 +162,7 @@ class Engine:
                      peak_blocks=0, peak_dense_tokens=0, tier_hit_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
         previous_impl = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.model.set_attn_implementation(self._attention(previous_impl))
         start = time.perf_counter()
         try:
             while waiting or running:
@@ -199,6 +203,13 @@ class Engine:
             self._stats.update({k: v - tiers_before[k] for k, v in now.items() if k in _TIER_COUNTERS})
             self._stats["tiers"] = now
         return results
+
+    def _attention(self, current: str | None) -> str:
+        """The attention implementation of a step: the kernel's, or for pages of two widths (MLA latents) the
+        model's own eager/sdpa over the packed history."""
+        if not self.latent:
+            return ATTENTION_NAME
+        return current if current in ("eager", "sdpa") else "sdpa"
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -293,9 +304,10 @@ class Engine:
         stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(r.seq.num_tokens for r in running))
         stats["steps"] += 1
         t0 = time.perf_counter()
+        mask = None if self.cache.fused else packed_attention_mask(plan, next(self.model.parameters()).dtype)
         out = self.model(input_ids=torch.tensor([tokens], device=device),
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=cu_q[1:] - 1)
+                         attention_mask=mask, use_cache=True, logits_to_keep=cu_q[1:] - 1)
         logits = out.logits[0].float()
         # mostly prefill: the cost of a token; not the engine's first forward, which pays one-time costs
         # (>= 256 tokens: shorter forwards are dominated by per-forward costs and overstate a token's)
@@ -318,8 +330,8 @@ class Engine:
     # ---- reporting -------------------------------------------------------------------------------
     def _summarize(self, results: list[Result], stats: dict, wall: float) -> None:
         generated = sum(len(r.tokens) for r in results)
-        layers, heads, dim = self._kv_shape
-        per_token_dense = 2 * layers * heads * dim * self._dtype_bytes
+        layers, heads, k_dim, v_dim = self._kv_shape
+        per_token_dense = layers * heads * (k_dim + v_dim) * self._dtype_bytes
         s = dict(stats)
         s.update(
             requests=len(results), generated_tokens=generated, wall_s=wall,

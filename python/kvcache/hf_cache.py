@@ -14,7 +14,7 @@ from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
 from .store import PagedStore
 
-__all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME"]
+__all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME", "cache_geometry"]
 
 ATTENTION_NAME = "kvcache"  # the attention (and mask) implementation registered with transformers
 
@@ -29,6 +29,20 @@ except ImportError:
 
 # layer types of a hybrid config whose cache is HF's own state layer (no per-token K/V to page)
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy", "moe", "mlp")
+
+
+def cache_geometry(config) -> tuple[int, int, int]:
+    """(kv heads, K row width, V row width) of what a model hands its cache per layer and token.
+
+    MLA models (DeepSeek-V2/V3: ``kv_lora_rank`` and ``qk_rope_head_dim`` in the config) hand it their latents,
+    one head of ``kv_lora_rank`` dims as the key and one of ``qk_rope_head_dim`` dims as the value; other models
+    their K/V heads of ``head_dim`` dims."""
+    rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    if rank and rope:
+        return 1, int(rank), int(rope)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(heads), int(dim), int(dim)
 
 
 def _state_layers(config) -> list | None:
@@ -113,6 +127,11 @@ class PagedLayer(CacheLayerMixin):
 
 class PagedCache(Cache):
     """A paged, optionally quantized KV cache usable as ``past_key_values`` of transformers models.
+
+    MLA models (DeepSeek-V2/V3) hand the cache latents of two widths (``kv_nope`` as the key, ``k_rot`` as the
+    value): their pages hold rows of those two widths, paged, quantized and prefix-shared like any other, and
+    eager/sdpa attention reads them back through ``paged_gather``. The ``"kvcache"`` attention does not read
+    such pages yet (absorbed MLA attention): ``update`` then raises a ValueError before writing anything.
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
@@ -211,13 +230,21 @@ class PagedCache(Cache):
         if not isinstance(layer, PagedLayer):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
                              f"attention layer: it has no K/V to update")
+        if key_states.shape[-1] != value_states.shape[-1] and self.fused:  # refused before anything is written
+            raise ValueError(f"layer {layer_idx}: the model hands the cache K and V rows of two widths "
+                             f"({key_states.shape[-1]} and {value_states.shape[-1]}: MLA latents, e.g. DeepSeek-V2/V3), "
+                             f"which the \"{ATTENTION_NAME}\" attention does not read yet (absorbed MLA attention is "
+                             f"still to come); use model.set_attn_implementation(\"sdpa\") or \"eager\", which read "
+                             f"these pages through paged_gather")
         if not layer.is_initialized:
             self._check_placement(key_states)
             layer.lazy_initialization(key_states, value_states)
         if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
             plan = self._external_plan.on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
-            return self._tagged(key_states, value_states, layer_idx, plan)
+            if self.fused:
+                return self._tagged(key_states, value_states, layer_idx, plan)
+            return self._packed(layer_idx, plan, key_states.dtype)  # PyTorch attention under the owner's mask
         batch, _, q_len, _ = key_states.shape
         pending = PENDING_PADDING.get()
         if layer_idx == self._first_paged() and pending is not None:
@@ -430,7 +457,7 @@ class PagedCache(Cache):
         dense = 0
         for pool in self.store.pools.values():
             elem = torch.finfo(first.dtype).bits // 8 if first is not None and first.is_initialized else 2
-            dense += 2 * len(self.rows) * length * pool.num_kv_heads * pool.head_dim * elem
+            dense += len(self.rows) * length * pool.num_kv_heads * (pool.head_dim + pool.v_head_dim) * elem
         fmt = self.store.kv_format
         if fmt is None and first is not None and first.is_initialized:
             fmt = CacheFormat.parse(first.dtype)
@@ -552,9 +579,31 @@ class PagedCache(Cache):
 
     def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as ``[batch, kv_heads, length, head_dim]`` (pad slots that were not stored are zero)."""
-        layer, pool = self.layers[layer_idx], self.store.pools[layer_idx]
-        plan = self._plan.on(pool.k.device)
-        length = layer.length
+        pool = self.store.pools[layer_idx]
+        length = self.layers[layer_idx].length
+        k, v = self._gather(layer_idx, self._plan.on(pool.k.device), length, dtype)
+        if not any(self.pads):
+            return k, v
+        k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
+        for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
+            k_out[b, :, pad:] = k[b, :, : length - pad]
+            v_out[b, :, pad:] = v[b, :, : length - pad]
+        return k_out, v_out
+
+    def _packed(self, layer_idx: int, plan: StepPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed step's K/V for attention in PyTorch: every row's stored tokens, row after row, as
+        ``[1, kv_heads, sum(seq_lens), head_dim]``; the step's owner (:class:`kvcache.Engine`) hands the model
+        the 4-D mask that keeps each query to its own row's keys (:func:`packed_attention_mask`)."""
+        lens = plan._host[1] if plan._host is not None else plan.seq_lens.cpu()
+        max_len = int(lens.max()) if lens.numel() else 0
+        k, v = self._gather(layer_idx, plan, max_len, dtype)
+        keep = (torch.arange(max_len, device=k.device).view(1, -1) < plan.seq_lens.view(-1, 1).to(torch.int64))
+        return k.transpose(1, 2)[keep].transpose(0, 1).unsqueeze(0), v.transpose(1, 2)[keep].transpose(0, 1).unsqueeze(0)
+
+    def _gather(self, layer_idx: int, plan: StepPlan, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V of ``plan``'s rows as padded ``[batch, kv_heads, length, head_dim]`` (V rows as wide as
+        the V pool's) in ``dtype``, left-aligned."""
+        pool = self.store.pools[layer_idx]
         if plan.residual is not None:
             k, v = res.gather(plan.residual, pool, self.store.residual_pools[layer_idx], plan.block_tables,
                               plan.seq_lens, length, dtype)
@@ -563,13 +612,24 @@ class PagedCache(Cache):
             k, v = (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
         else:
             k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length, dtype=dtype)
-        if not any(self.pads):
-            return k, v
-        k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
-        for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
-            k_out[b, :, pad:] = k[b, :, : length - pad]
-            v_out[b, :, pad:] = v[b, :, : length - pad]
-        return k_out, v_out
+        return k, v
+
+
+def packed_attention_mask(plan: StepPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[1, 1, total_q, total_kv]`` mask of a packed step whose K/V are :meth:`PagedCache._packed`'s
+    (row after row): query ``i`` of row ``b`` (at position ``seq_lens[b] - q_len_b + i``) sees the keys of row
+    ``b`` at positions up to its own; 0 where it may attend, the dtype's lowest value elsewhere."""
+    seq_lens = plan._host[1] if plan._host is not None else plan.seq_lens.cpu()
+    cu_q = plan._host[2] if plan._host is not None else plan.cu_q_lens.cpu()
+    lens, q_lens = seq_lens.to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    row_q = torch.repeat_interleave(torch.arange(len(lens)), q_lens)                 # [total_q]: each query's row
+    row_k = torch.repeat_interleave(torch.arange(len(lens)), lens)                   # [total_kv]: each key's row
+    kv_start = torch.cumsum(lens, 0) - lens
+    pos_q = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[row_q] + (lens - q_lens)[row_q]
+    pos_k = torch.arange(int(lens.sum())) - kv_start[row_k]
+    allowed = (row_q.view(-1, 1) == row_k.view(1, -1)) & (pos_k.view(1, -1) <= pos_q.view(-1, 1))
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, *allowed.shape).to(plan.seq_lens.device)
 
 
 def _human(n: int) -> str:

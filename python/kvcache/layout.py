@@ -5,6 +5,11 @@ One layer's K (or V) pool is a contiguous tensor ``[num_blocks, num_kv_heads, pa
 ``page_size x head_dim`` tile of a (block, head) pair is one contiguous run. The C++ twin of this class
 is ``csrc/core/paged_layout.h``; between them they are the only code that computes page offsets.
 
+K and V rows may differ in width (``v_head_dim``; by default equal to ``head_dim``): MLA models (DeepSeek-V2/V3)
+hand the cache a latent of ``kv_lora_rank`` dims as the key and the rotary part of ``qk_rope_head_dim`` dims as
+the value. The V pool is then ``[num_blocks, num_kv_heads, page_size, v_head_dim]``: the same blocks, heads and
+pages, rows of their own width.
+
 A *slot* names one token position in the pool: ``slot = block_id * page_size + offset_in_page``.
 """
 
@@ -30,6 +35,9 @@ class PageLayout:
     53
     >>> layout.bytes_per_block  # K and V together
     65536
+    >>> mla = PageLayout(num_blocks=8, page_size=16, num_kv_heads=1, head_dim=512, v_head_dim=64)  # MLA latents
+    >>> mla.shape, mla.v_shape, mla.bytes_per_block
+    ((8, 1, 16, 512), (8, 1, 16, 64), 18432)
     """
 
     num_blocks: int
@@ -37,11 +45,14 @@ class PageLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float16
+    v_head_dim: int | None = None  # width of the V rows; None: head_dim
 
     def __post_init__(self) -> None:
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"page_size={self.page_size} must be a power of two from 1 to 256")
-        for name in ("num_blocks", "num_kv_heads", "head_dim"):
+        for name in ("num_blocks", "num_kv_heads", "head_dim", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "num_blocks" else 1):
                 raise ValueError(f"{name}={value!r} must be a {'non-negative' if name == 'num_blocks' else 'positive'} int")
@@ -51,8 +62,25 @@ class PageLayout:
     # ---- shapes -------------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """Shape of one pool (K or V): ``(num_blocks, num_kv_heads, page_size, head_dim)``."""
+        """Shape of the K pool (and of the V pool when the widths are equal):
+        ``(num_blocks, num_kv_heads, page_size, head_dim)``."""
         return (self.num_blocks, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the V pool: ``(num_blocks, num_kv_heads, page_size, v_head_dim)``."""
+        return (self.num_blocks, self.num_kv_heads, self.page_size, self.v_head_dim)
+
+    @property
+    def equal_widths(self) -> bool:
+        """Whether K and V rows have one width (what :func:`kvcache.paged_attention` reads)."""
+        return self.v_head_dim == self.head_dim
+
+    def dim(self, role: str) -> int:
+        """Width of the rows of one side: ``role`` "k" or "v"."""
+        if role not in ("k", "v"):
+            raise ValueError(f"role={role!r} must be 'k' or 'v'")
+        return self.head_dim if role == "k" else self.v_head_dim
 
     @property
     def num_slots(self) -> int:
@@ -61,7 +89,7 @@ class PageLayout:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block of K plus one block of V."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+        return self.num_kv_heads * self.page_size * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
 
     def allocate(self, device: torch.device | str = "cpu", *, fill: float | None = None,
                  pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,26 +99,33 @@ class PageLayout:
         page to page, and 4 KiB pages would make most of those jumps TLB misses.
         """
         k = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
-        v = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
-        if k.device.type == "cpu" and not pin_memory and k.nbytes >= (8 << 20):
+        v = torch.empty(self.v_shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        if k.device.type == "cpu" and not pin_memory:
             from . import _C  # the extension is loaded by the package __init__
 
             for t in (k, v):
-                _C.advise_huge_pages(t.data_ptr(), t.nbytes)
+                if t.nbytes >= (8 << 20):
+                    _C.advise_huge_pages(t.data_ptr(), t.nbytes)
         if fill is not None:
             k.fill_(fill)
             v.fill_(fill)
         return k, v
 
     @classmethod
-    def of(cls, k_cache: torch.Tensor) -> "PageLayout":
-        """The layout of an existing pool tensor."""
+    def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> "PageLayout":
+        """The layout of existing pool tensors (the K pool, and the V pool when its rows may differ in width)."""
         if k_cache.dim() != 4:
             raise ValueError(f"k_cache must be [num_blocks, num_kv_heads, page_size, head_dim], got {tuple(k_cache.shape)}")
         n, h, p, d = k_cache.shape
+        v_dim = d
+        if v_cache is not None:
+            if v_cache.dim() != 4 or tuple(v_cache.shape[:3]) != (n, h, p):
+                raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; the "
+                                 f"pools must match in [num_blocks, num_kv_heads, page_size] (only head_dim may differ)")
+            v_dim = v_cache.shape[3]
         # Codes of quantized pools (and float64 pools in tests) have other dtypes; the geometry is what counts.
         dtype = k_cache.dtype if k_cache.dtype in SUPPORTED_DTYPES else torch.float32
-        return cls(num_blocks=n, page_size=p, num_kv_heads=h, head_dim=d, dtype=dtype)
+        return cls(num_blocks=n, page_size=p, num_kv_heads=h, head_dim=d, dtype=dtype, v_head_dim=v_dim)
 
     # ---- slots --------------------------------------------------------------------------------
     def slot(self, block: int | torch.Tensor, offset: int | torch.Tensor) -> int | torch.Tensor:

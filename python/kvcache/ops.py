@@ -31,9 +31,11 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Writes the K/V of new tokens into the page pools.
 
     Args:
-        key, value: ``[batch, num_kv_heads, q_len, head_dim]``, any strides (as Hugging Face models hand
-            them over), same dtype as the pools.
-        k_cache, v_cache: pools ``[num_blocks, num_kv_heads, page_size, head_dim]``, written in place.
+        key, value: ``[batch, num_kv_heads, q_len, head_dim]`` (value: ``v_head_dim``, the V pool's row width,
+            which may differ from the K pool's: MLA latents), any strides (as Hugging Face models hand them
+            over), same dtype as the pools.
+        k_cache, v_cache: pools ``[num_blocks, num_kv_heads, page_size, head_dim]`` (``v_cache``: ``v_head_dim``),
+            written in place.
         slot_mapping: ``[batch, q_len]`` int64; ``slot = block_id * page_size + offset``, -1 skips a token.
         k_scale, v_scale, k_format, v_format: quantized storage (see :class:`kvcache.KVPool`, which passes
             them for you): K/V are quantized on the way in, int8 scales written per row.
@@ -59,7 +61,8 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
                  out: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, k_format: int = 0,
                  v_format: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathers each sequence's pages into padded ``[batch, num_kv_heads, max_len, head_dim]`` K and V.
+    """Gathers each sequence's pages into padded ``[batch, num_kv_heads, max_len, head_dim]`` K and V (V rows
+    as wide as the V pool's, which may differ from K's).
 
     Rows past a sequence's length are zero. ``block_tables`` is ``[batch, max_blocks]`` int32 and
     ``seq_lens`` ``[batch]`` int32. Without ``out``, ``max_len`` defaults to ``max(seq_lens)``.
@@ -75,11 +78,10 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
     if out is None:
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        _, heads, _, dim = k_cache.shape
-        dim *= _format_of(k_format, "k_format").dims_per_code  # packed codes: several dims per byte
-        shape = (seq_lens.shape[0], heads, max_len, dim)
+        k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
+        shape = (seq_lens.shape[0], heads, max_len)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
-        out = (k_cache.new_empty(shape, dtype=dtype), v_cache.new_empty(shape, dtype=dtype))
+        out = (k_cache.new_empty(shape + (k_dim,), dtype=dtype), v_cache.new_empty(shape + (v_dim,), dtype=dtype))
     _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1], k_scale, v_scale, k_format,
                               v_format)
     return out
@@ -90,31 +92,42 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
                         out: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, k_format: int = 0,
                         v_format: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathers the pages into packed ``[total_tokens, num_kv_heads, head_dim]`` K and V.
+    """Gathers the pages into packed ``[total_tokens, num_kv_heads, head_dim]`` K and V (V: ``v_head_dim``).
 
     Sequence ``b`` occupies rows ``cu_seq_lens[b]:cu_seq_lens[b + 1]`` (``cu_seq_lens`` is
     ``[batch + 1]`` int32, starting at 0), the varlen convention of FlashAttention.
     """
     if out is None:
         total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
-        _, heads, _, dim = k_cache.shape
-        dim *= _format_of(k_format, "k_format").dims_per_code  # packed codes: several dims per byte
+        k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         dtype = k_cache.dtype if k_format == 0 else torch.float32
-        out = (k_cache.new_empty((total, heads, dim), dtype=dtype), v_cache.new_empty((total, heads, dim), dtype=dtype))
+        out = (k_cache.new_empty((total, heads, k_dim), dtype=dtype), v_cache.new_empty((total, heads, v_dim), dtype=dtype))
     _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
                                      k_format, v_format)
     return out
 
 
+def _row_widths(k_cache: torch.Tensor, v_cache: torch.Tensor, k_format: int, v_format: int) -> tuple[int, int, int]:
+    """(K row width, V row width, kv heads) in dims of pools of these formats (packed codes: several dims per
+    byte); the op itself checks the rest."""
+    k_per, v_per = _format_of(k_format, "k_format").dims_per_code, _format_of(v_format, "v_format").dims_per_code
+    if k_cache.dim() != 4 or v_cache.dim() != 4:  # the op names the bad shape
+        return (k_cache.shape[-1] * k_per if k_cache.dim() else 0), (v_cache.shape[-1] * v_per if v_cache.dim() else 0), (
+            k_cache.shape[1] if k_cache.dim() > 1 else 0)
+    return k_cache.shape[3] * k_per, v_cache.shape[3] * v_per, k_cache.shape[1]
+
+
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copies whole blocks within one pool (copy-on-write): ``block_mapping`` is ``[n, 2]`` int64 of
-    (src, dst) pairs; destinations are distinct and never also sources in the same call."""
+    (src, dst) pairs; destinations are distinct and never also sources in the same call. The K and V pools
+    may differ in row width (each block of each is copied whole)."""
     _ops.copy_blocks.default(k_cache, v_cache, block_mapping)
 
 
 def swap_blocks(k_src: torch.Tensor, v_src: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
                 block_mapping: torch.Tensor) -> None:
-    """Copies blocks between two pools of the same block shape, e.g. device <-> host.
+    """Copies blocks between two pools of the same block shape, e.g. device <-> host (K blocks like K blocks,
+    V blocks like V blocks: their rows may differ in width).
 
     ``block_mapping`` is a CPU ``[n, 2]`` int64 tensor of (block in src pools, block in dst pools).
     """
@@ -145,7 +158,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Args:
         query: ``[total_q, q_heads, head_dim]``; sequence ``b``'s queries are rows
             ``cu_q_lens[b]:cu_q_lens[b + 1]`` and are its *last* tokens (already appended to the pages).
-        k_cache, v_cache: the pools of one layer, ``[num_blocks, kv_heads, page_size, head_dim]``.
+        k_cache, v_cache: the pools of one layer, ``[num_blocks, kv_heads, page_size, head_dim]``, rows of one
+            width (pools whose K and V rows differ, e.g. MLA latents, are refused: read them through
+            :func:`paged_gather`).
         block_tables: ``[batch, max_blocks]`` int32. seq_lens: ``[batch]`` int32 tokens in the pages.
         cu_q_lens: ``[batch + 1]`` int32 query offsets.
         scale: softmax scale, default ``head_dim ** -0.5``.

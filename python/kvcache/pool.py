@@ -9,6 +9,12 @@
 >>> k, v = pool.gather(torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
 >>> bool((k - key).abs().max() < 0.05)
 True
+
+K and V rows may differ in width (MLA latents: ``v_head_dim``), each side in its own format:
+
+>>> mla = kvcache.KVPool.allocate(8, 16, 1, 64, "int8", v_head_dim=32)
+>>> tuple(mla.k.shape), tuple(mla.v.shape), mla.layout.equal_widths
+((8, 1, 16, 64), (8, 1, 16, 32), False)
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ class KVPool:
 
     Formats with the ``hadamard`` option (e.g. ``"int8(hadamard)"``) store rotated rows
     (:func:`kvcache.quant.rotate`) in the same tensors; every method hands back unrotated values and
-    exact attention, so callers see no difference but the smaller error."""
+    exact attention, so callers see no difference but the smaller error.
+
+    ``v_head_dim`` (default ``head_dim``): the width of the V rows, which may differ from the K rows' (MLA
+    latents); ``v`` and ``v_scale`` then have V's shapes. Storage ops (append, gather, block moves) honour
+    it; :meth:`attention` needs equal widths."""
 
     num_blocks: int
     page_size: int
@@ -52,37 +62,53 @@ class KVPool:
     v_scale: torch.Tensor | None = None
     _scales_set: dict = field(default_factory=dict, repr=False)
     _kwargs: tuple = field(default=(), repr=False)  # (k_scale, v_scale, op_kwargs, plan_key), made once
+    v_head_dim: int | None = None  # width of the V rows; None: head_dim
+
+    def __post_init__(self) -> None:
+        if self.v_head_dim is None:
+            self.v_head_dim = self.head_dim
 
     @classmethod
     def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
                  format: "str | CacheFormat | torch.dtype" = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> "KVPool":
+                 device: torch.device | str = "cpu", *, v_head_dim: int | None = None) -> "KVPool":
+        """Pools for ``num_blocks`` pages; ``v_head_dim`` (default ``head_dim``) is the width of the V rows.
+        A width a format cannot take (int4 and KIVI: multiples of 32; ``hadamard``: a power of two) is
+        refused with a ValueError naming the side, the width and the format, before anything is allocated."""
         fmt = CacheFormat.parse(format)
-        layout = PageLayout(num_blocks, page_size, num_kv_heads, head_dim)  # validates the geometry
-        tensors = {}
+        layout = PageLayout(num_blocks, page_size, num_kv_heads, head_dim, v_head_dim=v_head_dim)  # validates the geometry
         for role, f in (("k", fmt.k), ("v", fmt.v)):
             f.kernel_id  # rejects formats the kernels do not implement yet
+            dim = layout.dim(role)
+            name = "head_dim" if role == "k" else "v_head_dim"
             if f.hadamard:
-                rot_scales(head_dim)  # rejects a head_dim that is not a power of two
-            if f.grouped and head_dim % 32:
-                raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for {f.kind}")
-            shape = f.code_shape(num_blocks, num_kv_heads, page_size, head_dim)
+                try:
+                    rot_scales(dim)
+                except ValueError as err:
+                    raise ValueError(f"{role.upper()} rows: {name}={dim} cannot take {role}_format={f}: {err}") from None
+            if f.grouped and dim % 32:
+                raise ValueError(f"{role.upper()} rows: {name}={dim} must be a multiple of 32 for {f.kind} "
+                                 f"({role}_format={f} keeps its scales per 32 dims)")
+        tensors = {}
+        for role, f in (("k", fmt.k), ("v", fmt.v)):
+            dim = layout.dim(role)
+            shape = f.code_shape(num_blocks, num_kv_heads, page_size, dim)
             # full precision starts uninitialized (every slot is written before it is read); codes at zero
             codes = (torch.empty if not f.quantized else torch.zeros)(shape, dtype=f.code_dtype, device=device)
             scale = None
             if f.quantized:
-                scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, head_dim, role)
+                scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, dim, role)
                 # fp8: one scale per kv head, given or computed from the first tokens
                 fill = (f.scale or 1.0) if f.kind.startswith("fp8") else 0.0
                 scale = torch.full(scale_shape, fill, dtype=f.scale_dtype, device=device)
             tensors[role], tensors[f"{role}_scale"] = codes, scale
-        pool = cls(num_blocks, page_size, num_kv_heads, head_dim, fmt, **tensors)
+        pool = cls(num_blocks, page_size, num_kv_heads, head_dim, fmt, **tensors, v_head_dim=layout.v_head_dim)
         pool._scales_set = {"k": fmt.k.scale is not None, "v": fmt.v.scale is not None}
         return pool
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(self.num_blocks, self.page_size, self.num_kv_heads, self.head_dim)
+        return PageLayout(self.num_blocks, self.page_size, self.num_kv_heads, self.head_dim, v_head_dim=self.v_head_dim)
 
     def op_kwargs(self) -> dict:
         """The format arguments of append / paged_gather / paged_attention for this pool."""
@@ -100,8 +126,8 @@ class KVPool:
         if not c or c[0] is not self.k_scale or c[1] is not self.v_scale:
             kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale,
                       "k_format": self.format.k.kernel_id, "v_format": self.format.v.kernel_id}
-            key = (self.k.device, self.page_size, self.num_kv_heads, self.head_dim, kwargs["k_format"],
-                   kwargs["v_format"])
+            key = (self.k.device, self.page_size, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                   kwargs["k_format"], kwargs["v_format"])
             c = self._kwargs = (self.k_scale, self.v_scale, kwargs, key)
         return c
 
@@ -134,14 +160,14 @@ class KVPool:
 
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized padded K/V ``[batch, kv_heads, max_len, head_dim]`` (``dtype`` defaults to float32
-        for quantized pools, the pool's own dtype otherwise)."""
+        """Dequantized padded K/V ``[batch, kv_heads, max_len, head_dim]`` (V: ``v_head_dim``; ``dtype``
+        defaults to float32 for quantized pools, the pool's own dtype otherwise)."""
         out_dtype = dtype or (self.k.dtype if not self.format.k.quantized else torch.float32)
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        shape = (seq_lens.shape[0], self.num_kv_heads, max_len, self.head_dim)
-        out = (torch.empty(shape, dtype=out_dtype, device=self.k.device),
-               torch.empty(shape, dtype=out_dtype, device=self.k.device))
+        shape = (seq_lens.shape[0], self.num_kv_heads, max_len)
+        out = (torch.empty(shape + (self.head_dim,), dtype=out_dtype, device=self.k.device),
+               torch.empty(shape + (self.v_head_dim,), dtype=out_dtype, device=self.k.device))
         return ops.paged_gather(self.k, self.v, block_tables, seq_lens, out=out, **self.op_kwargs())
 
     def attention(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -167,11 +193,12 @@ class KVPool:
 
     def _repr_html_(self) -> str:
         slots = self.num_blocks * self.page_size
-        values = 2 * slots * self.num_kv_heads * self.head_dim
+        values = slots * self.num_kv_heads * (self.head_dim + self.v_head_dim)
         return _html.table("kvcache.KVPool", {
             "format": str(self.format),
             "blocks x page_size": f"{self.num_blocks} x {self.page_size} = {slots} token slots",
-            "kv heads x head_dim": f"{self.num_kv_heads} x {self.head_dim}",
+            "kv heads x head_dim": f"{self.num_kv_heads} x {self.head_dim}" + (
+                "" if self.v_head_dim == self.head_dim else f" (V rows: {self.v_head_dim})"),
             "bytes": _html.human_bytes(self.nbytes),
             "bits per value (scales included)": f"{8 * self.nbytes / values:.2f}",
             "bytes in bf16": _html.human_bytes(2 * values),

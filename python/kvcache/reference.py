@@ -3,6 +3,9 @@
 Tests compare each kernel against these functions, benchmarks use them as the "plain PyTorch" baseline,
 and they double as a slow fallback. They use :class:`kvcache.layout.PageLayout` for every page offset and
 mirror the ops' destination-passing signatures: writers mutate their cache/output arguments in place.
+
+K and V pools may differ in row width (``PageLayout.v_head_dim``, MLA latents): every storage function here
+indexes blocks, heads and positions only, so each side keeps its own width (V tensors end in ``v_head_dim``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
            slot_mapping: torch.Tensor) -> None:
     """Writes K/V of new tokens into the pools at their slots (-1 skips a token).
 
-    key, value: [batch, num_kv_heads, q_len, head_dim]; slot_mapping: [batch, q_len] int64.
+    key, value: [batch, num_kv_heads, q_len, head_dim] (value: v_head_dim); slot_mapping: [batch, q_len] int64.
     """
     layout = PageLayout.of(k_cache)
     keep = slot_mapping >= 0                                     # [batch, q_len]
@@ -29,7 +32,7 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def _gather_one(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
                 length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence, [length, num_kv_heads, head_dim]."""
+    """K and V of one sequence, [length, num_kv_heads, head_dim] (V: v_head_dim)."""
     layout = PageLayout.of(k_cache)
     positions = torch.arange(length, device=k_cache.device)
     block, offset = layout.split_slot(layout.token_slots(table_row, positions))

@@ -96,25 +96,33 @@ class PagedStore:
         pool = self.pools.get(layer)
         if pool is None:
             _, heads, _, dim = key.shape
-            if value.shape[1] != heads or value.shape[3] != dim:
-                raise ValueError(f"layer {layer}: value heads/head_dim {tuple(value.shape[1::2])} differ from the "
-                                 f"key's ({heads}, {dim}); kvcache pages need equal K and V shapes (an MLA model, "
-                                 f"e.g. DeepSeek-V2/V3, hands the cache latents of two widths: not paged yet, use "
-                                 f"DynamicCache)")
+            if value.shape[1] != heads:
+                raise ValueError(f"layer {layer}: value has {value.shape[1]} heads but the key has {heads}; kvcache "
+                                 f"pages hold K and V of the same kv heads")
+            # V rows may be narrower or wider than K rows: an MLA model (DeepSeek-V2/V3) hands the cache its
+            # latent kv_nope as the key and the rotary k_rot as the value
             fmt = self.kv_format or CacheFormat.parse(key.dtype)
             blocks = self.capacity_blocks if self.fixed_size else _grown(0, min_blocks)
-            pool = KVPool.allocate(blocks, self.page_size, heads, dim, fmt, device=key.device)
+            try:
+                pool = KVPool.allocate(blocks, self.page_size, heads, dim, fmt, device=key.device,
+                                       v_head_dim=value.shape[3])
+            except ValueError as err:
+                raise ValueError(f"layer {layer}: {err}") from None
             self.pools[layer] = pool
         elif pool.num_blocks < min_blocks:
             pool = self.pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
         return pool
 
     def residual_pool(self, layer: int, key: torch.Tensor, min_blocks: int) -> KVPool:
-        """Layer ``layer``'s full-precision residual pool (the model's dtype), grown to ``min_blocks``."""
+        """Layer ``layer``'s full-precision residual pool (the model's dtype), grown to ``min_blocks``; its rows
+        are as wide as the layer's quantized pool's (K and V may differ)."""
         pool = self.residual_pools.get(layer)
         if pool is None:
             _, heads, _, dim = key.shape
-            pool = KVPool.allocate(_grown(0, min_blocks), self.page_size, heads, dim, key.dtype, device=key.device)
+            sealed = self.pools.get(layer)
+            v_dim = sealed.v_head_dim if sealed is not None else dim
+            pool = KVPool.allocate(_grown(0, min_blocks), self.page_size, heads, dim, key.dtype, device=key.device,
+                                   v_head_dim=v_dim)
             self.residual_pools[layer] = pool
         elif pool.num_blocks < min_blocks:
             pool = self.residual_pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
@@ -171,7 +179,8 @@ def _grown(current: int, needed: int) -> int:
 
 def _grow_pool(pool: KVPool, blocks: int) -> KVPool:
     """A copy of ``pool`` with ``blocks`` blocks (the old ones copied, fp8 per-head scales kept)."""
-    new = KVPool.allocate(blocks, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.format, device=pool.k.device)
+    new = KVPool.allocate(blocks, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.format, device=pool.k.device,
+                          v_head_dim=pool.v_head_dim)
     n = pool.num_blocks
     new.k[:n].copy_(pool.k)
     new.v[:n].copy_(pool.v)

@@ -59,7 +59,7 @@ __all__ = [
 DEFAULT_CHUNK_TOKENS = 256
 
 MAGIC = b"KVCHUNK\0"
-VERSION = 1
+VERSION = 2  # 2: the header and namespace carry v_head_dim (K and V rows may differ in width)
 # magic, version, flags, JSON header length, payload length, BLAKE2b-128 checksum of everything after it
 _FIXED = struct.Struct("<8sHHIQ16s")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -79,14 +79,16 @@ class BlobError(ValueError):
 
 # ---- identity ------------------------------------------------------------------------------------
 def describe(namespace, *, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             k_format: str, v_format: str, residual: str = "", rope: str = "") -> dict:
+             k_format: str, v_format: str, residual: str = "", rope: str = "", v_head_dim: int | None = None) -> dict:
     """The full description of a chain root: the :class:`kvcache.Namespace` fields plus the page geometry
-    and the format of each side (stored once beside the chunks, as ``namespace.json`` / ``<prefix>:namespace``)."""
+    (the width of K rows, ``head_dim``, and of V rows, ``v_head_dim``: they differ for MLA latents) and the
+    format of each side (stored once beside the chunks, as ``namespace.json`` / ``<prefix>:namespace``)."""
     return {
         "model": namespace.model, "revision": namespace.revision, "adapter": namespace.adapter,
         "kv_format": str(namespace.kv_format), "rope": namespace.rope or rope, "salt": namespace.salt,
         "k_format": k_format, "v_format": v_format, "residual": residual, "page_size": int(page_size),
         "num_layers": int(num_layers), "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
+        "v_head_dim": int(head_dim if v_head_dim is None else v_head_dim),
         "dtype": str(dtype).removeprefix("torch."), "blob_version": VERSION,
     }
 
@@ -492,8 +494,8 @@ class PrefixTiers:
             raise ValueError("disk and remote tiers need the prefix cache (prefix_cache=True)")
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        from .hf_cache import cache_geometry
+        self.num_kv_heads, self.head_dim, self.v_head_dim = cache_geometry(cfg)  # MLA: latent and rope widths
         from .formats import CacheFormat
         self.format = self.store.kv_format or CacheFormat.parse(self.dtype)
         rope = json.dumps({k: getattr(cfg, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters",
@@ -502,10 +504,11 @@ class PrefixTiers:
         self.description = describe(self.store.namespace, page_size=page, num_layers=self.num_layers,
                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                                     k_format=str(self.format.k), v_format=str(self.format.v),
-                                    residual=self.store.residual_label, rope=rope)
+                                    residual=self.store.residual_label, rope=rope, v_head_dim=self.v_head_dim)
         self.ns = namespace_id(self.description)
         self.meta = {"layers": self.num_layers, "page_size": page, "kv_heads": self.num_kv_heads,
-                     "head_dim": self.head_dim, "k_format": str(self.format.k), "v_format": str(self.format.v),
+                     "head_dim": self.head_dim, "v_head_dim": self.v_head_dim, "k_format": str(self.format.k),
+                     "v_format": str(self.format.v),
                      "dtype": str(self.dtype).removeprefix("torch."), "pages_per_chunk": self.chunk_tokens // page}
         self.stats_ = {k: 0 for k in (
             "lookups", "local_hit_tokens", "disk_hit_tokens", "remote_hit_tokens", "disk_fetch_bytes",
@@ -660,17 +663,18 @@ class PrefixTiers:
         """(name, dtype, shape) of a chunk's tensors for its page pattern, in blob order: per layer, the
         sealed pages' codes and scales of K then V, then the open pages' K and V in the model's dtype."""
         n_sealed, n_open = pages.count("S"), pages.count("O")
-        H, P, D = self.num_kv_heads, self.store.page_size, self.head_dim
+        H, P = self.num_kv_heads, self.store.page_size
+        dims = {"k": self.head_dim, "v": self.v_head_dim}  # K and V rows may differ in width (MLA latents)
         out = []
         for layer in range(self.num_layers):
             for role, f in (("k", self.format.k), ("v", self.format.v)):
-                out.append((f"{layer}.{role}", f.code_dtype, f.code_shape(n_sealed, H, P, D)))
-                shape = f.scale_shape(n_sealed, H, P, D, role)
+                out.append((f"{layer}.{role}", f.code_dtype, f.code_shape(n_sealed, H, P, dims[role])))
+                shape = f.scale_shape(n_sealed, H, P, dims[role], role)
                 if shape is not None:
                     out.append((f"{layer}.{role}_scale", f.scale_dtype, shape))
             if n_open:
                 for role in ("k", "v"):
-                    out.append((f"{layer}.open_{role}", self.dtype, (n_open, H, P, D)))
+                    out.append((f"{layer}.open_{role}", self.dtype, (n_open, H, P, dims[role])))
         return out
 
     def _write_pages(self, blocks: torch.Tensor, decoded) -> None:
@@ -685,8 +689,9 @@ class PrefixTiers:
         if opened and store.residual is None:
             raise BlobError("layout", "open pages for a cache without a full-precision window")
         dummy = torch.empty(0, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        dummy_v = torch.empty(0, self.num_kv_heads, 0, self.v_head_dim, dtype=self.dtype, device=self.device)
         need = int(blocks.max()) + 1
-        pools = [store.pool(layer, dummy, dummy, need) for layer in range(self.num_layers)]
+        pools = [store.pool(layer, dummy, dummy_v, need) for layer in range(self.num_layers)]
         store.ensure_blocks(need)
         pools = [store.pools[layer] for layer in range(self.num_layers)]
 
