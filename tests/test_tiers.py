@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -354,12 +355,23 @@ def test_cost_model_declines_and_explain_says_where_a_prompt_diverged(model, ser
 def test_write_queue_drops_instead_of_blocking(model, server):
     b = _engine(model, remote=server.url)
     b.tiers._queue.maxsize = 1
-    server.pause()
+    answer = threading.Event()
+    put = b.tiers.remote.put
+
+    def put_when_answered(*args):  # a tier that does not answer: the writer thread waits in its first write
+        answer.wait(60)
+        return put(*args)
+
+    # (a paused server is not enough: once a lookup times out the breaker opens, writes are skipped at once
+    # and the queue drains, so whether anything is dropped would depend on the order of two threads)
+    b.tiers.remote.put = put_when_answered
+    t0 = time.perf_counter()
     try:
         b.generate(prompts(5, 3, prefix_seed=9), max_new_tokens=1)
+        assert time.perf_counter() - t0 < 30  # generation went on while the writer waited
         assert b.stats()["tiers"]["dropped_writes"] >= 1
     finally:
-        server.resume()
+        answer.set()
     b.close()
 
 
