@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import kvcache  # noqa: E402
+from generate_support import MODES, generate as _generate, inputs as _inputs, max_diff as _max_diff  # noqa: E402
 
 if not hasattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin"):
     pytest.skip(f"hybrid cache layers (LinearAttentionLayer) need transformers >= 5.5; installed "
@@ -49,41 +50,15 @@ def model(request):
     return _model(request.param)
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # row 1 is left-padded by 5
-    ids[1, :5] = 0
-    return ids, mask
-
-
 # transformers refuses assisted generation (prompt lookup, assistant models) for stateful models; contrastive
 # search lives on the Hub in 5.x
-MODES = {
-    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
-    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
-    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
-    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
-}
+HYBRID_MODES = {name: mode for name, mode in MODES.items() if name != "prompt_lookup"}
 
 
-def _generate(model, cache, impl, **kwargs):
-    model.set_attn_implementation(impl)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
-                              output_logits=True, pad_token_id=0, **kwargs)
-
-
-def _max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
-
-
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(HYBRID_MODES))
 @pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
 def test_generate_matches_dynamic_cache(model, impl, mode):
-    kwargs = MODES[mode](*_inputs())
+    kwargs = HYBRID_MODES[mode](*_inputs())
     ref = _generate(model, DynamicCache(config=model.config), "eager" if impl == "eager" else "sdpa", **kwargs)
     cache = kvcache.PagedCache(config=model.config)
     got = _generate(model, cache, impl, **kwargs)

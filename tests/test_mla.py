@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import kvcache  # noqa: E402
+from generate_support import MODES, generate as _generate, inputs as _inputs, max_diff as _max_diff  # noqa: E402
 
 if int(transformers.__version__.split(".")[0]) < 5:  # the CPU-only environment pins 4.57
     pytest.skip(f"transformers {transformers.__version__} hands DeepSeek's cache per-head K (nope + rope) and V, "
@@ -48,37 +49,6 @@ def _model(name: str, kv_lora_rank: int = 16, rope: int = 8):
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
 def model(request):
     return _model(request.param)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # row 1 is left-padded by 5
-    ids[1, :5] = 0
-    return ids, mask
-
-
-MODES = {  # every mode tests/test_hf.py runs on the other architectures
-    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
-    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
-    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
-    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
-    "prompt_lookup": lambda ids, mask: dict(input_ids=torch.cat([ids[:1], ids[:1, :6]], 1), prompt_lookup_num_tokens=3,
-                                            do_sample=False),
-}
-
-
-def _generate(model, cache, impl, **kwargs):
-    model.set_attn_implementation(impl)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
-                              output_logits=True, pad_token_id=0, **kwargs)
-
-
-def _max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
 
 
 def test_cache_geometry_reads_the_latent_widths(model):

@@ -483,11 +483,11 @@ class PagedCache(Cache):
         mode = "kvcache attention" if self.fused else "dense"
         return (f"PagedCache(layers={len(self.layers)}, rows={s['rows']}, seq_length={s['seq_length']}, "
                 f"format={s['format']}, page_size={s['page_size']}, blocks={s['blocks']}, "
-                f"bytes={_human(s['bytes'])} vs DynamicCache {_human(s['dynamic_cache_bytes'])}, mode={mode})")
+                f"bytes={_html.human_bytes(s['bytes'])} vs DynamicCache {_html.human_bytes(s['dynamic_cache_bytes'])}, mode={mode})")
 
     def _repr_html_(self) -> str:
         s = self.stats()
-        rows = {k: _human(v) if "bytes" in k else f"{v:.1%}" if k == "waste_fraction" else v for k, v in s.items()}
+        rows = {k: _html.human_bytes(v) if "bytes" in k else f"{v:.1%}" if k == "waste_fraction" else v for k, v in s.items()}
         prefix = self.store.prefix_cache
         if prefix is not None:
             p = prefix.stats()
@@ -632,10 +632,4 @@ def packed_attention_mask(plan: StepPlan, dtype: torch.dtype) -> torch.Tensor:
     return mask.view(1, 1, *allowed.shape).to(plan.seq_lens.device)
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 

@@ -1,0 +1,38 @@
+"""What the HF drop-in tests share (test_hf, test_hybrid, test_mla): a batch with a left-padded row, the
+generate modes each architecture runs, one generate call, and the largest logit difference of two runs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def inputs():
+    """Two rows of 12 token ids; row 1 is left-padded by 5 (ids 0, mask 0)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    return ids, mask
+
+
+MODES = {
+    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
+    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
+    "sampling": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=True, top_k=20),
+    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
+    "prompt_lookup": lambda ids, mask: dict(input_ids=torch.cat([ids[:1], ids[:1, :6]], 1), prompt_lookup_num_tokens=3,
+                                            do_sample=False),
+}
+
+
+def generate(model, cache, impl, **kwargs):
+    model.set_attn_implementation(impl)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0, **kwargs)
+
+
+def max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
