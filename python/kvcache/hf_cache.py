@@ -247,7 +247,7 @@ class PagedCache(Cache):
             return self._packed(layer_idx, plan, key_states.dtype)  # PyTorch attention under the owner's mask
         batch, _, q_len, _ = key_states.shape
         pending = PENDING_PADDING.get()
-        if layer_idx == self._first_paged() and pending is not None:
+        if pending is not None and layer_idx == self._first_paged():  # (the scan only when padding is pending)
             PENDING_PADDING.set(None)  # one forward's padding: consumed (or dropped) by its first layer
         if not self.rows:
             self._start_rows(batch, q_len, layer.length, pending)
@@ -483,7 +483,8 @@ class PagedCache(Cache):
         mode = "kvcache attention" if self.fused else "dense"
         return (f"PagedCache(layers={len(self.layers)}, rows={s['rows']}, seq_length={s['seq_length']}, "
                 f"format={s['format']}, page_size={s['page_size']}, blocks={s['blocks']}, "
-                f"bytes={_html.human_bytes(s['bytes'])} vs DynamicCache {_html.human_bytes(s['dynamic_cache_bytes'])}, mode={mode})")
+                f"bytes={_html.human_bytes(s['bytes'])} vs DynamicCache "
+                f"{_html.human_bytes(s['dynamic_cache_bytes'])}, mode={mode})")
 
     def _repr_html_(self) -> str:
         s = self.stats()
