@@ -74,6 +74,18 @@ inline constexpr const char* kOpSchemas[] = {
       "Tensor plan_device, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None, int k_format=0, "
       "int v_format=0) -> ()",
 
+  // ---- MLA: absorbed attention over latent pages (mla/) --------------------------------------------
+  // An MLA model (DeepSeek-V2/V3) caches per token a latent c of kv_lora_rank dims as its K row and the rotated
+  // key part k_rope of qk_rope_head_dim dims as its V row: k_cache / v_cache are pools of two widths, formats
+  // as for append (Hadamard-rotated ones refused). The caller folds each head's non-rotary query through the key
+  // up-projection: q_latent [total_q, q_heads, kv_lora_rank] = q_nope . W_UK[h]; q_rope [total_q, q_heads,
+  // qk_rope_head_dim]. Scores scale * (q_latent . c_j + q_rope . k_rope_j), causal and bottom-right as
+  // paged_attention's (no window, sinks or softcap); out [total_q, q_heads, kv_lora_rank] = softmax . c (the
+  // caller applies the value up-projection W_UV); lse as paged_attention's.
+  "mla_attention(Tensor q_latent, Tensor q_rope, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_q_lens, float scale, Tensor(a!) out, Tensor(b!)? lse, Tensor? k_scale=None, "
+      "Tensor? v_scale=None, int k_format=0, int v_format=0) -> ()",
+
   // Two attention states over disjoint key sets -> the state over their union (split-K, cascade):
   // v_* [tokens, heads, head_dim], lse_* [tokens, heads] float32.
   "merge_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, Tensor(a!) v_out, "

@@ -14,6 +14,7 @@
 #include "attention/attention_cpu.h"
 #include "attention/attention_cpu_isa.h"
 #include "attention/attention_prepare.h"
+#include "attention/run_dynamic.h"
 #include "core/check.h"
 #include "core/softmax_state.h"
 #include "plan/step_plan.h"
@@ -39,8 +40,6 @@ void blas_gemm_f32(bool b_transposed, int64_t m, int64_t n, int64_t k, const flo
   const float one = 1.f;
   sgemm_(&ta, &tb, &M, &N, &K, &one, b, &LDA, a, &LDB, &beta, c, &LDC);
 }
-
-GemmF32 cpu_gemm() { return sgemm_ != nullptr ? blas_gemm_f32 : nullptr; }
 
 int best_isa() {
   __builtin_cpu_init();
@@ -82,17 +81,6 @@ PlanOptions plan_options(const AttentionArgs& a) {
   return opt;
 }
 
-template <class Fn>
-void run_dynamic(int64_t n, Fn fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w) {
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-    }
-  });
-}
-
 /// Runs a plan's tasks and merges its split states into the output.
 void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
               const AttentionPlan::Split* splits, int64_t num_splits, int64_t rows_per_slot, int64_t num_slots,
@@ -100,7 +88,7 @@ void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_ta
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(num_slots, rows_per_slot, a.layout.head_dim, options, &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
-  const GemmF32 gemm = cpu_gemm();
+  const GemmF32 gemm = blas_gemm();
   run_dynamic(num_tasks, [&](int64_t i) { fn(a, tasks[i], partial, gemm); });
 
   // Merge the split states of each (sequence, kv head) into the output.
@@ -189,6 +177,8 @@ void merge_states_cpu(const at::Tensor& v_a, const at::Tensor& lse_a, const at::
 }
 
 }  // namespace
+
+GemmF32 blas_gemm() { return sgemm_ != nullptr ? blas_gemm_f32 : nullptr; }
 
 void set_isa(Isa isa) {
   const int best = best_isa();

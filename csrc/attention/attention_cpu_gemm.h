@@ -10,4 +10,8 @@ namespace kvcache::cpu {
 using GemmF32 = void (*)(bool b_transposed, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                          const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
+/// The sgemm of the BLAS that torch links (MKL in the x86 wheels) as a GemmF32, or null when torch exports
+/// none (defined in attention_cpu.cpp; the MLA kernel uses it too).
+GemmF32 blas_gemm();
+
 }  // namespace kvcache::cpu

@@ -70,15 +70,7 @@ AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_
   KVC_CHECK_DTYPE(out, query.scalar_type());
   KVC_CHECK_SAME_DEVICE(out, k_cache);
   KVC_CHECK_CONTIGUOUS(out);
-  if (lse_arg.has_value()) {
-    const at::Tensor& lse = *lse_arg;  // named lse: the check macros write the expression into their messages
-    KVC_CHECK_DIM(lse, 2);
-    KVC_CHECK_DTYPE(lse, at::kFloat);
-    KVC_CHECK_SAME_DEVICE(lse, k_cache);
-    KVC_CHECK_CONTIGUOUS(lse);
-    TORCH_CHECK_VALUE(lse.size(0) == query.size(0) && lse.size(1) == q_heads, "lse has shape ", lse.sizes(),
-                      " but must be [total_q, q_heads] = [", query.size(0), ", ", q_heads, "]");
-  }
+  check_lse_out(lse_arg, query.size(0), q_heads, k_cache);
   AttentionArgs a;
   a.query = query.data_ptr();
   for (int d = 0; d < 3; ++d) a.q_strides[d] = query.stride(d);
@@ -142,6 +134,34 @@ void check_index_values(const int32_t* cu, const int32_t* lens, const int32_t* t
                                           "the maximum"));
 }
 
+void check_indices_on_host(const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                           const at::Tensor& k_cache, int64_t total_q, const char* total_q_what,
+                           const PagedLayout& layout, AttentionHostInfo* host) {
+  check_index_tensors(block_tables, seq_lens, cu_q_lens, k_cache);
+  // The kernels read the lengths and offsets through their data pointers, element after element (plan_step
+  // copies them, so it takes any strides).
+  KVC_CHECK_CONTIGUOUS(seq_lens);
+  KVC_CHECK_CONTIGUOUS(cu_q_lens);
+  // Index values, on the host: q offsets, lengths, the blocks those lengths use.
+  const at::Tensor cu_host = read_on_host(cu_q_lens);
+  const at::Tensor lens_host = read_on_host(seq_lens);
+  const at::Tensor table_host = read_on_host(block_tables);
+  check_index_values(cu_host.data_ptr<int32_t>(), lens_host.data_ptr<int32_t>(), table_host.data_ptr<int32_t>(),
+                     block_tables.size(1), block_tables.size(1), seq_lens.size(0), total_q, total_q_what, layout, host);
+}
+
+void check_lse_out(const std::optional<at::Tensor>& lse_arg, int64_t total_q, int64_t q_heads,
+                   const at::Tensor& k_cache) {
+  if (!lse_arg.has_value()) return;
+  const at::Tensor& lse = *lse_arg;  // named lse: the check macros write the expression into their messages
+  KVC_CHECK_DIM(lse, 2);
+  KVC_CHECK_DTYPE(lse, at::kFloat);
+  KVC_CHECK_SAME_DEVICE(lse, k_cache);
+  KVC_CHECK_CONTIGUOUS(lse);
+  TORCH_CHECK_VALUE(lse.size(0) == total_q && lse.size(1) == q_heads, "lse has shape ", lse.sizes(),
+                    " but must be [total_q, q_heads] = [", total_q, ", ", q_heads, "]");
+}
+
 AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& cu_q_lens, double scale, int64_t window_left,
@@ -152,19 +172,9 @@ AttentionArgs prepare_attention(const at::Tensor& query, const at::Tensor& k_cac
   const PoolFormats formats = make_formats(k_format, v_format, k_scale, v_scale);
   AttentionArgs a = check_attention_call(query, k_cache, v_cache, scale, window_left, sink_tokens, softcap, out, lse,
                                          formats, k_format, v_format);
-  check_index_tensors(block_tables, seq_lens, cu_q_lens, k_cache);
-  // The kernels read the lengths and offsets through their data pointers, element after element (plan_step
-  // copies them, so it takes any strides).
-  KVC_CHECK_CONTIGUOUS(seq_lens);
-  KVC_CHECK_CONTIGUOUS(cu_q_lens);
+  check_indices_on_host(block_tables, seq_lens, cu_q_lens, k_cache, query.size(0),
+                        "query.shape[0] (total query tokens)", a.layout, host);
   const int64_t batch = seq_lens.size(0);
-  // Index values, on the host: q offsets, lengths, the blocks those lengths use.
-  const at::Tensor cu_host = read_on_host(cu_q_lens);
-  const at::Tensor lens_host = read_on_host(seq_lens);
-  const at::Tensor table_host = read_on_host(block_tables);
-  check_index_values(cu_host.data_ptr<int32_t>(), lens_host.data_ptr<int32_t>(), table_host.data_ptr<int32_t>(),
-                     block_tables.size(1), block_tables.size(1), batch, query.size(0),
-                     "query.shape[0] (total query tokens)", a.layout, host);
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.table_stride = block_tables.stride(0);
   a.kv_lens = seq_lens.data_ptr<int32_t>();

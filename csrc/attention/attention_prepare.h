@@ -43,6 +43,15 @@ void check_index_values(const int32_t* cu, const int32_t* lens, const int32_t* t
                         int64_t table_width, int64_t batch, int64_t total_q, const char* total_q_what,
                         const PagedLayout& layout, AttentionHostInfo* host);
 
+/// check_index_tensors, then the values of those tensors read on the host (check_index_values) against `total_q`
+/// queries (`total_q_what` names it in errors) and the pool `layout`; seq_lens and cu_q_lens must be contiguous.
+void check_indices_on_host(const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_q_lens,
+                           const at::Tensor& k_cache, int64_t total_q, const char* total_q_what,
+                           const PagedLayout& layout, AttentionHostInfo* host);
+
+/// An attention op's optional lse output: [total_q, q_heads] float32, contiguous, on k_cache's device.
+void check_lse_out(const std::optional<at::Tensor>& lse, int64_t total_q, int64_t q_heads, const at::Tensor& k_cache);
+
 /// Float32 workspace for the partial states of a plan's split tasks (its num_slots x rows_per_slot) (empty when nothing is split);
 /// the tensors own the memory the returned PartialStates points into.
 PartialStates allocate_partials(int64_t num_slots, int64_t rows_per_slot, int64_t head_dim,

@@ -12,6 +12,8 @@
 #include "cache/cache_prepare.h"
 #include "core/check.h"
 #include "core/host_reads.h"
+#include "mla/mla_cuda_launch.h"
+#include "mla/mla_prepare.h"
 #include "op_schemas.h"
 #include "plan/step_plan.h"
 
@@ -148,6 +150,18 @@ void merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tens
 
 }  // namespace
 
+void mla_attention(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const at::Tensor& cu_q_lens, double scale, at::Tensor& out, const std::optional<at::Tensor>& lse,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                   int64_t k_format, int64_t v_format) {
+  AttentionHostInfo host;
+  const MlaArgs a = prepare_mla_attention(q_latent, q_rope, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                          out, lse, k_scale, v_scale, k_format, v_format, &host);
+  check_mla_cuda_limits(a);
+  check_launch(cuda::launch_mla_attention(a, nullptr), "mla_attention");
+}
+
 TORCH_LIBRARY(kvcache_cuda_emulation, m) {
   for (const char* schema : kOpSchemas) m.def(schema);
 }
@@ -163,6 +177,7 @@ TORCH_LIBRARY_IMPL(kvcache_cuda_emulation, CPU, m) {
   m.impl("swap_blocks", &swap_blocks);
   m.impl("paged_attention", &paged_attention);
   m.impl("merge_states", &merge_states);
+  m.impl("mla_attention", &mla_attention);
 }
 
 }  // namespace kvcache

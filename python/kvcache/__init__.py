@@ -30,8 +30,8 @@ from .engine import Engine, Result  # noqa: E402
 from . import tiers  # noqa: E402
 from .tiers import BlobError, CostModel, DiskTier, PrefixTiers, RedisTier  # noqa: E402
 from .ops import (  # noqa: E402
-    append, append_planned, copy_blocks, merge_states, paged_attention, paged_attention_planned, paged_gather,
-    paged_gather_ragged, plan_step, StepPlanTensors, swap_blocks,
+    append, append_planned, copy_blocks, merge_states, mla_attention, paged_attention, paged_attention_planned,
+    paged_gather, paged_gather_ragged, plan_step, StepPlanTensors, swap_blocks,
 )
 
 _install_registration()  # attn_implementation="kvcache", as soon as transformers is imported
@@ -83,6 +83,7 @@ __all__ = [
     "cpu_isa",
     "memory",
     "merge_states",
+    "mla_attention",
     "ops",
     "paged_attention",
     "paged_attention_planned",

@@ -180,6 +180,56 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return (out, lse) if return_lse else out
 
 
+def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float, *,
+                  return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, k_format: int = 0,
+                  v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed multi-head latent attention (DeepSeek-V2/V3) straight over latent pages.
+
+    An MLA model caches per token a latent ``c`` (``kv_lora_rank`` dims) and the rotated key part ``k_rope``
+    (``qk_rope_head_dim`` dims): here they are the K and V rows of pools of two widths, as
+    :class:`kvcache.PagedCache` stores them. Head ``h``'s key is ``W_UK[h] c`` and its value ``W_UV[h] c``;
+    folding ``W_UK`` into the query (``q_latent = q_nope @ W_UK[h]``) gives the same scores against ``c``,
+    and the output is taken in latent space, so no key or value is ever expanded:
+
+        s_j = scale * (q_latent . c_j + q_rope . k_rope_j),   out = sum_j softmax(s)_j c_j
+
+    (the caller applies ``W_UV``). Quantized latents (formats as for :func:`append`, not ``hadamard``) are
+    dequantized as they are read.
+
+    Args:
+        q_latent: ``[total_q, q_heads, kv_lora_rank]``; q_rope: ``[total_q, q_heads, qk_rope_head_dim]``, same
+            dtype; sequence ``b``'s queries are rows ``cu_q_lens[b]:cu_q_lens[b + 1]``, its last tokens, causal
+            and bottom-right as in :func:`paged_attention`.
+        k_cache, v_cache: the latent and rope pools ``[num_blocks, kv_heads, page_size, kv_lora_rank]`` and
+            ``[..., qk_rope_head_dim]``; query head ``h`` reads kv head ``h // (q_heads // kv_heads)``.
+        block_tables, seq_lens, cu_q_lens: as for :func:`paged_attention`.
+        scale: the softmax scale of the model (MLA models fold a YaRN factor into it; there is no default).
+        return_lse: also return the log-sum-exp ``[total_q, q_heads]`` (float32).
+
+    Returns ``out`` ``[total_q, q_heads, kv_lora_rank]`` in the query's dtype (and the lse).
+
+    >>> import torch, kvcache
+    >>> pool = kvcache.KVPool.allocate(4, 4, 1, 8, torch.float32, v_head_dim=2)
+    >>> c, k_rope = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 2)
+    >>> pool.append(c, k_rope, torch.tensor([[0, 1, 2]]))
+    >>> q_latent, q_rope = torch.randn(1, 16, 8), torch.randn(1, 16, 2)
+    >>> out = kvcache.mla_attention(q_latent, q_rope, pool.k, pool.v, torch.tensor([[0]], dtype=torch.int32),
+    ...                             torch.tensor([3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.3)
+    >>> s = 0.3 * (q_latent[0] @ c[0, 0].T + q_rope[0] @ k_rope[0, 0].T)
+    >>> torch.allclose(out[0], torch.softmax(s, -1) @ c[0, 0], atol=1e-5)
+    True
+    """
+    if out is None:
+        out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    if return_lse and lse is None:
+        lse = torch.empty(q_latent.shape[:2], dtype=torch.float32, device=q_latent.device)
+    _ops.mla_attention.default(q_latent, q_rope, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale),
+                               out, lse, k_scale, v_scale, k_format, v_format)
+    return (out, lse) if return_lse else out
+
+
 class StepPlanTensors(NamedTuple):
     """What :func:`plan_step` returns: ``host`` (CPU, uint8: the header and the task list) and ``device``
     (uint8 on the pools' device: the validated tables, lengths and slots, and the task list). Read-only."""

@@ -181,6 +181,12 @@ class KVPool:
         """:func:`kvcache.paged_attention_planned` over this pool, on a step's :func:`kvcache.plan_step`."""
         return ops.paged_attention_planned(plan, query, self.k, self.v, scale, **kwargs, **self.op_kwargs())
 
+    def mla_attention(self, q_latent: torch.Tensor, q_rope: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float, **kwargs):
+        """:func:`kvcache.mla_attention` over this pool of MLA latents (K rows) and rotary keys (V rows)."""
+        return ops.mla_attention(q_latent, q_rope, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
+                                 **kwargs, **self.op_kwargs())
+
     def plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor,
              slot_mapping: torch.Tensor | None = None, *, q_heads: int) -> "ops.StepPlanTensors":
         """:func:`kvcache.plan_step` for this pool (and every pool of its shape and format)."""

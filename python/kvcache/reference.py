@@ -128,6 +128,29 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             lse[cu[b]:cu[b + 1]] = l
 
 
+def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float,
+                  out: torch.Tensor, lse: torch.Tensor | None = None,
+                  compute_dtype: torch.dtype = torch.float32) -> None:
+    """Absorbed MLA attention over latent pages (full-precision pools; :func:`dequantize_pool` others).
+
+    ``k_cache`` holds each token's latent ``c`` (kv_lora_rank dims), ``v_cache`` its rotated key part; the key
+    of head ``h`` is ``[c | k_rope]`` against the query ``[q_latent | q_rope]``, and the value is ``c`` itself:
+    :func:`attention` with those keys and values."""
+    cu = cu_q_lens.tolist()
+    for b, kv_len in enumerate(seq_lens.tolist()):
+        if cu[b + 1] == cu[b]:
+            continue
+        c, k_rope = _gather_one(k_cache, v_cache, block_tables[b], kv_len)    # [kv_len, kv_heads, d]
+        rows = slice(cu[b], cu[b + 1])
+        query = torch.cat([q_latent[rows], q_rope[rows]], dim=-1)
+        o, l = attention(query, torch.cat([c, k_rope], dim=-1).to(query.dtype), c.to(query.dtype), scale,
+                         compute_dtype=compute_dtype)
+        out[rows] = o
+        if lse is not None:
+            lse[rows] = l
+
+
 def plan_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor,
               slot_mapping: torch.Tensor | None = None) -> dict:
     """A step's plan as the reference sees it: the index tensors themselves (a kernel plan adds validation,
