@@ -2,7 +2,8 @@
 [b, 1, s, kv_lora_rank] as the key and the rotated k_rot [b, 1, s, qk_rope_head_dim] as the value. The pages
 hold rows of those two widths (PageLayout.v_head_dim), so the models run unchanged with eager/sdpa attention:
 bit-identical to DynamicCache in full precision in every generate mode, close with int8 latents, prefix-shared
-through the Engine. The "kvcache" attention does not read pages of two widths yet and refuses clearly."""
+through the Engine. With the "kvcache" attention the layers attend through the absorbed kernel over the latent
+pages (kvcache.hf_mla, kvcache.mla_attention): DynamicCache's greedy tokens, and the history never expanded."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_pages_hold_the_latents_dynamic_cache_holds(model):
     assert s["bytes"] == s["blocks"] * 2 * 4 * (16 + 8) * 4   # 3 pages of 4 tokens, both layers
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
 def test_deepcopy_and_multi_turn(model, impl):
     """A prompt cache deep-copied per request (pages shared copy-on-write), and one cache across turns."""
     ids = _inputs()[0][:1]
@@ -159,18 +160,80 @@ def test_int4_and_kivi_latents_need_widths_of_multiples_of_32():
     assert 0 < diffs["int8"] < min(diffs["int4"], diffs["kivi4"]), diffs  # 4-bit latents: quantized, coarser
 
 
-def test_kvcache_attention_refuses_latents_of_two_widths_before_writing(model):
-    ids, _ = _inputs()
-    cache = kvcache.PagedCache(config=model.config)
-    model.set_attn_implementation("kvcache")
+class _Expansions:
+    """Counts what the model's MLA modules expand through kv_b_proj (expand_kv) and what the absorbed kernel runs."""
+
+    def __init__(self, monkeypatch, model):
+        self.lengths: list[int] = []
+        self.kernel_calls = 0
+        cls = type(model.model.layers[0].self_attn)
+        expand, absorbed = cls.expand_kv, kvcache.hf_mla.mla_attention
+
+        def counting_expand(module, kv_nope, k_rot):
+            self.lengths.append(kv_nope.shape[2])
+            return expand(module, kv_nope, k_rot)
+
+        def counting_absorbed(*args, **kwargs):
+            self.kernel_calls += 1
+            return absorbed(*args, **kwargs)
+
+        monkeypatch.setattr(cls, "expand_kv", counting_expand)
+        monkeypatch.setattr(kvcache.hf_mla, "mla_attention", counting_absorbed)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_absorbed_kvcache_attention_gives_dynamic_cache_tokens(model, mode, monkeypatch):
+    """The "kvcache" attention on latent pages: greedy tokens of DynamicCache, logits within fp32 rounding, and
+    the history is never expanded: after the prompt, the module expands only each forward's new tokens."""
+    kwargs = MODES[mode](*_inputs())
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", **kwargs)
+    seen = _Expansions(monkeypatch, model)
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
     try:
-        with pytest.raises(ValueError, match=r'layer 0: the model hands the cache K and V rows of two widths '
-                                             r'\(16 and 8: MLA latents.*"kvcache" attention does not read'):
-            with torch.no_grad():
-                model(ids[:1], past_key_values=cache, use_cache=True)
+        got = _generate(model, cache, "kvcache", **kwargs)
     finally:
         model.set_attn_implementation("sdpa")
-    assert cache.get_seq_length() == 0 and not cache.rows and not cache.store.pools
+    if mode != "sampling":  # (sampling draws from logits that differ by rounding: tokens may part ways)
+        assert torch.equal(ref.sequences, got.sequences)
+    scale = max(x.abs().max().item() for x in ref.logits)
+    assert _max_diff(ref, got) <= 1e-5 * max(1.0, scale)
+    layers = model.config.num_hidden_layers
+    prompt = kwargs["input_ids"].shape[1]
+    assert seen.kernel_calls >= layers * 6  # every decode step of every layer went through the absorbed kernel
+    first = seen.lengths[0]  # the prompt's forward (prompt lookup: + its 3 candidates): SDPA on its own expansion
+    assert seen.lengths[:layers] == [first] * layers and prompt <= first <= prompt + 3
+    assert max(seen.lengths[layers:]) <= 4  # later forwards expand their own (1 or few, speculative) tokens only
+
+
+@pytest.mark.parametrize("fmt, residual", [("int8", None), ("int8", 0), ("k=int8,v=fp8_e4m3", 0)])
+def test_absorbed_attention_on_quantized_latents_matches_the_dense_path(model, fmt, residual):
+    """int8 latents (with the default full-precision window and without): the absorbed kernel dequantizes as it
+    reads, the sdpa path gathers dequantized latents and expands them: same tokens, logits within rounding."""
+    ids, mask = _inputs()
+    kw = dict(config=model.config, kv_format=fmt, page_size=4, residual_length=residual)
+    dense = _generate(model, kvcache.PagedCache(**kw), "sdpa", input_ids=ids, attention_mask=mask, do_sample=False)
+    try:
+        fused = _generate(model, kvcache.PagedCache(**kw), "kvcache", input_ids=ids, attention_mask=mask,
+                          do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(dense.sequences, fused.sequences)
+    scale = max(x.abs().max().item() for x in dense.logits)
+    assert _max_diff(dense, fused) <= 1e-5 * max(1.0, scale)
+
+
+def test_hadamard_latents_fall_back_to_the_expanded_history(model, monkeypatch):
+    ids, mask = _inputs()
+    kw = dict(config=model.config, kv_format="int8(hadamard)", page_size=4, residual_length=0)
+    dense = _generate(model, kvcache.PagedCache(**kw), "sdpa", input_ids=ids, attention_mask=mask, do_sample=False)
+    seen = _Expansions(monkeypatch, model)
+    try:
+        fused = _generate(model, kvcache.PagedCache(**kw), "kvcache", input_ids=ids, attention_mask=mask,
+                          do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert seen.kernel_calls == 0  # mla_attention refuses rotated pools: the module's own expansion instead
+    assert torch.equal(dense.sequences, fused.sequences) and _max_diff(dense, fused) <= 1e-4
 
 
 def test_prefix_cache_reuses_latent_pages(model):

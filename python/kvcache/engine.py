@@ -126,7 +126,7 @@ class Engine:
         self._dtype_bytes = next(model.parameters()).element_size()
         heads, k_dim, v_dim = cache_geometry(config)
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
-        self.latent = k_dim != v_dim  # MLA latents: pages of two widths, read with PyTorch attention
+        self.latent = k_dim != v_dim  # MLA latents: pages of two widths, read by the absorbed kernel (hf_mla)
         self._stats: dict = {}
         self._forwards = 0
         self.tiers = None
@@ -205,9 +205,11 @@ class Engine:
         return results
 
     def _attention(self, current: str | None) -> str:
-        """The attention implementation of a step: the kernel's, or for pages of two widths (MLA latents) the
-        model's own eager/sdpa over the packed history."""
-        if not self.latent:
+        """The attention implementation of a step: the kernel's (for MLA latents the absorbed one, kvcache.hf_mla),
+        or for latents in a Hadamard-rotated format, which that kernel does not read, the model's own eager/sdpa
+        over the packed history."""
+        fmt = self.store.kv_format
+        if not (self.latent and fmt is not None and (fmt.k.hadamard or fmt.v.hadamard)):
             return ATTENTION_NAME
         return current if current in ("eager", "sdpa") else "sdpa"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import residual as res
+from . import hf_mla, residual as res
 from .hf_cache import PagedCache
 from .padding import PENDING_PADDING, Padding, leading_pads
 from .step import StepPlan
@@ -23,6 +23,7 @@ def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, 
     q_length = args[0] if args else kwargs.get("q_length", kwargs.get("cache_position"))
     q_length = int(q_length.shape[0]) if torch.is_tensor(q_length) else int(q_length)
     PENDING_PADDING.set(None if mask is None else Padding(mask, q_length))
+    hf_mla.clear_pending()
     return mask
 
 
@@ -34,6 +35,11 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     tag = getattr(key, "_kvcache", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if hf_mla.is_mla(module):  # latents in the pages; the key and value here are this forward's expansion
+        tag = tag or hf_mla.pending_write(module)
+        if tag is not None:
+            return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
+                        scaling), None
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     if tag is not None:
@@ -43,6 +49,25 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         key, value = cache._dense(layer_idx, query.dtype)
     return _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
                             sliding_window, softcap), None
+
+
+def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, value, mask, dropout: float,
+         scaling: float) -> torch.Tensor:
+    """An MLA layer (kvcache.hf_mla): a fresh prompt through SDPA on the module's own expansion of its tokens,
+    later steps through the absorbed kernel over the latent pages, anything else on the expanded history."""
+    pool = cache.store.pools[layer_idx]
+    # no history, and the pages hold this forward's latents as given (full precision in the model's dtype, or a
+    # full-precision window): key/value are the whole of it
+    exact = plan.residual is not None or (not pool.format.k.quantized and not pool.format.v.quantized
+                                           and pool.k.dtype == query.dtype)
+    if cache._external_plan is None and plan.length == 0 and exact:
+        return _dense_attention(query, key, value, mask, dropout, scaling, None, None)
+    if hf_mla.absorbable(module, pool, dropout) and _fused_ok(cache, plan, mask, query):
+        out = hf_mla.mla_attention(module, cache, layer_idx, plan, query, scaling)
+        if out is not None:
+            return out
+    key, value = module.expand_kv(*cache._dense(layer_idx, query.dtype))
+    return _dense_attention(query, key, value, mask, dropout, scaling, None, None)
 
 
 def _fused_ok(cache: PagedCache, plan: StepPlan, mask, query) -> bool:

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from .formats import CacheFormat
-from . import _html, residual as res
+from . import _html, hf_mla, residual as res
 from .padding import PENDING_PADDING, Padding, leading_pads
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
@@ -230,12 +230,6 @@ class PagedCache(Cache):
         if not isinstance(layer, PagedLayer):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
                              f"attention layer: it has no K/V to update")
-        if key_states.shape[-1] != value_states.shape[-1] and self.fused:  # refused before anything is written
-            raise ValueError(f"layer {layer_idx}: the model hands the cache K and V rows of two widths "
-                             f"({key_states.shape[-1]} and {value_states.shape[-1]}: MLA latents, e.g. DeepSeek-V2/V3), "
-                             f"which the \"{ATTENTION_NAME}\" attention does not read yet (absorbed MLA attention is "
-                             f"still to come); use model.set_attn_implementation(\"sdpa\") or \"eager\", which read "
-                             f"these pages through paged_gather")
         if not layer.is_initialized:
             self._check_placement(key_states)
             layer.lazy_initialization(key_states, value_states)
@@ -282,6 +276,8 @@ class PagedCache(Cache):
         """The new K/V, the key tagged for the ``"kvcache"`` attention function: (cache, layer, plan)."""
         k = key_states.view(key_states.shape)  # a fresh tensor object to carry the tag
         k._kvcache = (self, layer_idx, plan)
+        if key_states.shape[-1] != value_states.shape[-1]:  # MLA latents: the module expands them (the tag is lost)
+            hf_mla.leave_pending(self, layer_idx, plan)
         return k, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -309,6 +309,26 @@ def attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, query: torch
     return (out, lse) if return_lse else out
 
 
+def mla_attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, q_latent: torch.Tensor, q_rope: torch.Tensor,
+                  cu_q_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`kvcache.mla_attention` of the stored queries ``[total_q, q_heads, kv_lora_rank]`` over both pools
+    (as :func:`attention`: the open pages, then the sealed ones, merged by their log-sum-exp)."""
+    out, lse = residual.mla_attention(q_latent, q_rope, plan.open_tables, plan.open_lens, cu_q_lens, scale,
+                                      return_lse=True)
+    if plan.sealed_rows.numel():
+        rows = plan.sealed_rows
+        cu = torch.arange(rows.numel() + 1, dtype=torch.int32, device=q_latent.device)
+        s_out, s_lse = sealed.mla_attention(q_latent.index_select(0, rows), q_rope.index_select(0, rows),
+                                            plan.sealed_tables, plan.sealed_lens, cu, scale, return_lse=True)
+        if rows.numel() == out.shape[0]:  # every query sees sealed pages (decode): rows are 0 .. n - 1
+            full_out, full_lse = s_out, s_lse
+        else:
+            full_out = torch.zeros_like(out).index_copy_(0, rows, s_out)
+            full_lse = torch.full_like(lse, float("-inf")).index_copy_(0, rows, s_lse)
+        out, lse = ops.merge_states(out, lse, full_out, full_lse)
+    return out
+
+
 def gather(plan: ResidualPlan, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V ``[batch, kv_heads, max_len, head_dim]``: each page from the pool that holds it."""
