@@ -167,6 +167,19 @@ class Stepper:
         return elapsed, out.logits[0, -1].float()
 
 
+def empty_step(model, step: "Stepper") -> float:
+    """Seconds of the same step (one token at position L) over an empty DynamicCache: the weights' and the
+    rest of the model's cost, the floor no cache can go below."""
+    import transformers
+
+    model.set_attn_implementation("sdpa")
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(past_key_values=cache, **step.kwargs)
+        return time.perf_counter() - start
+
+
 def cache_bytes(cache, layers: int) -> dict:
     """Bytes the cache holds for its tokens: total and per layer, per token."""
     if hasattr(cache, "stats"):  # PagedCache: pages in use (with int8: the residual window's bf16 pages too)
@@ -184,13 +197,29 @@ def cache_bytes(cache, layers: int) -> dict:
             **extra}
 
 
+def reset_peak_rss() -> None:
+    """Linux: restart the process's peak RSS (VmHWM) from its current RSS, so each L reports its own peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_rss_gib() -> float:
+    """Peak RSS since the last reset_peak_rss (the process's peak where that is not available)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / (1 << 20)  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
 
 
 def run_length(model, length: int, rounds: int, modes=MODES, seed: int = 1, log=print) -> tuple[list[dict], dict]:
     """Rows (one per mode) and the logits check at one L."""
     config = model.config
+    reset_peak_rss()
     latents = random_latents(config, length, seed)
     step = Stepper(model, length)
     caches, warm_logits, unavailable = {}, {}, {}
@@ -238,14 +267,17 @@ def run_length(model, length: int, rounds: int, modes=MODES, seed: int = 1, log=
 
     order = list(caches)
     times: dict[Mode, list[float]] = {m: [] for m in order}
+    floor = []  # the same step over an empty cache: every cost but the history's
     for r in range(rounds):
         k = r % len(order)
         for mode in order[k:] + order[:k]:
             model.set_attn_implementation(mode.attn)
             elapsed, _ = step(caches[mode])
             times[mode].append(elapsed)
+        floor.append(empty_step(model, step))
         log(f"  L={length} round {r + 1}/{rounds}: " + ", ".join(f"{label(m)} {times[m][-1] * 1e3:.1f} ms"
-                                                                  for m in order))
+                                                                  for m in order) + f"; floor {floor[-1] * 1e3:.1f} ms")
+    check["floor_ms"] = statistics.median(floor) * 1e3
     layers = config.num_hidden_layers
     rows = []
     for mode in modes:
@@ -317,7 +349,11 @@ def markdown(info: dict, setup: dict, rows: list[dict], checks: list[dict], gate
               + "; HF's eager vs sdpa attention over the same cache shows bf16's own noise on that scale: "
               + "; ".join(f"L={ch['length']}: {'pass' if ch['pass'] else 'FAIL'} (eager vs sdpa "
                           f"{ch['eager_vs_sdpa_ratio']:.3f})" for ch in checks) + ".",
-              f"Peak RSS of the run: {max(ch['peak_rss_gib'] for ch in checks):.1f} GiB."]
+              "Floor (the same step over an empty cache, timed in the same rounds: the weights and the rest of the "
+              "model, which no cache removes): " + "; ".join(f"L={ch['length']}: {ch['floor_ms']:.1f} ms" for ch in checks)
+              + ".",
+              "Peak RSS (the model and every cache and step at that L): "
+              + "; ".join(f"L={ch['length']}: {ch['peak_rss_gib']:.1f} GiB" for ch in checks) + "."]
     return "\n".join(lines) + "\n"
 
 
