@@ -89,3 +89,23 @@ def test_bytes_per_token_match_the_arithmetic(quick):
             open_tokens = r["residual_blocks"] * page
             assert min(r["length"], window) <= open_tokens <= min(r["length"], window + page)
             assert r["bytes"] == r["sealed_bytes_per_token"] * r["length"] + width * 2 * layers * open_tokens
+
+
+def test_a_mode_that_raises_is_reported_not_fatal(monkeypatch):
+    """A mode the installed kvcache cannot run (the absorbed attention before it landed) becomes a row that says
+    so, with the error, and the other modes still run."""
+    model = mla.build_model(mla.QUICK_CONFIG)
+    real = mla.make_cache
+
+    def make_cache(model, mode, latents, chunk=mla.FILL_CHUNK):
+        if mode == mla.ABSORBED_BF16:
+            raise ValueError("does not read yet")
+        return real(model, mode, latents, chunk)
+
+    monkeypatch.setattr(mla, "make_cache", make_cache)
+    rows, check = mla.run_length(model, 32, rounds=1, log=lambda s: None)
+    missing = {(r["mode"], r["format"]): r for r in rows if not r["available"]}
+    assert missing[(mla.ABSORBED_BF16.name, "bf16")]["reason"] == "ValueError: does not read yet"
+    assert all(r["attn"] == "kvcache" for r in missing.values())  # (int8 too, on a kvcache without it)
+    assert len(rows) == len(mla.MODES) and check["pass"]
+    assert mla.gate([{**r, "length": mla.GATE_LENGTH} for r in rows])["result"] == "NOT RUN"
