@@ -27,7 +27,7 @@ Gate: absorbed attention with bf16 pages at least 5x faster than DynamicCache at
 exit status is 0 either way unless --strict). Bytes per token come from the caches: DynamicCache's
 tensors, PagedCache.stats()["bytes"] (pages in use, residual pages included) over its tokens.
 
-    python benchmarks/mla.py                     # L = 1k, 8k, 32k (about 15 minutes on 2 cores)
+    python benchmarks/mla.py                     # L = 1k, 8k, 32k (about 8 minutes on 2 cores, 14 GiB peak)
     python benchmarks/mla.py --lengths 1024,8192 --rounds 5
     python benchmarks/mla.py --quick             # tiny shapes, for the test suite
 
