@@ -66,8 +66,8 @@ def test_logits_agree_with_dynamic_cache(quick):
         assert r["logits"]["pass"]
         if r["attn"] == "sdpa" and r["format"] == "bf16":  # the pages hand back exactly the latents stored
             assert r["logits"]["max_abs_diff"] == 0.0
-        if r["format"] == "int8":  # the default window keeps the newest 128 tokens in bf16 too
-            window = payload["setup"]["residual_length"]
+        if r["attn"] == "sdpa" and r["format"] == "int8":  # the default window keeps the newest 128 tokens in bf16
+            window = payload["setup"]["residual_length"]   # (the absorbed rows sum in another order: never exact)
             assert (r["logits"]["max_abs_diff"] > 0) == (r["length"] > window), r  # older tokens: int8 codes
 
 

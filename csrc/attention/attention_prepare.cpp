@@ -45,11 +45,10 @@ AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_
                     " and v_format = ", v_format);
   const PagedLayout layout = check_formatted_pools(k_cache, v_cache, formats);
   // Pools of two widths (MLA latents: kv_nope as K, k_rot as V) hold no per-head K/V that attention could read
-  // directly; their attention is the absorbed MLA one, which is not built yet.
+  // directly; their attention is the absorbed MLA one (mla_attention).
   TORCH_CHECK_VALUE(layout.equal_widths(), "paged_attention reads K and V rows of one width, but k_cache holds rows of "
                     "head_dim = ", layout.head_dim, " and v_cache rows of head_dim = ", layout.v_head_dim,
-                    " (pools of two widths, e.g. MLA latents, are read through paged_gather; absorbed MLA attention "
-                    "over them is not built yet)");
+                    " (pools of two widths, e.g. MLA latents, are read by mla_attention or through paged_gather)");
   TORCH_CHECK_VALUE((formats.k_kind == KVKind::kFull) == (formats.v_kind == KVKind::kFull),
                     "paged_attention reads K and V both full precision or both quantized; got k_format = ", k_format,
                     " and v_format = ", v_format);

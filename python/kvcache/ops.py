@@ -159,8 +159,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query: ``[total_q, q_heads, head_dim]``; sequence ``b``'s queries are rows
             ``cu_q_lens[b]:cu_q_lens[b + 1]`` and are its *last* tokens (already appended to the pages).
         k_cache, v_cache: the pools of one layer, ``[num_blocks, kv_heads, page_size, head_dim]``, rows of one
-            width (pools whose K and V rows differ, e.g. MLA latents, are refused: read them through
-            :func:`paged_gather`).
+            width (pools whose K and V rows differ, MLA latents, are refused: :func:`mla_attention` reads them).
         block_tables: ``[batch, max_blocks]`` int32. seq_lens: ``[batch]`` int32 tokens in the pages.
         cu_q_lens: ``[batch + 1]`` int32 query offsets.
         scale: softmax scale, default ``head_dim ** -0.5``.
