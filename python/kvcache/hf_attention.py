@@ -36,15 +36,18 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if hf_mla.is_mla(module):  # latents in the pages; the key and value here are this forward's expansion
-        tag = tag or hf_mla.pending_write(module)
-        if tag is not None:
+        pending = hf_mla.pending_write(module)  # (taken in any case: it is this layer's)
+        tag = tag or pending
+        if tag is not None and hf_mla.holds_latents(module, tag[0].store.pools[tag[1]]):
             return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
                         scaling), None
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     if tag is not None:
         cache, layer_idx, plan = tag
-        if _fused_ok(cache, plan, attention_mask, query) and not (sliding_window and plan.residual is not None):
+        pool = cache.store.pools[layer_idx]  # (K and V rows of two widths, not MLA latents: the dense path)
+        if (pool.head_dim == pool.v_head_dim and _fused_ok(cache, plan, attention_mask, query)
+                and not (sliding_window and plan.residual is not None)):
             return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
         key, value = cache._dense(layer_idx, query.dtype)
     return _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,

@@ -32,7 +32,7 @@ import torch
 
 from . import residual as res
 
-__all__ = ["is_mla", "absorbable", "clear_pending", "leave_pending", "pending_write", "mla_attention"]
+__all__ = ["is_mla", "holds_latents", "absorbable", "clear_pending", "leave_pending", "pending_write", "mla_attention"]
 
 # The MLA module's latents lose the cache's tag when the module expands them (``expand_kv`` makes new
 # tensors), so ``PagedCache.update`` leaves (cache, layer index, step plan) here for the attention function of
@@ -49,6 +49,12 @@ def is_mla(module) -> bool:
 def clear_pending() -> None:
     """Called at the start of every forward (the mask function): nothing left by an interrupted one is taken."""
     _PENDING.set(None)
+
+
+def holds_latents(module, pool) -> bool:
+    """Whether ``pool`` holds ``module``'s latents (transformers >= 5), not the expanded per-head K/V that
+    transformers 4.x hands the cache (the attention function then reads those through the dense path)."""
+    return pool.head_dim == module.kv_lora_rank and pool.v_head_dim == module.qk_rope_head_dim
 
 
 def leave_pending(cache, layer_idx: int, plan) -> None:
@@ -80,9 +86,7 @@ def _weights(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | 
 
 def absorbable(module, pool, dropout: float) -> bool:
     """Whether the absorbed kernel can run this layer's step (else: the module's own expansion of the history)."""
-    if dropout > 0.0 or pool.format.k.hadamard or pool.format.v.hadamard:
-        return False
-    return pool.head_dim == module.kv_lora_rank and pool.v_head_dim == module.qk_rope_head_dim
+    return dropout == 0.0 and not pool.format.k.hadamard and not pool.format.v.hadamard
 
 
 def mla_attention(module, cache, layer_idx: int, plan, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
