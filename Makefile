@@ -77,7 +77,8 @@ test-cuda-asan: install
 	KVCACHE_CUDA_EMULATION_LIBRARY=$(CURDIR)/build/cuda-asan/_cuda_emulation.so ASAN_OPTIONS=detect_leaks=0 \
 	  KVCACHE_CUDA_EMULATION_THREAD_ORDER=reverse \
 	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest $(PYTEST_ARGS) -k cuda-emulated tests/test_attention.py \
-	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py tests/test_threads.py
+	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py tests/test_threads.py \
+	  tests/test_mla_attention.py
 
 # A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
 # and the test suite passes there too.
