@@ -18,7 +18,8 @@ Two ways to attend:
 - *fused* (``model.set_attn_implementation("kvcache")``): ``update`` only writes, and the registered
   attention function runs :func:`kvcache.paged_attention` over the pages (dequantizing in registers):
   no per-step copy of the history. Leading (left) padding is never stored; other masks fall back to
-  the dense path, so results stay correct.
+  the dense path, so results stay correct. MLA models (DeepSeek-V2/V3) attend through the absorbed
+  :func:`kvcache.mla_attention` over their latent pages (:mod:`kvcache.hf_mla`).
 
 The pages of all layers share one :class:`kvcache.BlockAllocator` (a :class:`PagedStore`). Copies of a
 cache (``copy.deepcopy``, beam-search reordering, ``batch_select_indices``...) share pages copy-on-write:
@@ -26,8 +27,8 @@ full pages are shared, a shared partial page is copied on its first write.
 
 The parts live in modules named for what they are: :mod:`kvcache.store` (the multi-layer store),
 :mod:`kvcache.step` (the once-per-forward plan), :mod:`kvcache.hf_cache` (the cache),
-:mod:`kvcache.hf_attention` (the attention and mask functions) and :mod:`kvcache.hf_registration` (their
-registration with transformers); this module gathers them.
+:mod:`kvcache.hf_attention` (the attention and mask functions), :mod:`kvcache.hf_mla` (its branch for MLA
+modules) and :mod:`kvcache.hf_registration` (their registration with transformers); this module gathers them.
 """
 
 from __future__ import annotations
