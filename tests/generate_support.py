@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def inputs():
-    """Two rows of 12 token ids; row 1 is left-padded by 5 (ids 0, mask 0)."""
+def inputs(length: int = 12):
+    """Two rows of `length` token ids; row 1 is left-padded by 5 (ids 0, mask 0)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, 12), generator=g)
+    ids = torch.randint(3, 128, (2, length), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     ids[1, :5] = 0
@@ -26,11 +26,11 @@ MODES = {
 }
 
 
-def generate(model, cache, impl, **kwargs):
+def generate(model, cache, impl, new_tokens: int = 8, **kwargs):
     model.set_attn_implementation(impl)
     torch.manual_seed(2)
     with torch.no_grad():
-        return model.generate(past_key_values=cache, max_new_tokens=8, return_dict_in_generate=True,
+        return model.generate(past_key_values=cache, max_new_tokens=new_tokens, return_dict_in_generate=True,
                               output_logits=True, pad_token_id=0, **kwargs)
 
 

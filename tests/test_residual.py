@@ -17,6 +17,7 @@ import kvcache
 from kvcache import reference as ref
 from kvcache import residual
 from kvcache.pool import format_id
+from generate_support import MODES as GENERATE_MODES, generate, inputs, max_diff as _max_diff
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -115,33 +116,14 @@ def _llama(head_dim_32: bool = True):
 
 
 def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, 20), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    ids[1, :5] = 0
-    return ids, mask
+    return inputs(20)
 
 
-MODES = {
-    "greedy": lambda ids, mask: dict(input_ids=ids[:1], do_sample=False),
-    "left_padding": lambda ids, mask: dict(input_ids=ids, attention_mask=mask, do_sample=False),
-    "beam_search": lambda ids, mask: dict(input_ids=ids[:1], num_beams=3, num_return_sequences=2, do_sample=False),
-    "prompt_lookup": lambda ids, mask: dict(input_ids=torch.cat([ids[:1], ids[:1, :6]], 1), prompt_lookup_num_tokens=3,
-                                            do_sample=False),
-}
+MODES = {name: make for name, make in GENERATE_MODES.items() if name != "sampling"}
 
 
 def _generate(model, cache, impl, new_tokens=10, **kwargs):
-    model.set_attn_implementation(impl)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        return model.generate(past_key_values=cache, max_new_tokens=new_tokens, return_dict_in_generate=True,
-                              output_logits=True, pad_token_id=0, **kwargs)
-
-
-def _max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+    return generate(model, cache, impl, new_tokens=new_tokens, **kwargs)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

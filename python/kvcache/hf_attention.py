@@ -65,7 +65,7 @@ def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, 
                                            and pool.k.dtype == query.dtype)
     if cache._external_plan is None and plan.length == 0 and exact:
         return _dense_attention(query, key, value, mask, dropout, scaling, None, None)
-    if hf_mla.absorbable(module, pool, dropout) and _fused_ok(cache, plan, mask, query):
+    if hf_mla.absorbable(pool, dropout) and _fused_ok(cache, plan, mask, query):
         out = hf_mla.mla_attention(module, cache, layer_idx, plan, query, scaling)
         if out is not None:
             return out

@@ -84,7 +84,7 @@ def _weights(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | 
     return w[:, :nope], w[:, nope:]
 
 
-def absorbable(module, pool, dropout: float) -> bool:
+def absorbable(pool, dropout: float) -> bool:
     """Whether the absorbed kernel can run this layer's step (else: the module's own expansion of the history)."""
     return dropout == 0.0 and not pool.format.k.hadamard and not pool.format.v.hadamard
 
