@@ -99,18 +99,11 @@ void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_ta
     const int64_t rows = (sp.head_end - sp.head_begin) * per_head;
     std::vector<float> acc(D);
     for (int64_t r = 0; r < rows; ++r) {
-      float acc_lse = -INFINITY;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < sp.num_slots; ++s) {
-        const int64_t slot_row = (sp.first_slot + s) * partial.rows_per_slot + r;
-        const MergeWeights w = merge_weights(acc_lse, partial.lse[slot_row]);
-        const float* o = partial.o + slot_row * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] = w.w_a * acc[d] + w.w_b * o[d];
-        acc_lse = w.lse;
-      }
+      const float acc_lse = merge_slot_rows(partial.o, partial.lse, partial.rows_per_slot, D, sp.first_slot,
+                                            sp.num_slots, r, acc.data());
       const int64_t h = sp.head_begin + r / per_head, local = r % per_head;
       const int64_t row = (q_start + local / G) * a.q_heads + h * G + local % G;
-      for (int64_t d = 0; d < D; ++d) store_from_float(a.out, row * D + d, a.q_dtype, acc[d]);
+      store_row_from_float(a.out, row * D, a.q_dtype, acc.data(), D);
       if (a.lse) a.lse[row] = acc_lse;
     }
   });

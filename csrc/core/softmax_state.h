@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "core/host_device.h"
 
@@ -24,6 +25,22 @@ KVC_HOST_DEVICE MergeWeights merge_weights(float lse_a, float lse_b) {
   const float ea = expf(lse_a - m), eb = expf(lse_b - m);
   const float sum = ea + eb;
   return {ea / sum, eb / sum, m + logf(sum)};
+}
+
+/// Row r of the partial states of slots [first_slot, first_slot + num_slots) (o [slots, rows_per_slot, D] and
+/// lse [slots, rows_per_slot], float32: split tasks' outputs) merged into acc[0, D); returns the merged lse.
+KVC_HOST_DEVICE float merge_slot_rows(const float* o, const float* lse, int64_t rows_per_slot, int64_t D,
+                                      int64_t first_slot, int64_t num_slots, int64_t r, float* acc) {
+  float acc_lse = -INFINITY;
+  for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t slot_row = (first_slot + s) * rows_per_slot + r;
+    const MergeWeights w = merge_weights(acc_lse, lse[slot_row]);
+    const float* os = o + slot_row * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = w.w_a * acc[d] + w.w_b * os[d];
+    acc_lse = w.lse;
+  }
+  return acc_lse;
 }
 
 }  // namespace kvcache

@@ -94,15 +94,8 @@ void mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, con
     const int64_t q_start = a.cu_q_lens[sp.seq], rows = int64_t(sp.tok_end - sp.tok_begin) * G;
     std::vector<float> acc(Dl);
     for (int64_t r = 0; r < rows; ++r) {
-      float acc_lse = -INFINITY;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < sp.num_slots; ++s) {
-        const int64_t slot_row = (sp.first_slot + s) * part.rows_per_slot + r;
-        const MergeWeights w = merge_weights(acc_lse, part.lse[slot_row]);
-        const float* o = part.o + slot_row * Dl;
-        for (int64_t d = 0; d < Dl; ++d) acc[d] = w.w_a * acc[d] + w.w_b * o[d];
-        acc_lse = w.lse;
-      }
+      const float acc_lse = merge_slot_rows(part.o, part.lse, part.rows_per_slot, Dl, sp.first_slot, sp.num_slots, r,
+                                            acc.data());
       const int64_t row = (q_start + sp.tok_begin + r / G) * a.q_heads + sp.head * G + r % G;
       store_row_from_float(a.out, row * Dl, a.q_dtype, acc.data(), Dl);
       if (a.lse != nullptr) a.lse[row] = acc_lse;
