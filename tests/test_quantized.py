@@ -134,6 +134,34 @@ def test_long_decode_reads_several_heads_per_task(isa, fmt):
     assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q))
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_reads_as_its_value(isa, fmt, q_dtype):
+    # One sequence of one token per code: its K and V rows hold that code in every dim. A one-hot query
+    # makes each score the key's value itself, and one key makes the output its V row, both exact (scales
+    # are powers of two, fp8 values are bf16 numbers), so every code - zeros of both signs, subnormals, the
+    # largest - must come back bit for bit (the AVX-512 BF16 build reads fp8 as bf16 through a table).
+    codes = torch.arange(256, dtype=torch.uint8)
+    pool = kvcache.KVPool.allocate(256, 16, 1, 128, fmt)
+    deq_codes = ref.dequantize_pool(codes.view(1, 1, 1, 256), torch.ones(1), format_id(pool.format.k)).flatten()
+    codes[~deq_codes.isfinite()] = 0  # NaN (and e5m2's inf) codes are no values to attend over
+    pool.k.zero_()
+    pool.v.zero_()
+    pool.k[:, 0, 0, :] = codes.view(256, 1)
+    pool.v[:, 0, 0, :] = codes.view(256, 1)
+    pool.k_scale.fill_(2.0 ** -4)
+    pool.v_scale.fill_(2.0 ** -3)
+    table = torch.arange(256, dtype=torch.int32).view(256, 1)
+    lens = torch.ones(256, dtype=torch.int32)
+    q = torch.zeros(256, 1, 128, dtype=q_dtype)
+    q[:, 0, 0] = 1
+    out, lse = pool.attention(q, table, lens, torch.arange(257, dtype=torch.int32), 1.0, return_lse=True)
+    k = ref.dequantize_pool(pool.k, pool.k_scale, format_id(pool.format.k))[:, 0, 0, 0]
+    v = ref.dequantize_pool(pool.v, pool.v_scale, format_id(pool.format.v))[:, 0, 0]
+    assert torch.equal(out[:, 0].float(), v)
+    torch.testing.assert_close(lse[:, 0], k, rtol=1e-6, atol=0)
+
+
 def test_int8_is_much_closer_than_fp8_and_within_bounds():
     pool8, table, lens, keys, _ = filled_pool("int8", [64], 16, 2, 64, torch.float32)
     pool_e5, *_ = filled_pool("fp8_e5m2", [64], 16, 2, 64, torch.float32)
