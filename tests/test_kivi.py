@@ -104,7 +104,7 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_long_decode_reads_several_heads_per_task(isa, fmt):
-    # >= 4096 keys: a CPU decode task reads as many KV heads as make a 4 KiB run of a page, split along
+    # >= 4096 keys: a CPU decode task reads as many KV heads as make an 8 KiB run of a page, split along
     # the keys and merged; each head's rows must still see only their own keys
     pool, table, lens, _, _ = kivi_pool(fmt, [270, 3, 258], 16, 4, 128, torch.bfloat16, seed=5)
     q = torch.randn(3, 8, 128).to(torch.bfloat16)

@@ -124,7 +124,7 @@ def test_byte_paths_hold_the_rule_over_many_queries_and_scales(fmt, dim):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int4", "fp8_e4m3", "bf16"])
 def test_long_decode_reads_several_heads_per_task(isa, fmt):
-    # >= 4096 keys: a CPU decode task reads as many KV heads as make a 4 KiB run of a page (int8: 2, int4: 4),
+    # >= 4096 keys: a CPU decode task reads as many KV heads as make an 8 KiB run of a page (int8: 4, int4: 8),
     # split along the keys and merged; every head's rows must still see only their own keys and query rows
     pool, table, lens, _, _ = filled_pool(fmt, [4200, 4111, 700], 16, 4, 128, torch.bfloat16, seed=3)
     q = torch.randn(3, 8, 128).to(torch.bfloat16)

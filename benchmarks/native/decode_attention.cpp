@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+
 #define KVC_ISA bench
 #include "attention/attention_cpu_kernel.h"
 #include "attention/attention_plan.h"
@@ -31,8 +33,32 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 /// Pools are 64-byte aligned, as torch allocates them (at malloc's 16-byte offset every row straddles one
 /// more cache line and the step takes ~30% longer).
+/// Pool memory: 2 MiB aligned and advised to transparent huge pages before the first touch, as
+/// PageLayout.allocate does (with 4 KiB pages most jumps between pages are TLB misses: bf16 from DRAM
+/// ~10% slower on Zen 5). KVC_BENCH_SMALL_PAGES=1: 64-byte aligned, no advice.
+template <class T>
+struct PoolAlloc {
+  using value_type = T;
+  PoolAlloc() = default;
+  template <class U>
+  PoolAlloc(const PoolAlloc<U>&) {}
+  T* allocate(size_t n) {
+    if (std::getenv("KVC_BENCH_SMALL_PAGES")) return Aligned64<T>().allocate(n);
+    const size_t bytes = (n * sizeof(T) + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+    void* p = std::aligned_alloc(2u << 20, bytes);
+    madvise(p, bytes, MADV_HUGEPAGE);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (std::getenv("KVC_BENCH_SMALL_PAGES")) return Aligned64<T>().deallocate(p, n);
+    std::free(p);
+  }
+  template <class U>
+  bool operator==(const PoolAlloc<U>&) const { return true; }
+};
+
 struct Pool {
-  std::vector<uint8_t, Aligned64<uint8_t>> k, v;
+  std::vector<uint8_t, PoolAlloc<uint8_t>> k, v;
   std::vector<float> k_scale, v_scale;  // int8 rows, fp8 heads, int4/kivi fp16 metadata
 };
 
@@ -51,7 +77,7 @@ Pool make_pool(KVKind kind, DType dt, const PagedLayout& L, std::mt19937& rng) {
   const int64_t rows = L.num_blocks * L.num_kv_heads * L.page_size, D = L.head_dim;
   const int64_t row_bytes = kind == KVKind::kFull ? D * (dt == DType::kFloat32 ? 4 : 2) : D / dims_per_code(kind);
   std::uniform_int_distribution<int> byte(0, 255);
-  auto fill = [&](std::vector<uint8_t, Aligned64<uint8_t>>& x) {
+  auto fill = [&](std::vector<uint8_t, PoolAlloc<uint8_t>>& x) {
     x.resize(rows * row_bytes);
     if (kind == KVKind::kFull && dt != DType::kFloat32) {
       std::normal_distribution<float> n;
