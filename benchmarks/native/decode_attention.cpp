@@ -383,6 +383,9 @@ int main(int argc, char** argv) {
     } else if (kind == KVKind::kInt8) {
       phases<ReadI8, ReadI8, ScoreB8<4>, PvB8<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
                                                   small_ctx);
+    } else if (kind == KVKind::kFp8E4M3) {
+      phases<ReadFp8<true>, ReadFp8<true>, ScoreDp<ReadFp8<true>, 4>, PvDp<ReadFp8<true>, 4>>(
+          "bf16 dot products (fp8 read as bf16 by table)", big, small, threads, per_key_ns, batch, ctx, small_ctx);
     } else if (kind == KVKind::kInt4) {
       phases<ReadI4, ReadI4, ScoreB4<4>, PvB4<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
                                                   small_ctx);
