@@ -31,26 +31,29 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-/// Pools are 64-byte aligned, as torch allocates them (at malloc's 16-byte offset every row straddles one
-/// more cache line and the step takes ~30% longer).
 /// Pool memory: 2 MiB aligned and advised to transparent huge pages before the first touch, as
 /// PageLayout.allocate does (with 4 KiB pages most jumps between pages are TLB misses: bf16 from DRAM
-/// ~10% slower on Zen 5). KVC_BENCH_SMALL_PAGES=1: 64-byte aligned, no advice.
+/// ~10% slower on Zen 5). KVC_BENCH_SMALL_PAGES=1: 64-byte aligned with no advice, as torch allocates
+/// without it (at malloc's 16-byte offset every row would straddle one more cache line: ~30% slower).
 template <class T>
 struct PoolAlloc {
   using value_type = T;
   PoolAlloc() = default;
   template <class U>
   PoolAlloc(const PoolAlloc<U>&) {}
+  static bool small_pages() {
+    static const bool small = std::getenv("KVC_BENCH_SMALL_PAGES") != nullptr;
+    return small;
+  }
   T* allocate(size_t n) {
-    if (std::getenv("KVC_BENCH_SMALL_PAGES")) return Aligned64<T>().allocate(n);
+    if (small_pages()) return Aligned64<T>().allocate(n);
     const size_t bytes = (n * sizeof(T) + (2u << 20) - 1) / (2u << 20) * (2u << 20);
     void* p = std::aligned_alloc(2u << 20, bytes);
     madvise(p, bytes, MADV_HUGEPAGE);
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t n) {
-    if (std::getenv("KVC_BENCH_SMALL_PAGES")) return Aligned64<T>().deallocate(p, n);
+    if (small_pages()) return Aligned64<T>().deallocate(p, n);
     std::free(p);
   }
   template <class U>

@@ -74,21 +74,13 @@ struct Fp8Bf16Table {
   static constexpr Words kWords = make();
 };
 
-/// 32 values of a row as bf16, in natural order: bf16 pools load as they are; int8 codes widen to fp32
-/// and pack to bf16, which is exact (int8 codes have 8 significant bits).
+/// 32 values of a row as bf16, in natural order, for the bf16 dot products: bf16 pools load as they are,
+/// fp8 codes go through a table (below). (int8, int4 and KIVI take byte or 16-bit dot products instead.)
 template <class Read>
-struct Bf16Chunks {
-  using Elem = typename Read::Elem;
-  static __m512i load(const Elem* row, int64_t c) {
-    if constexpr (std::is_same_v<Read, ReadBF16>) {
-      return _mm512_loadu_si512(row + 32 * c);
-    } else {
-      static_assert(!Read::kEvenOdd, "packing assumes natural order");
-      vf a, b;
-      Read::chunk(row, nullptr, c, a, b);
-      return (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);  // a -> dims 0..15, b -> 16..31
-    }
-  }
+struct Bf16Chunks;
+template <>
+struct Bf16Chunks<ReadBF16> {
+  static __m512i load(const uint16_t* row, int64_t c) { return _mm512_loadu_si512(row + 32 * c); }
 };
 
 /// fp8 codes to bf16 bits by table (Fp8Bf16Table), two vpermt2w lookups of 64 words each: bits 0-5 of a

@@ -188,7 +188,7 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
             const int64_t off = base + (tok_of[j] - t0) * D;
             krow[j] = kc + off / kdiv;
             vrow[j] = vc + off / vdiv;
-            if (k_meta) kmeta[j] = kivi_k ? page_meta : k_meta + off / 32 * 2;  // int4: off / D rows, D / 32 groups each
+            if (k_meta) kmeta[j] = kivi_k ? page_meta : k_meta_of(off);
             if (v_meta) vmeta[j] = v_meta + off / 32 * 2;
           }
         } else {
