@@ -9,6 +9,7 @@
 
 #include "attention/attention_cpu.h"
 #include "core/host_reads.h"
+#include "direct_calls.h"
 #include "core/quant.h"
 #include "prefix/prefix_pybind.h"
 
@@ -27,6 +28,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.attr("build_info") = info;
   kvcache::register_prefix_pybind(m);
+  kvcache::register_direct_calls(m);  // the per-layer ops without torch.ops' argument parsing
   // Host reads of index values by the ops (core/host_reads.h): on a GPU each is a synchronization.
   m.def("host_index_reads", [] { return kvcache::host_index_reads().load(); });  // kvcache._C._PrefixTree: the prefix cache without torch's call overhead
 

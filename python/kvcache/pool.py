@@ -61,7 +61,7 @@ class KVPool:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     _scales_set: dict = field(default_factory=dict, repr=False)
-    _kwargs: tuple = field(default=(), repr=False)  # (k_scale, v_scale, op_kwargs, plan_key), made once
+    _kwargs: tuple = field(default=(), repr=False)  # (k_scale, v_scale, op_kwargs, plan_key, fp8 roles): once
     v_head_dim: int | None = None  # width of the V rows; None: head_dim
 
     def __post_init__(self) -> None:
@@ -128,7 +128,8 @@ class KVPool:
                       "k_format": self.format.k.kernel_id, "v_format": self.format.v.kernel_id}
             key = (self.k.device, self.page_size, self.num_kv_heads, self.head_dim, self.v_head_dim,
                    kwargs["k_format"], kwargs["v_format"])
-            c = self._kwargs = (self.k_scale, self.v_scale, kwargs, key)
+            fp8 = tuple(role for role, f in (("k", self.format.k), ("v", self.format.v)) if f.kind.startswith("fp8"))
+            c = self._kwargs = (self.k_scale, self.v_scale, kwargs, key, fp8)
         return c
 
     # ---- ops -----------------------------------------------------------------------------------
@@ -147,16 +148,18 @@ class KVPool:
         Huge finite values enter the scales, which never overflow (int4 and KIVI keep fp16 metadata and
         saturate values at +-65504). Full-precision pools store what they are given. See the README.
         """
-        for role, x, f in (("k", key, self.format.k), ("v", value, self.format.v)):
-            if f.kind.startswith("fp8") and not self._scales_set[role] and x.numel():
+        cached = self._cached()
+        for role in cached[4]:  # fp8 sides
+            x, f = (key, self.format.k) if role == "k" else (value, self.format.v)
+            if not self._scales_set[role] and x.numel():
                 x = rotate(x.detach()) if f.hadamard else x.detach()
                 scale = fp8_scale_for(x, f.kind.removeprefix("fp8_"), dim=(0, 2, 3))
                 getattr(self, f"{role}_scale").copy_(scale)
                 self._scales_set[role] = True
         if isinstance(slot_mapping, ops.StepPlanTensors):
-            ops.append_planned(slot_mapping, key, value, self.k, self.v, **self.op_kwargs())
+            ops.append_planned(slot_mapping, key, value, self.k, self.v, **cached[2])
         else:
-            ops.append(key, value, self.k, self.v, slot_mapping, **self.op_kwargs())
+            ops.append(key, value, self.k, self.v, slot_mapping, **cached[2])
 
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +177,13 @@ class KVPool:
                   cu_q_lens: torch.Tensor, scale: float | None = None, **kwargs):
         """:func:`kvcache.paged_attention` over this pool (K/V dequantized in registers)."""
         return ops.paged_attention(query, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
-                                   **kwargs, **self.op_kwargs())
+                                   **kwargs, **self._cached()[2])
 
     def attention_planned(self, query: torch.Tensor, plan: "ops.StepPlanTensors", scale: float | None = None,
                           **kwargs):
         """:func:`kvcache.paged_attention_planned` over this pool, on a step's :func:`kvcache.plan_step`."""
-        return ops.paged_attention_planned(plan, query, self.k, self.v, scale, **kwargs, **self.op_kwargs())
+        fmt = self._cached()[2]
+        return ops.paged_attention_planned(plan, query, self.k, self.v, scale, **({**kwargs, **fmt} if kwargs else fmt))
 
     def mla_attention(self, q_latent: torch.Tensor, q_rope: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float, **kwargs):
