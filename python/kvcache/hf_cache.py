@@ -558,7 +558,14 @@ class PagedCache(Cache):
     def _step_plan(self, length: int, q_len: int) -> StepPlan:
         plan = self._plan
         if plan is not None and plan.length == length and plan.q_len == q_len and plan.version == self._version:
-            return plan
+            return plan  # every layer after the first: no graph break under torch.compile
+        return self._new_step_plan(length, q_len)
+
+    @torch.compiler.disable
+    def _new_step_plan(self, length: int, q_len: int) -> StepPlan:
+        # Once per forward, at its first layer: the allocator and the plan read the host's bookkeeping, which
+        # torch.compile cannot trace. Disabled as a whole, it is one clean graph break per step; traced, its
+        # breaks inside nested frames made dynamo run every decoder layer's frame eagerly.
         alloc = self.store.allocator
         end = length + q_len
         for b, seq in enumerate(self.rows):  # room for the new tokens (copy-on-write of shared pages)

@@ -61,13 +61,17 @@ class StepPlan:
         from it, with no host reads per layer."""
         key = (pool.plan_key, q_heads)
         plan = self._kernel_plans.get(key)
-        if plan is None:
-            fmt = pool.op_kwargs()
-            # from the host copies: planning reads them, and on a GPU a read of device tensors is a sync
-            tables, seq_lens, cu_q_lens, slots = self._host or (self.block_tables, self.seq_lens, self.cu_q_lens,
-                                                                self.slot_mapping)
-            plan = ops.plan_step(pool.k, pool.v, tables, seq_lens, cu_q_lens, slots, q_heads=q_heads, **fmt)
-            self._kernel_plans[key] = plan
+        return plan if plan is not None else self._new_kernel_plan(key, pool, q_heads)
+
+    @torch.compiler.disable
+    def _new_kernel_plan(self, key: tuple, pool: KVPool, q_heads: int) -> ops.StepPlanTensors:
+        # (once per step and pool shape, at the first such layer: one graph break under torch.compile)
+        fmt = pool.op_kwargs()
+        # from the host copies: planning reads them, and on a GPU a read of device tensors is a sync
+        tables, seq_lens, cu_q_lens, slots = self._host or (self.block_tables, self.seq_lens, self.cu_q_lens,
+                                                            self.slot_mapping)
+        plan = ops.plan_step(pool.k, pool.v, tables, seq_lens, cu_q_lens, slots, q_heads=q_heads, **fmt)
+        self._kernel_plans[key] = plan
         return plan
 
 
