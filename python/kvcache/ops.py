@@ -291,12 +291,19 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
                             v_scale: torch.Tensor | None = None, k_format: int = 0,
                             v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
-    scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
+    # (_attention_outputs inlined: this wrapper runs once per layer and step)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if return_lse and lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    host, device = plan
     if _direct(query, k_cache):  # (pybind11 converts the numbers itself)
-        _native.paged_attention_planned(query, k_cache, v_cache, plan[0], plan[1], scale, window_left, sink_tokens,
+        _native.paged_attention_planned(query, k_cache, v_cache, host, device, scale, window_left, sink_tokens,
                                         softcap, out, lse, k_scale, v_scale, k_format, v_format)
     else:
-        _ops.paged_attention_planned.default(query, k_cache, v_cache, plan[0], plan[1], float(scale), int(window_left),
+        _ops.paged_attention_planned.default(query, k_cache, v_cache, host, device, float(scale), int(window_left),
                                              int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
                                              v_format)
     return (out, lse) if return_lse else out
@@ -306,8 +313,9 @@ def append_planned(plan: StepPlanTensors, key: torch.Tensor, value: torch.Tensor
                    v_cache: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                    k_format: int = 0, v_format: int = 0) -> None:
     """:func:`append` of one layer at the slot_mapping of a step's :func:`plan_step`."""
+    host, device = plan
     op = _native.append_planned if _direct(key, k_cache) else _ops.append_planned.default
-    op(key, value, k_cache, v_cache, plan[0], plan[1], k_scale, v_scale, k_format, v_format)
+    op(key, value, k_cache, v_cache, host, device, k_scale, v_scale, k_format, v_format)
 
 
 def host_index_reads() -> int:
