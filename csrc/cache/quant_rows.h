@@ -2,7 +2,6 @@
 // the CPU side of csrc/core/quant.h (the CUDA kernels call the same scalar functions).
 #pragma once
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -86,12 +85,12 @@ inline void quantize_int8_row(const void* src, int64_t base, int64_t stride, DTy
   // (Two loops: GCC 12 vectorizes each reduction alone, not the pair.)
   int32_t amax_bits = 0, nan = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t u = std::bit_cast<int32_t>(x[i]) & 0x7fffffff;
+    const int32_t u = static_cast<int32_t>(quant::float_bits(x[i]) & 0x7fffffffu);
     const int32_t a = u < 0x7f800000 ? u : 0;
     amax_bits = a > amax_bits ? a : amax_bits;
   }
-  for (int64_t i = 0; i < n; ++i) nan |= (std::bit_cast<int32_t>(x[i]) & 0x7fffffff) > 0x7f800000;
-  const float amax = std::bit_cast<float>(amax_bits);
+  for (int64_t i = 0; i < n; ++i) nan |= static_cast<int32_t>(quant::float_bits(x[i]) & 0x7fffffffu) > 0x7f800000;
+  const float amax = quant::bits_float(static_cast<uint32_t>(amax_bits));
   const float inv = quant::int8_inv_scale(amax);
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23
   int8_t* out = static_cast<int8_t*>(codes);
