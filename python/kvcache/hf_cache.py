@@ -240,9 +240,7 @@ class PagedCache(Cache):
                 return self._tagged(key_states, value_states, layer_idx, plan)
             return self._packed(layer_idx, plan, key_states.dtype)  # PyTorch attention under the owner's mask
         batch, _, q_len, _ = key_states.shape
-        pending = PENDING_PADDING.get()
-        if pending is not None and layer_idx == self._first_paged():  # (the scan only when padding is pending)
-            PENDING_PADDING.set(None)  # one forward's padding: consumed (or dropped) by its first layer
+        pending = self._take_padding(layer_idx)
         if not self.rows:
             self._start_rows(batch, q_len, layer.length, pending)
         elif batch != len(self.rows):
@@ -253,7 +251,7 @@ class PagedCache(Cache):
                              f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
         plan = self._step_plan(layer.length, q_len).on(key_states.device)
         self.write(layer_idx, key_states, value_states, plan)
-        layer.length += q_len
+        layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
         if self.fused:
             return self._tagged(key_states, value_states, layer_idx, plan)
         return self._dense(layer_idx, key_states.dtype)
@@ -554,6 +552,17 @@ class PagedCache(Cache):
         new_pads = [self.pads[s] for s in sources]
         self._release_rows()
         self.rows, self.pads = new_rows, new_pads
+
+    def _take_padding(self, layer_idx: int) -> Padding | None:
+        # One forward's padding, left by the mask function: consumed (or dropped) by its first attention layer.
+        # Only that layer reads the context variable: torch.compile before 2.14 cannot trace ContextVar.get, so
+        # a read in every layer would break every layer's graph.
+        if layer_idx != self._first_paged():
+            return None
+        pending = PENDING_PADDING.get()
+        if pending is not None:
+            PENDING_PADDING.set(None)
+        return pending
 
     def _step_plan(self, length: int, q_len: int) -> StepPlan:
         plan = self._plan
