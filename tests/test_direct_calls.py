@@ -12,15 +12,15 @@ import kvcache
 from kvcache import ops
 
 
-def _step(fmt: str = "bf16"):
-    pool = _zeroed(kvcache.KVPool.allocate(4, 16, 2, 64, fmt))
+def _step(fmt: str = "bf16", dim: int = 64):
+    pool = _zeroed(kvcache.KVPool.allocate(4, 16, 2, dim, fmt))
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     lens, cu = torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, 20, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 2, 20, dim, generator=g).to(torch.bfloat16)
     pool.append(x[:, :, :19], x[:, :, :19], pool.layout.token_slots(table[0], torch.arange(19)).view(1, -1))
     slots = pool.layout.token_slots(table[0], torch.tensor([19])).view(1, 1)
-    q = torch.randn(1, 8, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, 8, dim, generator=g).to(torch.bfloat16)
     return pool, table, lens, cu, slots, x[:, :, 19:], q
 
 
@@ -110,3 +110,21 @@ def test_direct_calls_raise_the_ops_errors():
         pool.append(new.float(), new, plan)
     with pytest.raises(ValueError, match="k_format = 99"):
         ops.paged_attention_planned(plan, q, pool.k, pool.v, k_format=99)
+
+
+def test_direct_planned_attention_fills_the_defaults_as_torch_ops_callers_do():
+    """The direct planned attention makes its scale (head_dim ** -0.5) and output itself; given out and lse, it
+    writes them and returns them. head_dim 80: its scale is not a power of two, so another formula would show."""
+    pool, table, lens, cu, slots, new, q = _step(dim=80)
+    kw = pool.op_kwargs()
+    plan = pool.plan(table, lens, cu, q_heads=8)
+    ref, ref_lse = torch.empty_like(q), torch.empty(1, 8)
+    torch.ops.kvcache.paged_attention_planned.default(q, pool.k, pool.v, plan.host, plan.device, 80 ** -0.5, -1, 0,
+                                                      0.0, ref, ref_lse, kw["k_scale"], kw["v_scale"],
+                                                      kw["k_format"], kw["v_format"])
+    assert torch.equal(ops.paged_attention_planned(plan, q, pool.k, pool.v, **kw), ref)
+    out = torch.full_like(q, float("nan"))
+    got, lse = ops.paged_attention_planned(plan, q, pool.k, pool.v, out=out, return_lse=True, **kw)
+    assert got is out and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    halved = pool.attention_planned(q, plan, 0.5 * 80 ** -0.5)
+    assert not torch.equal(halved, ref)

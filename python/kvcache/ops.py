@@ -291,21 +291,20 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
                             v_scale: torch.Tensor | None = None, k_format: int = 0,
                             v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
-    # (_attention_outputs inlined: this wrapper runs once per layer and step)
+    host, device = plan
+    if return_lse and lse is None:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    if _direct(query, k_cache):  # (it fills the scale and out defaults itself: this runs once per layer and step)
+        out = _native.paged_attention_planned(query, k_cache, v_cache, host, device, scale, window_left, sink_tokens,
+                                              softcap, out, lse, k_scale, v_scale, k_format, v_format)
+        return (out, lse) if return_lse else out
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if return_lse and lse is None:
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-    host, device = plan
-    if _direct(query, k_cache):  # (pybind11 converts the numbers itself)
-        _native.paged_attention_planned(query, k_cache, v_cache, host, device, scale, window_left, sink_tokens,
-                                        softcap, out, lse, k_scale, v_scale, k_format, v_format)
-    else:
-        _ops.paged_attention_planned.default(query, k_cache, v_cache, host, device, float(scale), int(window_left),
-                                             int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
-                                             v_format)
+    _ops.paged_attention_planned.default(query, k_cache, v_cache, host, device, float(scale), int(window_left),
+                                         int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
+                                         v_format)
     return (out, lse) if return_lse else out
 
 

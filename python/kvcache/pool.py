@@ -179,11 +179,15 @@ class KVPool:
         return ops.paged_attention(query, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
                                    **kwargs, **self._cached()[2])
 
-    def attention_planned(self, query: torch.Tensor, plan: "ops.StepPlanTensors", scale: float | None = None,
-                          **kwargs):
+    def attention_planned(self, query: torch.Tensor, plan: "ops.StepPlanTensors", scale: float | None = None, *,
+                          window_left: int = -1, sink_tokens: int = 0, softcap: float = 0.0, return_lse: bool = False,
+                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """:func:`kvcache.paged_attention_planned` over this pool, on a step's :func:`kvcache.plan_step`."""
-        fmt = self._cached()[2]
-        return ops.paged_attention_planned(plan, query, self.k, self.v, scale, **({**kwargs, **fmt} if kwargs else fmt))
+        k_scale, v_scale, fmt = self._cached()[:3]
+        return ops.paged_attention_planned(plan, query, self.k, self.v, scale, window_left=window_left,
+                                           sink_tokens=sink_tokens, softcap=softcap, return_lse=return_lse, out=out,
+                                           lse=lse, k_scale=k_scale, v_scale=v_scale, k_format=fmt["k_format"],
+                                           v_format=fmt["v_format"])
 
     def mla_attention(self, q_latent: torch.Tensor, q_rope: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, cu_q_lens: torch.Tensor, scale: float, **kwargs):
