@@ -1,10 +1,13 @@
 // The fiber scheduler behind emulator.h.
 #include "cuda_emulation/emulator.h"
 
+#include "core/dtype.h"
+
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +51,8 @@ namespace {
 
 constexpr size_t kStackBytes = 128 * 1024;
 constexpr int kWarp = 32;
+// What one lane can hand to the others at a warp barrier: an mma's A and B registers (6 x 32 bits) fit.
+constexpr int kSlotWords = 4;
 
 enum class Wait { kNone, kBlock, kWarp, kDone };
 
@@ -75,6 +80,10 @@ struct Fiber {
   int warp = 0, lane = 0;
   Wait wait = Wait::kNone;
   unsigned mask = 0;  // of the warp barrier it waits at
+  // The warp barrier's operation, for messages; `aligned`: a .sync.aligned instruction (ldmatrix, mma),
+  // which every lane of the warp must reach, and at the same instruction.
+  const char* op = nullptr;
+  bool aligned = false;
 };
 
 struct Grid {
@@ -85,10 +94,11 @@ struct Grid {
   Context scheduler;
   int current = -1;
   std::string error;
-  // Warp shuffles: double-buffered slots (a lane reads buffer g % 2 after the barrier of shuffle g;
-  // the next shuffle writes the other buffer, so no lane can overwrite a value still to be read).
+  // Values exchanged at warp barriers (shuffles, ldmatrix, mma): kSlotWords words per thread,
+  // double-buffered (a lane reads buffer g % 2 after warp barrier g; the next barrier's values go to the
+  // other buffer, so no lane can overwrite a value still to be read).
   std::vector<uint64_t> slots[2];
-  std::vector<int> generation;   // per warp: shuffles completed
+  std::vector<int> generation;   // per warp: warp barriers completed
   bool reverse = false;          // ThreadOrder::kReverse
 };
 
@@ -182,11 +192,29 @@ bool release(Grid& L) {
       }
     }
     if (waiting == 0 || other > 0) continue;
+    const Fiber* collective = nullptr;  // a lane at an ldmatrix or mma, if any
+    for (int i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
+      if (L.fibers[i].wait == Wait::kWarp && L.fibers[i].aligned) collective = &L.fibers[i];
+    }
     for (int i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
       const Fiber& f = L.fibers[i];
       if (f.wait == Wait::kDone && (mask >> f.lane & 1u)) {
         std::ostringstream s;
-        s << "warp " << w << ": a shuffle or __syncwarp names lane " << f.lane << ", which has exited";
+        if (collective != nullptr) {
+          s << "warp " << w << ": " << collective->op << " needs all 32 lanes of the warp, and lane " << f.lane
+            << " has exited";
+        } else {
+          s << "warp " << w << ": a shuffle or __syncwarp names lane " << f.lane << ", which has exited";
+        }
+        fail(s.str());
+        return false;
+      }
+      // .aligned: every lane at the same instruction (a shuffle in one branch and an mma in the other
+      // would otherwise pass as one barrier and exchange unrelated values).
+      if (collective != nullptr && f.wait == Wait::kWarp && (!f.aligned || std::strcmp(f.op, collective->op) != 0)) {
+        std::ostringstream s;
+        s << "warp " << w << ": divergent lanes: lane " << collective->lane << " at " << collective->op << ", lane "
+          << f.lane << " at " << f.op << " (a .sync.aligned instruction needs every lane of the warp at it)";
         fail(s.str());
         return false;
       }
@@ -206,7 +234,7 @@ std::string describe_deadlock(const Grid& L) {
   int shown = 0;
   for (const Fiber& f : L.fibers) {
     if (f.wait == Wait::kDone || shown >= 8) continue;
-    s << " thread " << f.tid.x << (f.wait == Wait::kBlock ? " at __syncthreads;" : " at a warp barrier;");
+    s << " thread " << f.tid.x << " at " << (f.wait == Wait::kBlock ? "__syncthreads" : f.op) << ";";
     ++shown;
   }
   return s.str();
@@ -262,8 +290,8 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
   L.body = &body;
   L.fibers.resize(threads);
   const int warps = static_cast<int>((threads + kWarp - 1) / kWarp);
-  L.slots[0].assign(threads, 0);
-  L.slots[1].assign(threads, 0);
+  L.slots[0].assign(threads * kSlotWords, 0);
+  L.slots[1].assign(threads * kSlotWords, 0);
   L.generation.assign(warps, 0);
   for (uint64_t i = 0; i < threads; ++i) {
     Fiber& f = L.fibers[i];
@@ -308,22 +336,158 @@ void sync_threads() {
   yield_until_released();
 }
 
-void sync_warp(unsigned mask) {
+namespace {
+
+void wait_at_warp_barrier(unsigned mask, const char* op, bool aligned) {
   if (mask != 0xffffffffu) fail("only full-warp masks (0xffffffff) are emulated");
   Fiber& f = self();
   f.wait = Wait::kWarp;
   f.mask = mask;
+  f.op = op;
+  f.aligned = aligned;
   yield_until_released();
 }
 
-uint64_t shuffle(unsigned mask, uint64_t value, int src_lane) {
+/// Puts this lane's `words` in its slot, waits at a warp barrier, and returns the warp's slots (lane l's at
+/// [l * kSlotWords]), readable until this lane's next warp barrier.
+const uint64_t* exchange(const uint64_t* words, int count, unsigned mask, const char* op, bool aligned) {
   Fiber& f = self();
   const int g = active->generation[f.warp];
-  const int base = f.warp * kWarp;
-  active->slots[g % 2][base + f.lane] = value;
-  sync_warp(mask);
-  if (src_lane < 0 || src_lane >= kWarp || base + src_lane >= static_cast<int>(active->fibers.size())) return value;
-  return active->slots[g % 2][base + src_lane];
+  uint64_t* warp_slots = active->slots[g % 2].data() + static_cast<size_t>(f.warp) * kWarp * kSlotWords;
+  std::copy(words, words + count, warp_slots + f.lane * kSlotWords);
+  wait_at_warp_barrier(mask, op, aligned);
+  return warp_slots;
+}
+
+/// ldmatrix and mma are .sync.aligned: the whole warp executes them. A block whose size is not a
+/// multiple of 32 has a partial last warp, which cannot.
+void require_full_warp(const char* op) {
+  const Fiber& f = self();
+  const int threads = static_cast<int>(active->fibers.size());
+  if ((f.warp + 1) * kWarp > threads) {
+    std::ostringstream s;
+    s << "warp " << f.warp << ": " << op << " needs all 32 lanes of the warp, and the block (" << threads
+      << " threads) gives this warp " << threads - f.warp * kWarp;
+    fail(s.str());
+  }
+}
+
+/// A 16-bit element of an mma operand as f32 (exact: both formats are subsets of f32).
+float element(MmaInput type, uint32_t reg, int half) {
+  const auto bits = static_cast<uint16_t>(reg >> (16 * half));  // element 2j in the low half, 2j + 1 high
+  return type == MmaInput::kBF16 ? bf16_to_float(bits) : fp16_to_float(bits);
+}
+
+}  // namespace
+
+void sync_warp(unsigned mask) { wait_at_warp_barrier(mask, "__syncwarp", false); }
+
+uint64_t shuffle(unsigned mask, uint64_t value, int src_lane) {
+  const Fiber& f = self();
+  const uint64_t* warp_slots = exchange(&value, 1, mask, "a shuffle", false);
+  if (src_lane < 0 || src_lane >= kWarp || f.warp * kWarp + src_lane >= static_cast<int>(active->fibers.size())) {
+    return value;
+  }
+  return warp_slots[src_lane * kSlotWords];
+}
+
+// PTX ISA, "Warp-level matrix load instruction: ldmatrix" (.m8n8, .b16): lanes 8m .. 8m + 7 give the
+// addresses of rows 0..7 of matrix m (lanes from 8 * matrices on are ignored; sm_80 and newer). Each
+// address starts 16 bytes of a row and must be 16-byte aligned. Lane t receives, in register m, the
+// elements (t / 4, 2 (t % 4)) and (t / 4, 2 (t % 4) + 1) of matrix m, the first in the low 16 bits;
+// .trans loads the matrix column-major, so each address starts a column instead: the elements become
+// (2 (t % 4), t / 4) and (2 (t % 4) + 1, t / 4).
+void ldmatrix_b16(int matrices, bool trans, const void* row, uint32_t* out) {
+  static const char* const kNames[2][3] = {
+      {"ldmatrix.m8n8.x1.b16", "ldmatrix.m8n8.x2.b16", "ldmatrix.m8n8.x4.b16"},
+      {"ldmatrix.m8n8.x1.trans.b16", "ldmatrix.m8n8.x2.trans.b16", "ldmatrix.m8n8.x4.trans.b16"}};
+  if (matrices != 1 && matrices != 2 && matrices != 4) {  // core/warp_mma.cuh's static_assert prevents it
+    fail("ldmatrix loads 1, 2 or 4 matrices");
+    wait_at_warp_barrier(0xffffffffu, "ldmatrix", true);  // the launch ends here
+    return;
+  }
+  const char* op = kNames[trans][matrices / 2];
+  require_full_warp(op);
+  const Fiber& f = self();
+  if (f.lane < 8 * matrices) {
+    const auto p = reinterpret_cast<uintptr_t>(row);
+    bool shared = false;
+    for (const auto& [array, bytes] : shared_arrays()) {
+      const auto begin = reinterpret_cast<uintptr_t>(array);
+      shared |= begin <= p && p + 16 <= begin + bytes;
+    }
+    std::ostringstream s;
+    if (p % 16 != 0) {
+      s << op << ": lane " << f.lane << "'s row address " << row << " is not 16-byte aligned";
+      fail(s.str());
+    } else if (!shared) {
+      s << op << ": lane " << f.lane << "'s row (" << row << ", 16 bytes) is not inside a shared array (KVC_SHARED)";
+      fail(s.str());
+    }
+  }
+  const uint64_t mine = reinterpret_cast<uintptr_t>(row);
+  const uint64_t* rows = exchange(&mine, 1, 0xffffffffu, op, true);
+  const auto element_at = [&](int m, int r, int c) {  // element c of the 16 bytes lane 8m + r addressed
+    uint16_t e;
+    std::memcpy(&e, reinterpret_cast<const char*>(rows[(8 * m + r) * kSlotWords]) + 2 * c, 2);
+    return uint32_t{e};
+  };
+  const int t = f.lane;
+  uint32_t got[4];
+  for (int m = 0; m < matrices; ++m) {
+    if (trans) {
+      got[m] = element_at(m, 2 * (t % 4), t / 4) | element_at(m, 2 * (t % 4) + 1, t / 4) << 16;
+    } else {
+      got[m] = element_at(m, t / 4, 2 * (t % 4)) | element_at(m, t / 4, 2 * (t % 4) + 1) << 16;
+    }
+  }
+  // The whole warp reads before any lane goes on, as one instruction: a lane's store after the ldmatrix
+  // must not reach another lane's read.
+  wait_at_warp_barrier(0xffffffffu, op, true);
+  std::copy(got, got + matrices, out);
+}
+
+// PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type" (.f16 / .bf16 multiplicands, .f32
+// accumulators), with groupID = lane >> 2, threadID_in_group = lane % 4, element i of a fragment in
+// register i / 2 (even i in the low 16 bits):
+//   A (16 x 16), a0..a7: row = groupID for i < 2 or 4 <= i < 6, else groupID + 8;
+//                        col = threadID_in_group * 2 + (i & 1), + 8 for i >= 4
+//   B (16 x 8), b0..b3:  row = threadID_in_group * 2 + (i & 1), + 8 for i >= 2; col = groupID
+//   C, D (16 x 8), c0..c3 (one f32 each): row = groupID for i < 2, else groupID + 8;
+//                        col = threadID_in_group * 2 + (i & 1)
+// The hardware's summation order and intermediate rounding are not specified. Here the products are exact
+// (f16 x f16 and bf16 x bf16 fit in f32) and each D element is C, then + A[row][k] * B[k][col] for k = 0..15
+// in that order, rounded to f32 after each addition: sums of exactly representable values (small integers)
+// match a GPU exactly, anything else only within a tolerance.
+void mma_m16n8k16(MmaInput type, const uint32_t* a, const uint32_t* b, const float* c, float* d) {
+  const char* op = type == MmaInput::kBF16 ? "mma.m16n8k16.f32.bf16.bf16.f32" : "mma.m16n8k16.f32.f16.f16.f32";
+  require_full_warp(op);
+  const uint64_t mine[3] = {a[0] | uint64_t{a[1]} << 32, a[2] | uint64_t{a[3]} << 32, b[0] | uint64_t{b[1]} << 32};
+  const uint64_t* slots = exchange(mine, 3, 0xffffffffu, op, true);
+  float A[16][16], B[16][8];
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const int group = lane >> 2, in_group = lane % 4;
+    const uint64_t* s = slots + lane * kSlotWords;
+    const uint32_t ar[4] = {static_cast<uint32_t>(s[0]), static_cast<uint32_t>(s[0] >> 32),
+                            static_cast<uint32_t>(s[1]), static_cast<uint32_t>(s[1] >> 32)};
+    const uint32_t br[2] = {static_cast<uint32_t>(s[2]), static_cast<uint32_t>(s[2] >> 32)};
+    for (int i = 0; i < 8; ++i) {
+      const int row = (i < 2 || (4 <= i && i < 6)) ? group : group + 8;
+      const int col = in_group * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+      A[row][col] = element(type, ar[i / 2], i % 2);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int row = in_group * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+      B[row][group] = element(type, br[i / 2], i % 2);
+    }
+  }
+  const int group = self().lane >> 2, in_group = self().lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? group : group + 8, col = in_group * 2 + (i & 1);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
 }
 
 bool poison_per_block(void* array, size_t bytes) {

@@ -2,11 +2,12 @@
 // cache_kernels.cu on machines without a GPU (test builds only: csrc/cuda_emulation/README.md).
 //
 // Every thread of a block is a fiber (ucontext) on the calling OS thread; blocks run one after
-// another. A fiber runs until it reaches a barrier (__syncthreads, __syncwarp, a warp shuffle) or
-// returns, and a barrier opens once every live thread it concerns has arrived. What the emulator
+// another. A fiber runs until it reaches a barrier (__syncthreads, __syncwarp, a warp shuffle, ldmatrix,
+// mma) or returns, and a barrier opens once every live thread it concerns has arrived. What the emulator
 // checks, and a GPU would not report: a __syncthreads() that some live threads never reach, a warp
 // shuffle or __syncwarp() over lanes that have exited or are waiting elsewhere (divergence), a
-// mask other than the full warp. Such a launch fails with cudaErrorLaunchFailure and a message.
+// mask other than the full warp, an ldmatrix or mma not reached by all 32 lanes of the warp, an ldmatrix
+// row outside shared memory or misaligned. Such a launch fails with cudaErrorLaunchFailure and a message.
 // Shared arrays start every block filled with NaN bytes. Races: fibers interleave only at barriers,
 // so a thread sees what the threads scheduled before it wrote since the last barrier; running a test
 // in both thread orders (ThreadOrder) turns a read of another thread's unsynchronized write into a
@@ -55,6 +56,18 @@ void sync_warp(unsigned mask);
 /// when src_lane is outside [0, 32) or names no thread, as CUDA does for shfl_down past the end).
 uint64_t shuffle(unsigned mask, uint64_t value, int src_lane);
 int lane_id();
+
+/// Warp-level tensor-core operations (core/warp_mma.cuh), with the PTX ISA's fragment layouts (see
+/// emulator.cpp). Warp barriers like the shuffles, and stricter, as .sync.aligned instructions: all 32 lanes
+/// of the warp must arrive at the same operation; a partial warp, an exited lane or a lane waiting at
+/// another warp barrier fails the launch.
+/// ldmatrix.sync.aligned.m8n8.x{matrices}{.trans}.shared.b16: `row` is this lane's row address (in a
+/// KVC_SHARED array, 16-byte aligned; ignored for lanes >= 8 * matrices); fills out[0, matrices).
+void ldmatrix_b16(int matrices, bool trans, const void* row, uint32_t* out);
+enum class MmaInput { kF16, kBF16 };
+/// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: d[4] = A * B + c, from this lane's
+/// a[4], b[2], c[4] and the other lanes' fragments. d may be c.
+void mma_m16n8k16(MmaInput type, const uint32_t* a, const uint32_t* b, const float* c, float* d);
 
 /// The order in which a block's threads run between two barriers: by index, or the reverse. A kernel
 /// without races gives the same result in both. The default comes from the environment variable

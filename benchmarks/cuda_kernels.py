@@ -1,0 +1,699 @@
+"""Static report of the CUDA kernels (issue #23): resources, SASS, occupancy, a bytes-in-flight model, checks.
+
+There is no GPU where kvcache is developed, so nothing here runs a kernel. Every .cu file is compiled by nvcc
+to a cubin per architecture (the flags of CMakeLists.txt) and read three ways:
+
+1. ptxas's resource usage (--resource-usage): registers, stack frame, spills, shared memory per kernel;
+2. the SASS (cuobjdump -sass), when a cuobjdump is found: global loads by width, local-memory
+   instructions, calls (the 64-bit integer division helpers), tensor-core instructions;
+3. a model: occupancy from the documented per-SM limits, and bytes in flight per SM by Little's law.
+
+Everything GPU-related is modelled, not measured. Only the standard library is used (no torch).
+
+    python3 benchmarks/cuda_kernels.py            # writes benchmarks/results/cuda_kernels.{md,json}
+    python3 benchmarks/cuda_kernels.py --check    # exit code 1 when any check fails
+
+cuobjdump is looked for in $KVCACHE_CUOBJDUMP, on PATH, then in a triton or nvidia-* wheel (the project's
+venvs under ~/.cache/kvcache ship triton's); without one the SASS checks say "not run (no cuobjdump)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime as _dt
+import glob
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CU_FILES = ("csrc/attention/attention_kernels.cu", "csrc/cache/cache_kernels.cu", "csrc/mla/mla_kernels.cu")
+
+
+# ---- per-kernel budgets (the targets of issue #23 made concrete) ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelBudget:
+    block: int | str            # threads per CTA at launch: a number, or a constexpr int of the kernel's .cu file
+    max_registers: int          # registers per thread the kernel may use
+    why: str                    # why that budget
+    decode: bool = False        # reads KV pages in a decode step: 128-bit loads and the bytes-in-flight target apply
+    prefill: bool = False       # serves prefill tasks: tensor-core instructions (HMMA / HGMMA) are expected
+    block_note: str = ""        # where the block size comes from, when the launcher picks it at run time
+
+
+KERNEL_BUDGETS: dict[str, KernelBudget] = {
+    # attention_kernel serves decode (split-K tasks) and prefill tasks (attention_kernels.cu).
+    "attention_kernel": KernelBudget(
+        "kThreads", 128, decode=True, prefill=True,
+        why="128 regs x 4-warp CTAs leaves 16 warps/SM; with 128-bit KV loads (512 B per warp load) 4 loads "
+            "in flight per warp reach 32 KB/SM, the sm_90 target. More registers than that costs warps"),
+    "merge_partials_kernel": KernelBudget(
+        "kThreads", 64, why="streams partial states once: 64 regs keeps 32 warps/SM for latency hiding"),
+    "merge_states_kernel": KernelBudget(
+        256, 32, why="element-wise: 32 regs is full occupancy (64 warps/SM); launch_merge_states uses 256 threads"),
+    "mla_attention_kernel": KernelBudget(
+        "kThreads", 128, decode=True, prefill=True,
+        why="decode attention over latent rows: same reasoning as attention_kernel (16+ warps/SM at 128 regs)"),
+    "append_kernel": KernelBudget("kThreads", 32, why="a copy: full occupancy (64 warps/SM) needs <= 32 regs"),
+    "gather_padded_kernel": KernelBudget(
+        128, 32, why="a copy: full occupancy needs <= 32 regs",
+        block_note="min(max(head_dim, v_head_dim), 256): 128 for head_dim 128"),
+    "gather_ragged_kernel": KernelBudget(
+        128, 32, why="a copy: full occupancy needs <= 32 regs",
+        block_note="min(max(head_dim, v_head_dim), 256): 128 for head_dim 128"),
+    "copy_blocks_kernel": KernelBudget("kThreads", 32, why="a copy: full occupancy needs <= 32 regs"),
+    "append_quantized_kernel": KernelBudget(
+        "kThreads", 64, why="a row per warp with a warp reduction: 64 regs keeps 32 warps/SM"),
+    "append_kivi_key_kernel": KernelBudget(
+        "kThreads", 64, why="a page per warp with warp reductions: 64 regs keeps 32 warps/SM"),
+    "gather_dequantized_kernel": KernelBudget(
+        "kThreads", 64, why="element-wise dequantization: 64 regs keeps 32 warps/SM"),
+    "gather_rotated_kernel": KernelBudget(
+        "kThreads", 96, why="holds a 256-dim row in registers (8 floats per lane) for the inverse Hadamard "
+                            "transform: 96 regs still keeps 20 warps/SM"),
+}
+
+# Bytes-in-flight targets per SM from issue #23 (modelled): enough outstanding loads to cover DRAM latency.
+IN_FLIGHT_TARGET_BYTES = {"sm_80": 20 * 1024, "sm_90a": 32 * 1024}
+
+
+# ---- documented per-SM limits -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SmLimits:
+    registers_per_sm: int
+    register_alloc_unit: int     # registers per warp are rounded up to this
+    sub_partitions: int          # registers are allocated per SM sub-partition (4 per SM)
+    max_registers_per_thread: int
+    max_warps_per_sm: int
+    max_ctas_per_sm: int
+    smem_per_sm: int             # the largest shared-memory carveout, bytes
+    smem_alloc_unit: int
+    smem_reserved_per_cta: int   # shared memory the driver reserves per CTA
+    dram_bytes_per_s: float      # datasheet peak, for the roofline (modelled)
+    fp32_flops: float            # datasheet peak of the CUDA cores (non-tensor) FP32
+    sm_count: int
+    part: str
+
+
+# CUDA C++ Programming Guide, "Compute Capabilities" / "Technical Specifications per Compute Capability":
+# 64K 32-bit registers per SM, 255 registers per thread, 64 resident warps and 32 resident CTAs per SM for
+# both 8.0 and 9.0; at most 164 KB shared memory per SM on 8.0 and 228 KB on 9.0 (1 KB of it reserved per
+# CTA). The allocation granularities (256 registers per warp, 4 sub-partitions, 128 B of shared memory)
+# are those of the CUDA occupancy calculator, include/cuda_occupancy.h of the toolkit (cases 8 and 9).
+# Peak DRAM bandwidth, FP32 rate and SM count are the A100 SXM4 80GB and H100 SXM5 datasheet figures.
+SM_LIMITS = {
+    "sm_80": SmLimits(65536, 256, 4, 255, 64, 32, 164 * 1024, 128, 1024,
+                      2039e9, 19.5e12, 108, "A100 SXM4 80GB"),
+    "sm_90a": SmLimits(65536, 256, 4, 255, 64, 32, 228 * 1024, 128, 1024,
+                       3352e9, 66.9e12, 132, "H100 SXM5"),
+}
+
+SASS_NOT_RUN = "not run (no cuobjdump)"
+
+
+# ---- the build flags of CMakeLists.txt --------------------------------------------------------------------
+@dataclasses.dataclass
+class BuildFlags:
+    archs: list[str]
+    args: list[str]       # everything but the architecture and the file
+
+
+def cmake_build_flags(cmakelists: str) -> BuildFlags:
+    """The nvcc flags CMakeLists.txt gives the _C target's CUDA sources (Release build)."""
+    archs = re.search(r'set\(KVCACHE_CUDA_ARCHS "([^"]+)"\)', cmakelists).group(1).split(";")
+    std = re.search(r"set\(CMAKE_CUDA_STANDARD (\d+)\)", cmakelists).group(1)
+    cuda_options = re.search(r"\$<\$<COMPILE_LANGUAGE:CUDA>:([^>]+)>", cmakelists).group(1).split()
+    includes = re.search(r"target_include_directories\(_C PRIVATE (\S+)\)", cmakelists).group(1).split()
+    defines = re.findall(r"target_compile_definitions\(_C PRIVATE (KVCACHE_WITH_CUDA=\d)\)", cmakelists)
+    args = [f"-std=c++{std}", "-O3", "-DNDEBUG", "-Xcompiler=-fPIC"]  # CMake's Release flags, a module's PIC
+    args += [f"-I{d}" for d in includes] + [f"-D{d}" for d in defines]  # -I relative: nvcc runs in the repo root
+    args += [f'-DKVCACHE_CUDA_ARCHS="{",".join(archs)}"'] + cuda_options
+    return BuildFlags([f"sm_{a}" for a in archs], args)
+
+
+def gencode(arch: str) -> str:
+    number = arch.removeprefix("sm_")
+    return f"arch=compute_{number},code={arch}"
+
+
+# ---- ptxas --resource-usage ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class KernelResources:
+    mangled: str
+    arch: str
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_store_bytes: int = 0
+    spill_load_bytes: int = 0
+    smem_bytes: int = 0
+    lmem_bytes: int = 0       # older ptxas report "N bytes lmem"; kept when present
+    barriers: int = 0
+
+    @property
+    def uses_local_memory(self) -> bool:
+        return self.stack_bytes > 0 or self.spill_store_bytes > 0 or self.spill_load_bytes > 0 or self.lmem_bytes > 0
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
+_PROPERTIES = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SIZES = {"smem_bytes": re.compile(r"(\d+) bytes smem"), "lmem_bytes": re.compile(r"(\d+) bytes lmem"),
+          "barriers": re.compile(r"used (\d+) barriers")}
+
+
+def parse_ptxas(text: str) -> dict[str, KernelResources]:
+    """Kernels (entry functions) of ptxas -v output, by mangled name. Non-entry functions are skipped."""
+    kernels: dict[str, KernelResources] = {}
+    current: KernelResources | None = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            current = kernels.setdefault(m.group(1), KernelResources(m.group(1), m.group(2)))
+        elif m := _PROPERTIES.search(line):
+            current = kernels.get(m.group(1))  # a device function's properties belong to no kernel
+        elif current is None:
+            continue
+        elif m := _FRAME.search(line):
+            current.stack_bytes, current.spill_store_bytes, current.spill_load_bytes = map(int, m.groups())
+        elif m := _USED.search(line):
+            current.registers = int(m.group(1))
+            for field, pattern in _SIZES.items():
+                if s := pattern.search(line):
+                    setattr(current, field, int(s.group(1)))
+    return kernels
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Mangled -> readable names through c++filt (one process for all); names stay mangled without it."""
+    if not names or shutil.which("c++filt") is None:
+        return {n: n for n in names}
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def short_name(demangled: str) -> str:
+    """'kvcache::cuda::(anonymous namespace)::attention_kernel<float, float>(args...)' -> 'attention_kernel<float, float>'."""
+    name = re.sub(r"kvcache::(cuda::)?(\(anonymous namespace\)::)?", "", demangled)
+    name = name.removeprefix("void ")  # template instances carry their return type
+    depth = 0
+    for i, ch in enumerate(name):  # cut the parameter list: the first '(' outside template brackets
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0:
+            return name[:i]
+    return name
+
+
+def base_name(name: str) -> str:
+    return re.split(r"[<(]", name, maxsplit=1)[0]
+
+
+# ---- SASS ---------------------------------------------------------------------------------------------
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_FUNCTION = re.compile(r"^\s*Function : (\S+)")
+_REGISTER = re.compile(r"(?<![A-Z0-9_])R(\d+)(\.64)?")
+LOAD_WIDTH_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+WIDTH_LABEL = {1: "8", 2: "16", 4: "32", 8: "64", 16: "128"}
+MMA_OPCODES = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA", "BMMA")
+DIV64_HELPER = re.compile(r"(div|rem)_[su]64")
+
+
+@dataclasses.dataclass
+class Instruction:
+    address: int
+    opcode: str        # with modifiers, e.g. LDG.E.U16
+    operands: str
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+def parse_sass(text: str) -> dict[str, list[Instruction]]:
+    """cuobjdump -sass output: each function's instructions, by mangled name."""
+    functions: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for line in text.splitlines():
+        if m := _FUNCTION.match(line):
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            current.append(Instruction(int(m.group(1), 16), m.group(3), m.group(4).strip()))
+    return functions
+
+
+def load_bytes(opcode: str) -> int:
+    """Bytes per thread of a load from its modifiers (no width modifier: 32 bits)."""
+    for modifier in opcode.split(".")[1:]:
+        if modifier in LOAD_WIDTH_BYTES:
+            return LOAD_WIDTH_BYTES[modifier]
+    return 4
+
+
+def elf_call_targets(cubin: bytes) -> dict[str, dict[int, str]]:
+    """Named subroutines of each kernel: {mangled kernel: {offset in its .text section: name}} from the
+    cubin's symbol table (cuobjdump prints calls as bare offsets; the helpers are local function symbols)."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def string(table: int, offset: int) -> str:
+        start = sections[table][4] + offset
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    section_names = [string(shstrndx, s[0]) for s in sections]
+    targets: dict[str, dict[int, str]] = {}
+    for sh in sections:
+        if sh[1] != 2:  # SHT_SYMTAB
+            continue
+        for offset in range(sh[4], sh[4] + sh[5], 24):
+            name_at, info, _other, shndx, value, _size = struct.unpack_from("<IBBHQQ", cubin, offset)
+            name = string(sh[6], name_at)
+            if info & 0xF == 2 and name.startswith("$") and shndx < shnum:  # STT_FUNC, a compiler helper
+                kernel = section_names[shndx].removeprefix(".text.")
+                targets.setdefault(kernel, {})[value] = re.sub(r"^\$__internal_\d+_\$", "", name)
+    return targets
+
+
+def sass_counts(instructions: list[Instruction], call_names: dict[int, str]) -> dict:
+    """What the checks read from one kernel's SASS."""
+    global_loads = {label: 0 for label in WIDTH_LABEL.values()}
+    async_copies: dict[str, int] = {}
+    calls: dict[str, int] = {}
+    counts = {"generic_loads": 0, "local_loads": 0, "local_stores": 0, "mma": {}, "tma": 0}
+    for ins in instructions:
+        if ins.base == "LDG":
+            global_loads[WIDTH_LABEL[load_bytes(ins.opcode)]] += 1
+        elif ins.base == "LDGSTS":
+            label = WIDTH_LABEL[load_bytes(ins.opcode)]
+            async_copies[label] = async_copies.get(label, 0) + 1
+        elif ins.base == "LD":
+            counts["generic_loads"] += 1
+        elif ins.base == "LDL":
+            counts["local_loads"] += 1
+        elif ins.base == "STL":
+            counts["local_stores"] += 1
+        elif ins.base in MMA_OPCODES:
+            counts["mma"][ins.base] = counts["mma"].get(ins.base, 0) + 1
+        elif ins.base in ("UTMALDG", "UBLKCP"):
+            counts["tma"] += 1
+        elif ins.base == "CALL":
+            target = re.search(r"0x([0-9a-f]+)", ins.operands)
+            # an unnamed target is a block of the kernel itself (ptxas calls an EXIT to leave under a predicate)
+            name = call_names.get(int(target.group(1), 16), "(own block)") if target else ins.operands
+            calls[name] = calls.get(name, 0) + 1
+    counts.update(global_loads=global_loads, async_copies=async_copies, calls=calls,
+                  div64_calls=sum(n for name, n in calls.items() if DIV64_HELPER.search(name)),
+                  loads_in_flight=loads_in_flight(instructions))
+    return counts
+
+
+def loads_in_flight(instructions: list[Instruction]) -> dict:
+    """Static estimate of one thread's outstanding global-load bytes inside loops.
+
+    Within a straight-line run of a loop body (a backward branch's range), global loads are counted from
+    one to the next until an instruction reads a register one of them writes: the bytes pending at that
+    first use are what the thread has in flight while it waits. The largest such group over the innermost
+    loops (the streaming loops; an outer loop's set-up loads are not counted)."""
+    loop_ends: dict[int, int] = {}  # loop head -> its last backward branch
+    for ins in instructions:
+        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
+            head = int(t.group(1), 16)
+            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    # innermost loops only: an outer loop's per-pass set-up (task fields, lengths) is not the streaming loop
+    loops = [(s, e) for s, e in loop_ends.items() if not any(s < s2 <= e and e2 <= e for s2, e2 in loop_ends.items()
+                                                             if (s2, e2) != (s, e))]
+    targets = {start for start, _ in loops} | {int(t.group(1), 16) for ins in instructions if ins.base == "BRA"
+                                               and (t := re.search(r"0x([0-9a-f]+)", ins.operands))}
+    best = {"bytes_per_thread": 0, "loads": 0, "at": None}
+    pending: dict[int, int] = {}   # register -> bytes of the load writing it
+    group_loads, group_start = 0, None
+
+    def close() -> None:
+        nonlocal group_loads, group_start
+        total = sum(pending.values())
+        if total > best["bytes_per_thread"] and any(s <= group_start <= e for s, e in loops):
+            best.update(bytes_per_thread=total, loads=group_loads, at=f"0x{group_start:04x}")
+        pending.clear()
+        group_loads, group_start = 0, None
+
+    for ins in instructions:
+        if ins.base in ("BRA", "EXIT", "RET", "CALL", "BAR", "BSYNC", "WARPSYNC"):
+            close()
+            continue
+        if ins.address in targets:  # another path joins here: a new group
+            close()
+        registers = [(int(r), wide) for r, wide in _REGISTER.findall(ins.operands)]
+        writes_first = not ins.base.startswith(("ST", "RED"))  # stores only read their operands
+        sources = registers[1:] if writes_first else registers
+        read = {r + k for r, wide in sources for k in range(2 if wide else 1)}
+        if pending and read & pending.keys():
+            close()
+        if ins.base == "LDG" and registers:
+            size = load_bytes(ins.opcode)
+            first = registers[0][0]
+            words = max(1, size // 4)
+            for k in range(words):
+                pending[first + k] = size / words
+            group_start = ins.address if group_start is None else group_start
+            group_loads += 1
+    close()
+    return best
+
+
+# ---- occupancy and the bytes-in-flight model (modelled, not measured) --------------------------------------
+def round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def occupancy(res: KernelResources, block: int, lim: SmLimits) -> dict:
+    """CTAs and warps per SM as the CUDA occupancy calculator computes them (cuda_occupancy.h)."""
+    warps_per_cta = -(-block // 32)
+    limits = {"warps": lim.max_warps_per_sm // warps_per_cta, "ctas": lim.max_ctas_per_sm}
+    regs_per_warp = round_up(max(res.registers, 1) * 32, lim.register_alloc_unit)
+    if regs_per_warp * round_up(warps_per_cta, lim.sub_partitions) > lim.registers_per_sm:
+        limits["registers"] = 0
+    else:
+        warps_per_partition = (lim.registers_per_sm // lim.sub_partitions) // regs_per_warp
+        limits["registers"] = warps_per_partition * lim.sub_partitions // warps_per_cta
+    smem_per_cta = round_up(res.smem_bytes + lim.smem_reserved_per_cta, lim.smem_alloc_unit)
+    limits["shared memory"] = lim.smem_per_sm // smem_per_cta
+    ctas = min(limits.values())
+    return {"block": block, "ctas_per_sm": ctas, "warps_per_sm": ctas * warps_per_cta,
+            "occupancy": ctas * warps_per_cta / lim.max_warps_per_sm,
+            "limited_by": [k for k, v in limits.items() if v == ctas], "limits": limits}
+
+
+MODEL_ASSUMPTIONS = [
+    "Occupancy: the CUDA occupancy calculator's rules (cuda_occupancy.h) with the documented per-SM limits, the "
+    "largest shared-memory carveout, no dynamic shared memory (every launch passes 0), block sizes of the "
+    "launchers (head_dim 128 where the launcher derives it from head_dim).",
+    "Bytes in flight per SM (Little's law) = resident warps/SM x 32 lanes x outstanding global-load bytes per "
+    "thread. Outstanding bytes per thread: the largest group of global loads a thread issues inside an "
+    "innermost loop of the kernel's SASS before it first reads one of their results (a static estimate: every resident warp "
+    "is assumed to sit in that loop with the group in flight at once, all lanes active).",
+    "Targets: 20 KB/SM on sm_80 and 32 KB/SM on sm_90 (issue #23), the bytes needed in flight to cover "
+    "DRAM latency at full bandwidth. Modelled attainable bandwidth = peak x min(1, in flight / target).",
+    "Roofline: decode of a GQA group of 4 query heads per KV head at the kernel's KV element size: "
+    "4 x 4 x head_dim flops per key (q.k and p.v, 2 flops per multiply-add, per query head) over the key's K "
+    "and V bytes; compute roof: FP32 CUDA cores (the kernels use no tensor-core instruction yet).",
+]
+
+KV_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2, "signed char": 1, "Fp8E4M3": 1, "Fp8E5M2": 1,
+                    "Int4": 0.5, "Kivi<4, true>": 0.5, "Kivi<4, false>": 0.5, "Kivi<2, true>": 0.25,
+                    "Kivi<2, false>": 0.25}
+GQA_GROUP = 4
+
+
+def kv_element_bytes(name: str) -> float:
+    """KV bytes per element of a kernel instance, from its template arguments (2, bf16, otherwise)."""
+    m = re.search(r"<(.*)>$", name)
+    if not m:
+        return 2.0
+    args = [a.strip() for a in re.split(r",\s*(?![^<]*>)", m.group(1))]
+    sizes = [KV_ELEMENT_BYTES[a] for a in args if a in KV_ELEMENT_BYTES]
+    return sum(sizes) / len(sizes) if sizes else 2.0
+
+
+def in_flight_model(row: dict, lim: SmLimits, arch: str) -> dict:
+    per_thread = row["sass"]["loads_in_flight"]["bytes_per_thread"]
+    warps = row["occupancy"]["warps_per_sm"]
+    per_sm = warps * 32 * per_thread
+    target = IN_FLIGHT_TARGET_BYTES[arch]
+    fraction = min(1.0, per_sm / target)
+    kv_bytes = kv_element_bytes(row["name"])
+    intensity = GQA_GROUP * 4 / (2 * kv_bytes)  # flops per byte: 4 x 4 x D flops over 2 x D x bytes
+    bandwidth = lim.dram_bytes_per_s * fraction
+    return {"bytes_per_thread": per_thread, "warps_per_sm": warps, "bytes_per_sm": per_sm, "target_bytes": target,
+            "bandwidth_fraction": fraction, "attainable_bytes_per_s": bandwidth,
+            "arithmetic_intensity": intensity, "attainable_flops": min(lim.fp32_flops, intensity * bandwidth),
+            "bound": "memory" if intensity * bandwidth < lim.fp32_flops else "compute"}
+
+
+# ---- checks -----------------------------------------------------------------------------------------------
+def run_checks(row: dict, budget: KernelBudget | None) -> dict[str, str]:
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    sass = row["sass"]
+    checks = {"no stack frame": verdict(row["stack_bytes"] == 0),
+              "no spills": verdict(row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0),
+              "registers within budget": verdict(row["registers"] <= budget.max_registers) if budget else "n/a"}
+    if sass is None:  # ptxas alone can still show local memory, never its absence from the SASS
+        checks["no local memory"] = "FAIL" if row["local_memory"] else SASS_NOT_RUN
+        checks["no 64-bit division calls"] = SASS_NOT_RUN
+        decode, prefill = (budget.decode, budget.prefill) if budget else (False, False)
+        checks["128-bit KV loads"] = SASS_NOT_RUN if decode else "n/a"
+        checks["prefill has MMA"] = SASS_NOT_RUN if prefill else "n/a"
+        checks["bytes in flight"] = SASS_NOT_RUN if decode else "n/a"
+        return checks
+    checks["no local memory"] = verdict(not row["local_memory"] and sass["local_loads"] + sass["local_stores"] == 0)
+    checks["no 64-bit division calls"] = verdict(sass["div64_calls"] == 0)
+    wide = sass["global_loads"]["128"] + sass["async_copies"].get("128", 0) + sass["tma"]
+    checks["128-bit KV loads"] = verdict(wide > 0) if budget and budget.decode else "n/a"
+    checks["prefill has MMA"] = verdict(bool(sass["mma"])) if budget and budget.prefill else "n/a"
+    model = row.get("in_flight")
+    checks["bytes in flight"] = verdict(model["bytes_per_sm"] >= model["target_bytes"]) if model else "n/a"
+    return checks
+
+
+# ---- tools ------------------------------------------------------------------------------------------------
+def find_cuobjdump() -> str | None:
+    """$KVCACHE_CUOBJDUMP, PATH, then a triton or nvidia-* wheel of this interpreter or of the project's venvs."""
+    env = os.environ.get("KVCACHE_CUOBJDUMP")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    if found := shutil.which("cuobjdump"):
+        return found
+    site_dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    site_dirs |= set(glob.glob(str(Path.home() / ".cache/kvcache/venv-*/lib/python3*/site-packages")))
+    for site in sorted(site_dirs):
+        for pattern in ("triton/backends/nvidia/bin/cuobjdump", "nvidia/*/bin/cuobjdump", "nvidia/cu*/bin/cuobjdump"):
+            for candidate in sorted(glob.glob(os.path.join(site, pattern))):
+                if os.access(candidate, os.X_OK):
+                    return candidate
+    return None
+
+
+def tool_version(tool: str) -> str:
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+    lines = [line for line in out.splitlines() if "release" in line]
+    return lines[-1].strip() if lines else out.strip().splitlines()[-1]
+
+
+def compile_cubin(nvcc: str, source: Path, arch: str, flags: BuildFlags, out_dir: Path) -> tuple[Path, str]:
+    """Compiles one .cu file to a cubin; returns it and ptxas's resource report."""
+    cubin = out_dir / f"{source.stem}.{arch}.cubin"
+    cmd = [nvcc, "-cubin", "-o", str(cubin), "-gencode", gencode(arch), "--resource-usage", *flags.args, str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {source} ({arch}):\n{proc.stdout}{proc.stderr}")
+    return cubin, proc.stdout + proc.stderr
+
+
+def constexpr_ints(source: str) -> dict[str, int]:
+    """`constexpr int kName = <integer expression>;` of a .cu file, evaluated in order (block sizes)."""
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", source):
+        expr = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: str(values.get(m.group(0), m.group(0))), expr)
+        if re.fullmatch(r"[\d\s*+/()-]+", expr):
+            values[name] = int(eval(expr, {"__builtins__": {}}))  # digits and operators only
+    return values
+
+
+def declared_kernels(source: str) -> list[str]:
+    """Names of the __global__ functions a .cu file declares."""
+    return re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source)
+
+
+# ---- the report ---------------------------------------------------------------------------------------------
+def analyse_file(nvcc: str, cuobjdump: str | None, source: Path, arch: str, flags: BuildFlags,
+                 work: Path) -> list[dict]:
+    cubin, ptxas_text = compile_cubin(nvcc, source, arch, flags, work)
+    resources = parse_ptxas(ptxas_text)
+    names = demangle(list(resources))
+    functions, call_names = {}, {}
+    if cuobjdump:
+        sass_text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                                   check=True).stdout
+        functions = parse_sass(sass_text)
+        call_names = elf_call_targets(cubin.read_bytes())
+    constants = constexpr_ints(source.read_text())
+    rows = []
+    for mangled, res in resources.items():
+        name = short_name(names[mangled])
+        budget = KERNEL_BUDGETS.get(base_name(name))
+        block = budget.block if budget else 128
+        block = constants[block] if isinstance(block, str) else block
+        lim = SM_LIMITS[arch]
+        row = {"file": str(source.relative_to(ROOT)), "arch": arch, "name": name, "kernel": base_name(name),
+               "mangled": mangled, "registers": res.registers, "stack_bytes": res.stack_bytes,
+               "spill_store_bytes": res.spill_store_bytes, "spill_load_bytes": res.spill_load_bytes,
+               "smem_bytes": res.smem_bytes, "barriers": res.barriers, "local_memory": res.uses_local_memory,
+               "budget_registers": budget.max_registers if budget else None,
+               "occupancy": occupancy(res, block, lim),
+               "sass": sass_counts(functions[mangled], call_names.get(mangled, {})) if mangled in functions else None}
+        if row["sass"] and budget and budget.decode:
+            row["in_flight"] = in_flight_model(row, lim, arch)
+        row["checks"] = run_checks(row, budget)
+        rows.append(row)
+    return rows
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:.1f} KB"
+
+
+def loads_text(sass: dict | None) -> str:
+    if sass is None:
+        return "-"
+    widths = " ".join(f"{w}:{n}" for w, n in sass["global_loads"].items() if n)
+    copies = " ".join(f"ldgsts{w}:{n}" for w, n in sass["async_copies"].items())
+    return " ".join(filter(None, [widths, copies])) or "none"
+
+
+def calls_text(sass: dict | None) -> str:
+    if sass is None:
+        return "-"
+    return ", ".join(f"{name.lstrip('_')} x{n}" for name, n in sorted(sass["calls"].items())) or "none"
+
+
+def markdown(report: dict) -> str:
+    rows = report["kernels"]
+    out = [
+        "# CUDA kernels: resources, SASS, occupancy (issue #23, before)",
+        "",
+        f"Generated by `python3 benchmarks/cuda_kernels.py` on {report['date']} in {report['seconds']:.0f} s. "
+        "No GPU: every GPU figure below (occupancy, bytes in flight, bandwidth, flops) is **modelled, not "
+        "measured**; registers, stack, spills and SASS counts are read from the compiler's output.",
+        "",
+        f"- nvcc: {report['toolchain']['nvcc']}; flags: `{' '.join(report['toolchain']['flags'])}`",
+        f"- cuobjdump: {report['toolchain']['cuobjdump'] or SASS_NOT_RUN}",
+        "",
+        "## Modelled per-SM limits",
+        "",
+        "| arch | part | regs/SM | alloc unit | warps/SM | CTAs/SM | smem/SM | DRAM | FP32 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arch, lim in SM_LIMITS.items():
+        out.append(f"| {arch} | {lim.part} | {lim.registers_per_sm} | {lim.register_alloc_unit}/warp | "
+                   f"{lim.max_warps_per_sm} | {lim.max_ctas_per_sm} | {lim.smem_per_sm // 1024} KB | "
+                   f"{lim.dram_bytes_per_s / 1e9:.0f} GB/s | {lim.fp32_flops / 1e12:.1f} TFLOP/s |")
+    out += ["", "Assumptions of the model:", ""] + [f"- {a}" for a in MODEL_ASSUMPTIONS]
+
+    out += ["", "## Summary per kernel (worst template instance)", "",
+            "| kernel | arch | inst. | regs (budget) | stack B | spill st/ld B | smem B | local mem | "
+            "warps/SM (limit) | checks failed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["arch"]), []).append(r)
+    for (kernel, arch), group in groups.items():
+        regs = sorted({r["registers"] for r in group})
+        worst_occ = min(group, key=lambda r: r["occupancy"]["warps_per_sm"])["occupancy"]
+        failed = sorted({c for r in group for c, v in r["checks"].items() if v == "FAIL"})
+        regs_text = f"{regs[0]}" if len(regs) == 1 else f"{regs[0]}-{regs[-1]}"
+        out.append(f"| {kernel} | {arch} | {len(group)} | {regs_text} ({group[0]['budget_registers']}) | "
+                   f"{max(r['stack_bytes'] for r in group)} | {max(r['spill_store_bytes'] for r in group)}/"
+                   f"{max(r['spill_load_bytes'] for r in group)} | {max(r['smem_bytes'] for r in group)} | "
+                   f"{'yes' if any(r['local_memory'] for r in group) else 'no'} | {worst_occ['warps_per_sm']} "
+                   f"({', '.join(worst_occ['limited_by'])}) | {', '.join(failed) or 'none'} |")
+
+    out += ["", "## Bytes in flight and roofline of the decode kernels (modelled, not measured)", "",
+            "| kernel | arch | B/thread in flight | warps/SM | in flight/SM | target | BW fraction | "
+            "flop/B | attainable | bound |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if m := r.get("in_flight"):
+            out.append(f"| {r['name']} | {r['arch']} | {m['bytes_per_thread']:g} | {m['warps_per_sm']} | "
+                       f"{kib(m['bytes_per_sm'])} | {kib(m['target_bytes'])} | {m['bandwidth_fraction']:.0%} | "
+                       f"{m['arithmetic_intensity']:g} | {m['attainable_bytes_per_s'] / 1e9:.0f} GB/s, "
+                       f"{m['attainable_flops'] / 1e12:.2f} TFLOP/s | {m['bound']} |")
+    if not any("in_flight" in r for r in rows):
+        out.append(f"| - | - | {SASS_NOT_RUN} | | | | | | | |")
+
+    check_names = list(rows[0]["checks"]) if rows else []
+    out += ["", "## Every instance", "",
+            "Loads: global loads (LDG) by width in bits, LDGSTS async copies; calls: named SASS subroutines "
+            "(the 64-bit integer division helpers are `cuda_sm20_div_s64` / `rem_s64` / `div_u64` / `rem_u64`).",
+            "", "| kernel | arch | regs | stack | spill st/ld | smem | block | warps/SM | loads | LDL/STL | calls | "
+            "MMA | " + " | ".join(check_names) + " |",
+            "|" + "---|" * (12 + len(check_names))]
+    for r in rows:
+        s = r["sass"]
+        local = "-" if s is None else f"{s['local_loads']}/{s['local_stores']}"
+        mma = "-" if s is None else (" ".join(f"{k}:{v}" for k, v in s["mma"].items()) or "none")
+        out.append(f"| {r['name']} | {r['arch']} | {r['registers']} | {r['stack_bytes']} | {r['spill_store_bytes']}/"
+                   f"{r['spill_load_bytes']} | {r['smem_bytes']} | {r['occupancy']['block']} | "
+                   f"{r['occupancy']['warps_per_sm']} | {loads_text(s)} | {local} | {calls_text(s)} | {mma} | "
+                   + " | ".join(r["checks"][c] for c in check_names) + " |")
+
+    out += ["", "## Register budgets", "", "| kernel | block | budget | why |", "|---|---|---|---|"]
+    for kernel, b in KERNEL_BUDGETS.items():
+        block = f"{b.block}" + (f" ({b.block_note})" if b.block_note else "")
+        out.append(f"| {kernel} | {block} | {b.max_registers} | {b.why} |")
+    totals = report["check_totals"]
+    out += ["", f"Checks: {totals['PASS']} pass, {totals['FAIL']} fail, {totals['other']} not applicable or not run.",
+            ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="output directory")
+    parser.add_argument("--check", action="store_true", help="exit 1 if any check fails")
+    parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
+    parser.add_argument("--arch", action="append", help="only these architectures (default: CMakeLists.txt's)")
+    parser.add_argument("--file", action="append", choices=CU_FILES, help="only these .cu files (default: all)")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("nvcc not found on PATH", file=sys.stderr)
+        return 2
+    flags = cmake_build_flags((ROOT / "CMakeLists.txt").read_text())
+    archs = args.arch or flags.archs
+    cuobjdump = find_cuobjdump()
+    with tempfile.TemporaryDirectory(prefix="kvcache-cubins-") as tmp:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            # the attention file takes most of the time: start it first
+            jobs = [pool.submit(analyse_file, nvcc, cuobjdump, ROOT / f, arch, flags, Path(tmp))
+                    for f in args.file or CU_FILES for arch in archs]
+            rows = [row for job in jobs for row in job.result()]
+    rows.sort(key=lambda r: (CU_FILES.index(r["file"]), r["kernel"], r["name"], r["arch"]))
+    verdicts = [v for r in rows for v in r["checks"].values()]
+    report = {
+        "note": "modelled, not measured: no GPU ran these kernels",
+        "date": _dt.date.today().isoformat(),
+        "seconds": time.perf_counter() - start,
+        "toolchain": {"nvcc": tool_version(nvcc), "flags": flags.args,
+                      "cuobjdump": f"{cuobjdump} ({tool_version(cuobjdump)})" if cuobjdump else None},
+        "limits": {arch: dataclasses.asdict(lim) for arch, lim in SM_LIMITS.items()},
+        "in_flight_targets": IN_FLIGHT_TARGET_BYTES,
+        "assumptions": MODEL_ASSUMPTIONS,
+        "budgets": {k: dataclasses.asdict(b) for k, b in KERNEL_BUDGETS.items()},
+        "check_totals": {"PASS": verdicts.count("PASS"), "FAIL": verdicts.count("FAIL"),
+                         "other": len(verdicts) - verdicts.count("PASS") - verdicts.count("FAIL")},
+        "kernels": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cuda_kernels.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "cuda_kernels.md").write_text(markdown(report))
+    totals = report["check_totals"]
+    print(f"{len(rows)} kernel instances, checks: {totals['PASS']} pass, {totals['FAIL']} fail; "
+          f"{report['seconds']:.0f} s; wrote {args.out / 'cuda_kernels.md'}")
+    return 1 if args.check and totals["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

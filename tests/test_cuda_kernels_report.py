@@ -1,0 +1,116 @@
+"""The parsers of benchmarks/cuda_kernels.py (the static CUDA kernel report), on real nvcc output and on a
+fixed sample. Standard library only: runs under plain `python3 -m pytest --noconftest` as well (the suite's
+conftest imports torch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("cuda_kernels_report", ROOT / "benchmarks" / "cuda_kernels.py")
+report = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = report  # dataclasses look their module up by name
+_spec.loader.exec_module(report)
+
+PTXAS_SAMPLE = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_80'
+ptxas info    : Function properties for _Z6kernelPf
+    480 bytes stack frame, 72 bytes spill stores, 112 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 480 bytes cumulative stack size, 32768 bytes smem, 632 bytes cmem[0]
+ptxas info    : Compile time = 10.0 ms
+ptxas info    : Function properties for _Z6helperv
+    16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function '_Z4copyPKhPh' for 'sm_80'
+ptxas info    : Function properties for _Z4copyPKhPh
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 18 registers, used 0 barriers, 416 bytes cmem[0]
+"""
+
+SASS_SAMPLE = """\
+	code for sm_80
+		Function : _Z6kernelPf
+	.headerflags	@"EF_CUDA_SM80 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM80)"
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;     /* 0x00000a00ff017624 */
+        /*0010*/                   LDG.E.U16 R2, [R4.64] ;                    /* 0x0000000404027981 */
+        /*0020*/                   LDG.E.128 R8, [R4.64+0x10] ;               /* 0x0000100404087981 */
+        /*0030*/                   LDG.E.64 R12, [R4.64+0x20] ;               /* 0x0000200404087981 */
+        /*0040*/                   FADD R3, R8, R9 ;                          /* 0x0000000908037221 */
+        /*0050*/               @P0 BRA 0x10 ;                                 /* 0x0000000000000947 */
+        /*0060*/                   LDG.E R6, [R4.64] ;                        /* 0x0000000404067981 */
+        /*0070*/                   LDGSTS.E.BYPASS.LTC128B.128 [R7], [R4.64] ; /* 0x0000000004077fae */
+        /*0080*/                   STL [R1], R3 ;                             /* 0x0000000301007387 */
+        /*0090*/                   LDL R3, [R1] ;                             /* 0x0000000001037983 */
+        /*00a0*/                   CALL.REL.NOINC 0x100 ;                     /* 0x0000000000007944 */
+        /*00b0*/                   HMMA.16816.F32.BF16 R16, R20, R24, R16 ;   /* 0x000000181410723c */
+        /*00c0*/                   HFMA2.MMA R5, -RZ, RZ, 0, 0 ;              /* 0x00000000ff057435 */
+        /*00d0*/                   EXIT ;                                     /* 0x000000000000794d */
+"""
+
+
+def test_parse_ptxas_sample():
+    kernels = report.parse_ptxas(PTXAS_SAMPLE)
+    assert set(kernels) == {"_Z6kernelPf", "_Z4copyPKhPh"}  # the device function _Z6helperv is no kernel
+    k = kernels["_Z6kernelPf"]
+    assert (k.arch, k.registers, k.stack_bytes, k.spill_store_bytes, k.spill_load_bytes) == ("sm_80", 128, 480, 72, 112)
+    assert (k.smem_bytes, k.barriers, k.uses_local_memory) == (32768, 1, True)
+    c = kernels["_Z4copyPKhPh"]
+    assert (c.registers, c.stack_bytes, c.smem_bytes, c.uses_local_memory) == (18, 0, 0, False)
+
+
+def test_parse_sass_sample():
+    functions = report.parse_sass(SASS_SAMPLE)
+    assert list(functions) == ["_Z6kernelPf"]
+    counts = report.sass_counts(functions["_Z6kernelPf"], {0x100: "__cuda_sm20_div_s64"})
+    assert counts["global_loads"] == {"8": 0, "16": 1, "32": 1, "64": 1, "128": 1}
+    assert counts["async_copies"] == {"128": 1}  # LTC128B is a cache hint, not the width
+    assert (counts["local_loads"], counts["local_stores"]) == (1, 1)
+    assert counts["calls"] == {"__cuda_sm20_div_s64": 1} and counts["div64_calls"] == 1
+    assert counts["mma"] == {"HMMA": 1}  # HFMA2.MMA runs on the FMA pipe: no tensor core
+    # in the loop 0x10..0x50: 2 + 16 + 8 bytes pending when the FADD reads R8
+    assert counts["loads_in_flight"] == {"bytes_per_thread": 26, "loads": 3, "at": "0x0010"}
+
+
+def test_demangled_short_names():
+    assert report.short_name("void kvcache::cuda::(anonymous namespace)::append_kernel<unsigned short>"
+                             "(kvcache::AppendArgs)") == "append_kernel<unsigned short>"
+    name = "kvcache::cuda::(anonymous namespace)::mla_attention_kernel(kvcache::MlaArgs)"
+    assert report.base_name(report.short_name(name)) == "mla_attention_kernel"
+
+
+def test_occupancy_of_the_documented_limits():
+    sm80, sm90 = report.SM_LIMITS["sm_80"], report.SM_LIMITS["sm_90a"]
+    k = report.KernelResources("k", "sm_80", registers=128, smem_bytes=32768)
+    # 128 regs: 4096 per warp, 4 warps per sub-partition -> 16 warps; smem: 33 KB per CTA -> 4 (164 KB) / 6 (228 KB)
+    assert report.occupancy(k, 128, sm80)["warps_per_sm"] == 16
+    assert report.occupancy(k, 128, sm90)["limits"]["shared memory"] == 6
+    small = report.KernelResources("k", "sm_80", registers=32)
+    assert report.occupancy(small, 256, sm80)["warps_per_sm"] == 64
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_real_file_every_kernel_parsed(tmp_path):
+    """cache_kernels.cu (the quickest .cu file to compile: ~2 s) for sm_80: every __global__ it declares has a
+    parsed row with registers > 0."""
+    source = ROOT / "csrc" / "cache" / "cache_kernels.cu"
+    flags = report.cmake_build_flags((ROOT / "CMakeLists.txt").read_text())
+    assert "sm_80" in flags.archs
+    cubin, text = report.compile_cubin(shutil.which("nvcc"), source, "sm_80", flags, tmp_path)
+    assert cubin.stat().st_size > 0
+    kernels = report.parse_ptxas(text)
+    names = report.demangle(list(kernels))
+    registers_by_kernel: dict[str, list[int]] = {}
+    for mangled, res in kernels.items():
+        assert res.arch == "sm_80"
+        registers_by_kernel.setdefault(report.base_name(report.short_name(names[mangled])), []).append(res.registers)
+    declared = report.declared_kernels(source.read_text())
+    assert len(declared) >= 8
+    for kernel in declared:
+        assert kernel in registers_by_kernel, f"{kernel} missing from the parsed ptxas output"
+        assert all(r > 0 for r in registers_by_kernel[kernel])
+    assert set(registers_by_kernel) <= set(report.KERNEL_BUDGETS)  # every kernel has a budget
