@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> plan_step_cuda(const at::Tensor& k_cache, con
   const int64_t sms = multiprocessors(k_cache.device());
   return build_step_plan(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale, v_scale,
                          k_format, v_format, kPlanForCuda,
-                         [sms](const AttentionArgs&) { return cuda::cuda_plan_options(sms); });
+                         [sms](const AttentionArgs& a) { return cuda::cuda_plan_options(a, sms); });
 }
 
 void merge_states_cuda(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,

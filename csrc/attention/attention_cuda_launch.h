@@ -11,9 +11,13 @@ namespace kvcache::cuda {
 /// Largest head_dim the kernels support.
 int64_t max_head_dim();
 
-/// The planner's options on a device with `multiprocessors` SMs (host code: the CUDA registration and the
-/// emulation tests share it).
-PlanOptions cuda_plan_options(int64_t multiprocessors);
+/// Resident CTAs per SM of the attention kernel for a's formats: the occupancy API on a GPU (queried once per
+/// kernel instantiation, on the current device); a fixed 2 under the emulator, which has no register file.
+int64_t attention_ctas_per_sm(const AttentionArgs& a);
+
+/// The planner's options for call `a` on a device with `multiprocessors` SMs (host code: the CUDA registration
+/// and the emulation tests share it).
+PlanOptions cuda_plan_options(const AttentionArgs& a, int64_t multiprocessors);
 
 /// The plan of a paged_attention call on a device with `multiprocessors` SMs.
 AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors);

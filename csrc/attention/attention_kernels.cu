@@ -353,18 +353,32 @@ struct Attention {
 
 int64_t max_head_dim() { return kMaxPerLane * 32; }
 
-PlanOptions cuda_plan_options(int64_t multiprocessors) {
+int64_t attention_ctas_per_sm(const AttentionArgs& a) {
+  int64_t n = 1;
+  with_kv_kinds(a.k_kind, a.v_kind, a.kv_dtype, [&](auto sk, auto sv) {
+    using KT = typename CodeFor<decltype(sk), true>::type;
+    using VT = typename CodeFor<decltype(sv), false>::type;
+    static const int ctas = kvc_ctas_per_sm(attention_kernel<KT, VT>, kThreads);  // once per instantiation
+    n = ctas;
+  });
+  return n;
+}
+
+PlanOptions cuda_plan_options(const AttentionArgs& a, int64_t multiprocessors) {
   PlanOptions opt;
   opt.parallelism = multiprocessors;
-  opt.tasks_per_worker = 2;
-  opt.decode_rows = kRowsPerCta;   // a decode task's rows fit one pass
-  opt.prefill_rows = kRowsPerCta;  // a prefill task's rows too, unless one token's GQA group is wider
-  opt.min_split_keys = 256;
+  opt.tasks_per_worker = attention_ctas_per_sm(a);  // every SM filled up to its resident-CTA limit
+  opt.fill_waves = true;
+  // Up to 64 query rows per KV head is decode (a task takes them in passes of kRowsPerCta over its keys):
+  // such a sequence is split along its keys, down to a single page when the batch is small.
+  opt.decode_rows = 64;
+  opt.min_split_keys = std::max<int64_t>(a.layout.page_size, kTile);
+  opt.prefill_rows = kRowsPerCta;  // a prefill task's rows fit one pass, unless one token's GQA group is wider
   return opt;
 }
 
 AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors) {
-  return make_attention_plan(a, host, cuda_plan_options(multiprocessors));
+  return make_attention_plan(a, host, cuda_plan_options(a, multiprocessors));
 }
 
 cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,

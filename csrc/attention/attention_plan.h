@@ -31,6 +31,11 @@ struct PlanOptions {
   // head (see decode_heads_per_page). CUDA kernels take one head per decode task.
   int64_t decode_heads = 1;
   int64_t decode_heads_min_keys = 4096;
+  // GPU scheduling (CUDA): the tasks run in waves of parallelism x tasks_per_worker resident CTAs. Prefill
+  // tasks fill the wave too, so keys are split only as far as the decode units must go to fill what the
+  // prefill tasks leave of it, and not at all once a wave is full; the task count is not padded to a
+  // multiple of the workers (a partial wave already overlaps the next kernel's). CPU: false.
+  bool fill_waves = false;
 };
 
 /// KV heads whose rows of one page make an 8 KiB run: a head-at-a-time stream of short runs at scattered
@@ -62,17 +67,37 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
     if (host.kv_lens[b] < opt.decode_heads_min_keys) return 1;
     return opt.decode_heads > 0 ? std::min(opt.decode_heads, H) : H;
   };
-  int64_t decode_units = 0;
+  const int64_t prefill_tokens = std::max<int64_t>(1, opt.prefill_rows / G);  // query tokens per prefill task
+  int64_t decode_units = 0, prefill_tasks = 0;
   for (int64_t b = 0; b < a.batch; ++b) {
-    if (host.q_lens[b] > 0 && host.q_lens[b] * G <= opt.decode_rows) decode_units += (H + heads_of(b) - 1) / heads_of(b);
+    const int64_t q_len = host.q_lens[b];
+    if (q_len > 0 && q_len * G <= opt.decode_rows) {
+      decode_units += (H + heads_of(b) - 1) / heads_of(b);
+    } else if (q_len > 0) {
+      prefill_tasks += H * ((q_len + prefill_tokens - 1) / prefill_tokens);
+    }
   }
   const int64_t want = opt.tasks_per_worker * opt.parallelism;
-  int64_t want_splits = decode_units > 0 ? std::max<int64_t>(1, (want + decode_units - 1) / decode_units) : 1;
-  // A task count that the workers divide evenly: 3 KV heads x 3 splits on 2 cores would leave one
-  // core idle for a ninth of the call; 3 x 4 does not.
-  while (decode_units > 0 && (decode_units * want_splits) % opt.parallelism != 0 &&
-         want_splits < want + opt.parallelism) {
-    ++want_splits;
+  int64_t want_splits = 1;
+  if (opt.fill_waves) {
+    if (decode_units > 0 && decode_units + prefill_tasks < want) {
+      // The split count whose tasks fill their waves best, the smallest on a tie: 384 units on 396 slots
+      // stay whole (two half tasks each would fill two waves no better), 8 units take 49 splits, not 50.
+      const auto tasks = [&](int64_t s) { return decode_units * s + prefill_tasks; };
+      const auto slots = [&](int64_t s) { return (tasks(s) + want - 1) / want * want; };
+      const int64_t most = (want - prefill_tasks + decode_units - 1) / decode_units;
+      for (int64_t s = 2; s <= most; ++s) {
+        if (tasks(s) * slots(want_splits) > tasks(want_splits) * slots(s)) want_splits = s;
+      }
+    }
+  } else {
+    want_splits = decode_units > 0 ? std::max<int64_t>(1, (want + decode_units - 1) / decode_units) : 1;
+    // A task count that the workers divide evenly: 3 KV heads x 3 splits on 2 cores would leave one
+    // core idle for a ninth of the call; 3 x 4 does not.
+    while (decode_units > 0 && (decode_units * want_splits) % opt.parallelism != 0 &&
+           want_splits < want + opt.parallelism) {
+      ++want_splits;
+    }
   }
   std::vector<std::pair<int64_t, AttentionTask>> costed;
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -97,9 +122,8 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
           plan.rows_per_slot = std::max(plan.rows_per_slot, q_len * G * (h1 - h));
         }
       } else {
-        const int64_t tokens = std::max<int64_t>(1, opt.prefill_rows / G);
-        for (int64_t i0 = 0; i0 < q_len; i0 += tokens) {
-          const int64_t i1 = std::min(q_len, i0 + tokens);
+        for (int64_t i0 = 0; i0 < q_len; i0 += prefill_tokens) {
+          const int64_t i1 = std::min(q_len, i0 + prefill_tokens);
           AttentionTask t{int32_t(b), int32_t(h), int32_t(h + 1), int32_t(i0), int32_t(i1), 0, int32_t(kv_len), -1};
           costed.push_back({(i1 - i0) * G * (kv_len - q_len + i1), t});
         }

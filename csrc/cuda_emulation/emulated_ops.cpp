@@ -135,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> plan_step(const at::Tensor& k_cache, const at
                                              int64_t v_format) {
   return build_step_plan(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping, q_heads, k_scale, v_scale,
                          k_format, v_format, kPlanForCuda,
-                         [](const AttentionArgs&) { return cuda::cuda_plan_options(kEmulatedMultiprocessors); });
+                         [](const AttentionArgs& a) { return cuda::cuda_plan_options(a, kEmulatedMultiprocessors); });
 }
 
 void merge_states(const at::Tensor& v_a, const at::Tensor& lse_a, const at::Tensor& v_b, const at::Tensor& lse_b,

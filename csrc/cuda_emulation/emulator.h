@@ -154,5 +154,9 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cud
   std::memcpy(dst, src, bytes);  // host and device memory are the same here
   return cudaSuccess;
 }
+/// The emulator has no register file to size CTAs by: 2 resident CTAs per SM, so that with the 4 emulated SMs
+/// of emulated_ops.cpp a call asks for 8 tasks (enough to split long sequences, few enough to emulate quickly).
+template <class Kernel>
+inline int kvc_ctas_per_sm(Kernel, int) { return 2; }
 inline cudaError_t cudaGetLastError() { return ::kvcache::emu::take_last_error(); }
 inline const char* cudaGetErrorString(cudaError_t) { return ::kvcache::emu::last_error_message().c_str(); }

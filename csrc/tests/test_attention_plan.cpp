@@ -106,3 +106,92 @@ TEST(SoftmaxState, MergeIsLogAddExpAndHandlesEmptyStates) {
   const MergeWeights big = merge_weights(1000.f, 999.f);  // no overflow
   EXPECT_NEAR(big.w_a, 1.f / (1.f + std::exp(-1.f)), 1e-6);
 }
+
+namespace {
+/// The planner options of the CUDA backend (attention_kernels.cu: cuda_plan_options) on a device with `sms`
+/// SMs holding `ctas` attention CTAs each, pages of 16 keys.
+PlanOptions gpu_options(int64_t sms, int64_t ctas) {
+  PlanOptions opt;
+  opt.parallelism = sms;
+  opt.tasks_per_worker = ctas;
+  opt.fill_waves = true;
+  opt.decode_rows = 64;
+  opt.min_split_keys = 16;
+  opt.prefill_rows = 16;
+  return opt;
+}
+int64_t split_tasks(const AttentionPlan& plan) {
+  return std::count_if(plan.tasks.begin(), plan.tasks.end(), [](const AttentionTask& t) { return t.partial >= 0; });
+}
+}  // namespace
+
+TEST(AttentionPlanGpu, SmallBatchFillsTheResidentCtasAndSplitsDownToSinglePages) {
+  // batch 1, 8 KV heads, 1k keys on an H100-sized device (132 SMs x 3 CTAs = 396 slots). The options the
+  // CUDA backend had before (2 per SM, splits of >= 256 keys) gave 32 CTAs.
+  const AttentionArgs a = args_for(1, 8, 4);
+  AttentionHostInfo host{{1024}, {1}};
+  const AttentionPlan plan = make_attention_plan(a, host, gpu_options(132, 3));
+  // 49 splits per head fill the 396 slots best (50 would start a second wave); chunks round up to whole tiles
+  // of 16 keys: 21 -> 32 keys, 32 splits
+  EXPECT_EQ(plan.tasks.size(), 8u * 32u);
+  EXPECT_GE(plan.tasks.size(), 132u);  // every SM has work
+  for (const AttentionTask& t : plan.tasks) {
+    EXPECT_EQ(t.kv_end - t.kv_begin, 32);
+    EXPECT_GE(t.partial, 0);
+  }
+  EXPECT_EQ(plan.splits.size(), 8u);
+  // 256 keys: a single page (16 keys) per task, and no further
+  AttentionHostInfo short_host{{256}, {1}};
+  const AttentionPlan short_plan = make_attention_plan(a, short_host, gpu_options(132, 3));
+  EXPECT_EQ(short_plan.tasks.size(), 8u * 16u);
+  for (const AttentionTask& t : short_plan.tasks) EXPECT_EQ(t.kv_end - t.kv_begin, 16);
+}
+
+TEST(AttentionPlanGpu, AFullWaveIsNotSplit) {
+  const AttentionArgs a = args_for(50, 8, 4);  // 400 decode units >= 396 slots
+  AttentionHostInfo host{std::vector<int64_t>(50, 8192), std::vector<int64_t>(50, 1)};
+  const AttentionPlan plan = make_attention_plan(a, host, gpu_options(132, 3));
+  EXPECT_EQ(plan.tasks.size(), 400u);
+  EXPECT_TRUE(plan.splits.empty());
+  EXPECT_EQ(plan.num_slots, 0);
+  // 48 sequences (384 units) leave 12 slots free, but halving every task would fill two waves no better
+  const AttentionArgs b = args_for(48, 8, 4);
+  AttentionHostInfo host_b{std::vector<int64_t>(48, 8192), std::vector<int64_t>(48, 1)};
+  EXPECT_EQ(make_attention_plan(b, host_b, gpu_options(132, 3)).tasks.size(), 384u);
+  // 24 sequences (192 units) take 2 splits each: 384 of the 396 slots
+  const AttentionArgs c = args_for(24, 8, 4);
+  AttentionHostInfo host_c{std::vector<int64_t>(24, 8192), std::vector<int64_t>(24, 1)};
+  EXPECT_EQ(make_attention_plan(c, host_c, gpu_options(132, 3)).tasks.size(), 384u);
+}
+
+TEST(AttentionPlanGpu, PrefillTasksCountTowardTheWave) {
+  const AttentionArgs a = args_for(2, 8, 4);
+  // a long prefill (2000 tokens, 4 per task: 4000 CTAs) fills the device: the decode sequence is not split
+  AttentionHostInfo busy{{4096, 2000}, {1, 2000}};
+  const AttentionPlan plan = make_attention_plan(a, busy, gpu_options(132, 3));
+  EXPECT_TRUE(plan.splits.empty());
+  EXPECT_EQ(plan.tasks.size(), 8u + 8u * 500u);
+  // a short one (40 tokens: 80 CTAs) leaves 316 slots to the 8 decode heads: 39 splits fill them best,
+  // chunks of 106 keys round up to 112, 37 tasks per head
+  AttentionHostInfo light{{4096, 40}, {1, 40}};
+  const AttentionPlan plan_light = make_attention_plan(a, light, gpu_options(132, 3));
+  EXPECT_EQ(plan_light.splits.size(), 8u);
+  EXPECT_EQ(split_tasks(plan_light), 8 * 37);
+  EXPECT_EQ(plan_light.tasks.size(), size_t(8 * 37 + 80));
+}
+
+TEST(AttentionPlanGpu, UpTo64RowsPerKvHeadIsDecode) {
+  const AttentionArgs a = args_for(2, 2, 4);
+  AttentionHostInfo host{{4096, 4096}, {16, 17}};  // 64 rows per KV head: decode; 68: prefill
+  const AttentionPlan plan = make_attention_plan(a, host, gpu_options(132, 3));
+  EXPECT_EQ(plan.splits.size(), 2u);
+  EXPECT_EQ(plan.rows_per_slot, 64);
+  for (const AttentionTask& t : plan.tasks) {
+    if (t.seq == 0) {
+      EXPECT_GE(t.partial, 0);
+    } else {
+      EXPECT_EQ(t.partial, -1);
+      EXPECT_EQ(t.kv_end - t.kv_begin, 4096);
+    }
+  }
+}
