@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 import kvcache
 from kvcache import reference as ref
 
-from conftest import CUDA_EMULATION_LIBRARY, DEVICES, DTYPES, HAS_CUDA_EMULATION, PAGE_SIZES, make_paged_batch
+from conftest import (CUDA_EMULATED, CUDA_EMULATION_LIBRARY, DEVICES, DTYPES, HAS_CUDA_EMULATION, PAGE_SIZES,
+                      make_paged_batch, ops_backend)
+
+# Every backend, for the property tests (hypothesis runs one function over many shapes: the row widths of
+# 1-40 dims take both the CUDA kernels' 16-byte and their element-wise paths).
+BACKENDS = ("ops",) + ((CUDA_EMULATED,) if HAS_CUDA_EMULATION else ())
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -102,12 +107,15 @@ def test_append_random_shapes(batch, heads, q_len, dim, page_shift, dtype, spare
     layout = kvcache.PageLayout(-(-batch * q_len // page_size) + spare, page_size, heads, dim, dtype)
     key, value = hf_style(batch, heads, q_len, dim, dtype, "cpu"), hf_style(batch, heads, q_len, dim, dtype, "cpu")
     slots = random_slots(batch, q_len, layout.num_slots) if batch * q_len else torch.empty(batch, q_len, dtype=torch.int64)
-    k_cache, v_cache = (torch.randn(layout.shape).to(dtype) for _ in range(2))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kvcache.append(key, value, k_cache, v_cache, slots)
+    k_pool, v_pool = (torch.randn(layout.shape).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
     ref.append(key, value, k_ref, v_ref, slots)
-    assert_bitwise_equal(k_cache, k_ref)
-    assert_bitwise_equal(v_cache, v_ref)
+    for name in BACKENDS:
+        k_cache, v_cache = k_pool.clone(), v_pool.clone()
+        with ops_backend(name):
+            kvcache.append(key, value, k_cache, v_cache, slots)
+        assert_bitwise_equal(k_cache, k_ref)
+        assert_bitwise_equal(v_cache, v_ref)
 
 
 # ---- paged_gather (padded and ragged) ------------------------------------------------------------
@@ -172,17 +180,19 @@ def test_append_then_gather_round_trips(backend, device):
 def test_gathers_random_shapes(lens, heads, dim, page_shift, dtype, extra, seed):
     g = torch.Generator().manual_seed(seed)
     pb = make_paged_batch(lens, 2**page_shift, heads, dim, dtype, generator=g)
-    k, v = kvcache.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, max(lens) + extra)
-    k_ref, v_ref = torch.empty_like(k), torch.empty_like(v)
-    ref.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, k_ref, v_ref)
-    assert_bitwise_equal(k, k_ref)
-    assert_bitwise_equal(v, v_ref)
-    kr, vr = kvcache.paged_gather_ragged(pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens)
-    # the ragged rows are the padded rows with the padding dropped
-    for b, n in enumerate(lens):
-        start = int(pb.cu_seq_lens[b])
-        assert_bitwise_equal(kr[start:start + n], k[b, :, :n].transpose(0, 1))
-        assert_bitwise_equal(vr[start:start + n], v[b, :, :n].transpose(0, 1))
+    for name in BACKENDS:
+        with ops_backend(name):
+            k, v = kvcache.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, max(lens) + extra)
+            kr, vr = kvcache.paged_gather_ragged(pb.k_cache, pb.v_cache, pb.block_tables, pb.cu_seq_lens)
+        k_ref, v_ref = torch.empty_like(k), torch.empty_like(v)
+        ref.paged_gather(pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, k_ref, v_ref)
+        assert_bitwise_equal(k, k_ref)
+        assert_bitwise_equal(v, v_ref)
+        # the ragged rows are the padded rows with the padding dropped
+        for b, n in enumerate(lens):
+            start = int(pb.cu_seq_lens[b])
+            assert_bitwise_equal(kr[start:start + n], k[b, :, :n].transpose(0, 1))
+            assert_bitwise_equal(vr[start:start + n], v[b, :, :n].transpose(0, 1))
 
 
 # ---- copy_blocks / swap_blocks -------------------------------------------------------------------
@@ -223,6 +233,24 @@ def test_swap_blocks_host_to_host(backend, dtype, page_size):
     ref.swap_blocks(k_src, v_src, k_ref, v_ref, mapping)
     assert_bitwise_equal(k_dst, k_ref)
     assert_bitwise_equal(v_dst, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_moves_runs_of_consecutive_blocks(backend, dtype):
+    # A prefix swapped out in order: the CUDA host side copies each run of blocks consecutive on both sides
+    # with one copy per pool. Runs of 3 and 2, single blocks, a run ending where the next starts elsewhere.
+    src = kvcache.PageLayout(12, 4, 2, 8, dtype, v_head_dim=16)  # V blocks of their own size
+    dst = kvcache.PageLayout(9, 4, 2, 8, dtype, v_head_dim=16)
+    k_src, v_src = torch.randn(src.shape).to(dtype), torch.randn(src.v_shape).to(dtype)
+    k_dst, v_dst = torch.randn(dst.shape).to(dtype), torch.randn(dst.v_shape).to(dtype)
+    k_ref, v_ref = k_dst.clone(), v_dst.clone()
+    mapping = torch.tensor([[2, 0], [3, 1], [4, 2], [9, 6], [10, 7], [0, 3], [11, 8], [5, 5]])
+    kvcache.swap_blocks(k_src, v_src, k_dst, v_dst, mapping)
+    ref.swap_blocks(k_src, v_src, k_ref, v_ref, mapping)
+    assert_bitwise_equal(k_dst, k_ref)
+    assert_bitwise_equal(v_dst, v_ref)
+    assert torch.equal(k_dst[0:3], k_src[2:5]) and torch.equal(v_dst[6:8], v_src[9:11])
+    assert torch.equal(k_dst[4], k_ref[4])  # untouched
 
 
 def test_swap_blocks_with_a_strided_mapping(backend):

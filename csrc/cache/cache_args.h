@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/kv_format.h"
@@ -65,5 +66,25 @@ struct BlockCopyArgs {
   char* k_dst = nullptr;
   char* v_dst = nullptr;
 };
+
+/// A run of block pairs consecutive on both sides: (src, dst), (src + 1, dst + 1), ... count of them.
+struct BlockRun {
+  int64_t src, dst, count;
+};
+
+/// The pairs of block_mapping [n, 2] as runs, in their order: swap_blocks moves each run with one copy per
+/// pool (blocks are contiguous in a pool), so a prefix swapped out in order costs two copies, not two per block.
+inline std::vector<BlockRun> block_runs(const int64_t* pairs, int64_t n) {
+  std::vector<BlockRun> runs;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t src = pairs[2 * i], dst = pairs[2 * i + 1];
+    if (!runs.empty() && runs.back().src + runs.back().count == src && runs.back().dst + runs.back().count == dst) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({src, dst, 1});
+    }
+  }
+  return runs;
+}
 
 }  // namespace kvcache

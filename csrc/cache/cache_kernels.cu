@@ -1,6 +1,9 @@
 // CUDA kernels of the cache ops. No GPU runs them where this is developed (the test suite runs them
-// on the CPU under csrc/cuda_emulation), so they stay as plain as possible: one thread per element,
-// the same PagedLayout accessors as the CPU kernels, integer math in int64, and every launch checked.
+// on the CPU under csrc/cuda_emulation), so they stay as plain as possible: one thread per copy unit,
+// the same PagedLayout accessors as the CPU kernels, offsets in int64, and every launch checked.
+// Full-precision rows move in 16-byte units (uint4) whenever every row and base pointer allows it: the
+// launchers then hand the kernels a layout counted in 16-byte words (in_units), so the kernels are the
+// same for both widths. Index divisions within a CTA's work are 32-bit (no 64-bit division calls).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -19,14 +22,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerCta = 16;     // token rows one CTA of the gather kernels handles per step
 constexpr int kMaxGridY = 65535;
+constexpr unsigned kRaggedGridY = 64;  // chunks of rows per (sequence, head) when the lengths are on the device
 constexpr int kMaxPerLane = 8;      // rotated rows: head_dim <= 256, dims lane + 32 k per lane
 
-/// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim values of K and the
-/// num_kv_heads x v_head_dim values of V.
+/// One CTA per token (b, q); its threads copy the num_kv_heads x head_dim units of K and the
+/// num_kv_heads x v_head_dim units of V (a unit is an element, or 16 bytes when the launcher widened it).
 template <typename U>
 __global__ void append_kernel(AppendArgs a) {
-  const int64_t token = blockIdx.x;
-  const int64_t b = token / a.q_len, q = token % a.q_len;
+  const unsigned token = blockIdx.x, q_len = static_cast<unsigned>(a.q_len);
+  const int64_t b = token / q_len, q = token % q_len;
   const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
   if (slot < 0) return;
   for (int role = 0; role < 2; ++role) {
@@ -34,59 +38,64 @@ __global__ void append_kernel(AppendArgs a) {
     const U* src = static_cast<const U*>(role == 0 ? a.key : a.value);
     const int64_t* st = role == 0 ? a.key_strides : a.value_strides;
     U* pool = static_cast<U*>(role == 0 ? a.k_cache : a.v_cache);
-    const int64_t n = L.num_kv_heads * L.head_dim;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int64_t h = i / L.head_dim, d = i % L.head_dim;
-      pool[L.slot_offset(slot, h) + d] = src[b * st[0] + h * st[1] + q * st[2] + d * st[3]];
+    const unsigned D = static_cast<unsigned>(L.head_dim), n = static_cast<unsigned>(L.num_kv_heads) * D;
+    const int64_t row0 = b * st[0] + q * st[2];
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+      const unsigned h = i / D, d = i % D;
+      pool[L.slot_offset(slot, h) + d] = src[row0 + h * st[1] + d * st[3]];
     }
   }
 }
 
-/// Copies token row t (< len) of (sequence b, head h), or zeros when `zero` is set.
+/// Copies rows [t0, t0 + n) of (sequence b, KV head h) of one pool to out (row r at out + r * out_stride),
+/// zeros for rows at or past len; threads stride over the n x head_dim units.
 template <typename U>
-__device__ __forceinline__ void gather_row(const GatherArgs& a, int64_t b, int64_t h, int64_t t, U* k_dst,
-                                           U* v_dst, bool zero) {
-  const PagedLayout K = a.layout.side(false), V = a.layout.side(true);  // K and V rows may differ in width
-  if (zero) {
-    for (int64_t d = threadIdx.x; d < K.head_dim; d += blockDim.x) k_dst[d] = U(0);
-    for (int64_t d = threadIdx.x; d < V.head_dim; d += blockDim.x) v_dst[d] = U(0);
-    return;
+__device__ __forceinline__ void gather_rows(const PagedLayout& L, const U* pool, const int32_t* table, int64_t h,
+                                            int64_t t0, unsigned n, int64_t len, U* out, int64_t out_stride) {
+  const unsigned D = static_cast<unsigned>(L.head_dim);
+  for (unsigned i = threadIdx.x; i < n * D; i += blockDim.x) {
+    const unsigned r = i / D, d = i % D;
+    const int64_t t = t0 + r;
+    U v{};
+    if (t < len) v = pool[L.token_offset(table[t >> L.page_shift], h, t) + d];
+    out[r * out_stride + d] = v;
   }
-  const int64_t block = a.block_table[b * a.table_stride + (t >> K.page_shift)];
-  const U* kc = static_cast<const U*>(a.k_cache) + K.token_offset(block, h, t);
-  const U* vc = static_cast<const U*>(a.v_cache) + V.token_offset(block, h, t);
-  for (int64_t d = threadIdx.x; d < K.head_dim; d += blockDim.x) k_dst[d] = kc[d];
-  for (int64_t d = threadIdx.x; d < V.head_dim; d += blockDim.x) v_dst[d] = vc[d];
 }
 
 /// grid.x = batch * num_kv_heads; grid.y strides over chunks of kRowsPerCta rows of max_len.
 template <typename U>
 __global__ void gather_padded_kernel(GatherArgs a) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const PagedLayout K = a.layout.side(false), V = a.layout.side(true);  // K and V rows may differ in width
+  const int64_t H = a.layout.num_kv_heads, D = K.head_dim, Dv = V.head_dim;
+  const unsigned bh = blockIdx.x, heads = static_cast<unsigned>(H);  // 32-bit: no 64-bit division call
+  const int64_t b = bh / heads, h = bh % heads;
   const int64_t len = a.seq_lens[b];
+  const int32_t* table = a.block_table + b * a.table_stride;
   U* ko = static_cast<U*>(a.k_out) + bh * a.max_len * D;
   U* vo = static_cast<U*>(a.v_out) + bh * a.max_len * Dv;
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < a.max_len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
-    for (int64_t t = t0; t < t0 + kRowsPerCta && t < a.max_len; ++t) {
-      gather_row<U>(a, b, h, t, ko + t * D, vo + t * Dv, t >= len);
-    }
+    const unsigned n = static_cast<unsigned>(min(int64_t(kRowsPerCta), a.max_len - t0));
+    gather_rows(K, static_cast<const U*>(a.k_cache), table, h, t0, n, len, ko + t0 * D, D);
+    gather_rows(V, static_cast<const U*>(a.v_cache), table, h, t0, n, len, vo + t0 * Dv, Dv);
   }
 }
 
 /// grid.x = batch * num_kv_heads; grid.y strides over chunks of each sequence's rows.
 template <typename U>
 __global__ void gather_ragged_kernel(GatherArgs a) {
-  const int64_t H = a.layout.num_kv_heads, D = a.layout.head_dim, Dv = a.layout.v_head_dim;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const PagedLayout K = a.layout.side(false), V = a.layout.side(true);
+  const int64_t H = a.layout.num_kv_heads, D = K.head_dim, Dv = V.head_dim;
+  const unsigned bh = blockIdx.x, heads = static_cast<unsigned>(H);  // 32-bit: no 64-bit division call
+  const int64_t b = bh / heads, h = bh % heads;
   const int64_t start = a.cu_seq_lens[b], len = a.cu_seq_lens[b + 1] - start;
+  const int32_t* table = a.block_table + b * a.table_stride;
   U* ko = static_cast<U*>(a.k_out);
   U* vo = static_cast<U*>(a.v_out);
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < len; t0 += int64_t(gridDim.y) * kRowsPerCta) {
-    for (int64_t t = t0; t < t0 + kRowsPerCta && t < len; ++t) {
-      const int64_t row = (start + t) * H + h;
-      gather_row<U>(a, b, h, t, ko + row * D, vo + row * Dv, false);
-    }
+    const unsigned n = static_cast<unsigned>(min(int64_t(kRowsPerCta), len - t0));
+    const int64_t row = (start + t0) * H + h;  // out rows of one head are H rows apart
+    gather_rows(K, static_cast<const U*>(a.k_cache), table, h, t0, n, len, ko + row * D, H * D);
+    gather_rows(V, static_cast<const U*>(a.v_cache), table, h, t0, n, len, vo + row * Dv, H * Dv);
   }
 }
 
@@ -282,84 +291,94 @@ __global__ void append_kivi_key_kernel(AppendArgs a) {
   }
 }
 
-/// Dequantizing gather. grid.x = batch * num_kv_heads; threads stride over (token, dim) of the sequence,
-/// first of K, then of V (their rows may differ in width).
-/// Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged: [total, H, D].
+/// Dequantizing gather. grid.x = batch * num_kv_heads, grid.y strides over chunks of kRowsPerCta rows of
+/// the sequence; threads stride over a chunk's (token, dim), first of K, then of V (their rows may differ
+/// in width). Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged:
+/// [total, H, D].
 __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
   const int64_t H = a.layout.num_kv_heads;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const unsigned bh = blockIdx.x, heads = static_cast<unsigned>(H);  // 32-bit: no 64-bit division call
+  const int64_t b = bh / heads, h = bh % heads;
   const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
   const int64_t rows = ragged ? len : a.max_len;
   const int32_t* table = a.block_table + b * a.table_stride;
-  for (int role = 0; role < 2; ++role) {
-    const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
-    const int64_t D = L.head_dim;
-    const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
-    const float* scales = role == 0 ? a.k_scale : a.v_scale;
-    const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
-    void* out = role == 0 ? a.k_out : a.v_out;
-    for (int64_t i = threadIdx.x; i < rows * D; i += blockDim.x) {
-      const int64_t t = i / D, d = i % D;
-      const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
-      if (t >= len) {
-        store_any(out, dst, a.out_dtype, 0.f);
-        continue;
+  for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < rows; t0 += int64_t(gridDim.y) * kRowsPerCta) {
+    const unsigned n = static_cast<unsigned>(min(int64_t(kRowsPerCta), rows - t0));
+    for (int role = 0; role < 2; ++role) {
+      const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+      const int64_t D = L.head_dim;
+      const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+      const float* scales = role == 0 ? a.k_scale : a.v_scale;
+      const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
+      void* out = role == 0 ? a.k_out : a.v_out;
+      const unsigned Du = static_cast<unsigned>(D);
+      for (unsigned i = threadIdx.x; i < n * Du; i += blockDim.x) {
+        const int64_t t = t0 + i / Du, d = i % Du;
+        const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
+        if (t >= len) {
+          store_any(out, dst, a.out_dtype, 0.f);
+          continue;
+        }
+        const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
+        const int64_t r = L.row_index(block, h, pos);
+        const float s = kind == KVKind::kInt8 ? scales[r]
+                        : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
+        store_any(out, dst, a.out_dtype, dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0));
       }
-      const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
-      const int64_t r = L.row_index(block, h, pos);
-      const float s = kind == KVKind::kInt8 ? scales[r]
-                      : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
-      store_any(out, dst, a.out_dtype, dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0));
     }
   }
 }
 
 /// Dequantizing gather when K or V rows are Hadamard-rotated: one warp per token row (the inverse
-/// transform needs the whole row). grid.x = batch * num_kv_heads; warps stride over the rows.
+/// transform needs the whole row). grid.x = batch * num_kv_heads; grid.y strides over chunks of
+/// kRowsPerCta rows, and warps over a chunk's rows.
 __global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
   const int64_t H = a.layout.num_kv_heads;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const unsigned bh = blockIdx.x, heads = static_cast<unsigned>(H);  // 32-bit: no 64-bit division call
+  const int64_t b = bh / heads, h = bh % heads;
   const int64_t start = ragged ? a.cu_seq_lens[b] : 0;
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
   const int64_t rows = ragged ? len : a.max_len;
   const int32_t* table = a.block_table + b * a.table_stride;
   const int lane = threadIdx.x % 32;
-  for (int64_t t = threadIdx.x / 32; t < rows; t += blockDim.x / 32) {
-    for (int role = 0; role < 2; ++role) {
-      const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
-      const int64_t D = L.head_dim;
-      const int64_t dst = ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D;
-      void* out = role == 0 ? a.k_out : a.v_out;
-      const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
-      const float* scales = role == 0 ? a.k_scale : a.v_scale;
-      const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
-      const int64_t block = t < len ? table[t >> L.page_shift] : 0, pos = t & (L.page_size - 1);
-      const int64_t off = L.offset(block, h, pos), r = L.row_index(block, h, pos);
-      const float s = t >= len ? 0.f
-                      : kind == KVKind::kInt8 ? scales[r]
-                      : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
-      if (!(role == 0 ? a.k_rot : a.v_rot)) {  // the other side's rows, of any width (K and V may differ)
-        for (int64_t d = lane; d < D; d += 32) {
-          store_any(out, dst + d, a.out_dtype, t < len ? dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0) : 0.f);
+  for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < rows; t0 += int64_t(gridDim.y) * kRowsPerCta) {
+    for (int64_t t = t0 + threadIdx.x / 32; t < min(rows, t0 + kRowsPerCta); t += blockDim.x / 32) {
+      for (int role = 0; role < 2; ++role) {
+        const PagedLayout L = a.layout.side(role == 1);  // this side's pool: its row width
+        const int64_t D = L.head_dim;
+        const int64_t dst = ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D;
+        void* out = role == 0 ? a.k_out : a.v_out;
+        const KVKind kind = role == 0 ? a.k_kind : a.v_kind;
+        const float* scales = role == 0 ? a.k_scale : a.v_scale;
+        const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
+        const int64_t block = t < len ? table[t >> L.page_shift] : 0, pos = t & (L.page_size - 1);
+        const int64_t off = L.offset(block, h, pos), r = L.row_index(block, h, pos);
+        const float s = t >= len ? 0.f
+                        : kind == KVKind::kInt8 ? scales[r]
+                        : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
+        if (!(role == 0 ? a.k_rot : a.v_rot)) {  // the other side's rows, of any width (K and V may differ)
+          for (int64_t d = lane; d < D; d += 32) {
+            store_any(out, dst + d, a.out_dtype, t < len ? dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0) : 0.f);
+          }
+          continue;
         }
-        continue;
-      }
-      float x[kMaxPerLane];
-#pragma unroll
-      for (int k = 0; k < kMaxPerLane; ++k) x[k] = 0.f;
-      if (t < len) {  // uniform across the warp
-#pragma unroll
+        float x[kMaxPerLane];
+  #pragma unroll
+        for (int k = 0; k < kMaxPerLane; ++k) x[k] = 0.f;
+        if (t < len) {  // uniform across the warp
+  #pragma unroll
+          for (int k = 0; k < kMaxPerLane; ++k) {
+            const int64_t d = lane + 32 * k;
+            if (d < D) x[k] = dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0);
+          }
+          warp_unrotate(x, D, lane);
+        }
+  #pragma unroll
         for (int k = 0; k < kMaxPerLane; ++k) {
           const int64_t d = lane + 32 * k;
-          if (d < D) x[k] = dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0);
+          if (d < D) store_any(out, dst + d, a.out_dtype, x[k]);
         }
-        warp_unrotate(x, D, lane);
-      }
-#pragma unroll
-      for (int k = 0; k < kMaxPerLane; ++k) {
-        const int64_t d = lane + 32 * k;
-        if (d < D) store_any(out, dst + d, a.out_dtype, x[k]);
       }
     }
   }
@@ -372,12 +391,40 @@ unsigned grid_y(int64_t rows) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+/// Whether K and V rows of elem_bytes-wide elements are whole numbers of 16-byte units (then every row of
+/// a 16-byte-aligned pool starts on 16 bytes).
+bool wide_rows(const PagedLayout& L, int elem_bytes) {
+  return (L.head_dim * elem_bytes) % 16 == 0 && (L.v_head_dim * elem_bytes) % 16 == 0;
+}
+
+/// The layout counted in 16-byte units instead of elem_bytes-wide elements (wide_rows holds).
+PagedLayout in_units(PagedLayout L, int elem_bytes) {
+  L.head_dim = L.head_dim * elem_bytes / 16;
+  L.v_head_dim = L.v_head_dim * elem_bytes / 16;
+  return L;
+}
+
 }  // namespace
 
 cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stream) {
   const int64_t tokens = a.batch * a.q_len;
   if (tokens == 0) return cudaSuccess;
-  if (elem_bytes == 4) {
+  // 16-byte units when every row of the pools and of key / value starts on 16 bytes and is a whole number
+  // of units, and key / value rows are contiguous (any other stride of theirs a multiple of 16 bytes).
+  const auto wide_src = [&](const void* p, const int64_t* st) {
+    return aligned16(p) && st[3] == 1 && (st[0] * elem_bytes) % 16 == 0 && (st[1] * elem_bytes) % 16 == 0 &&
+           (st[2] * elem_bytes) % 16 == 0;
+  };
+  if (wide_rows(a.layout, elem_bytes) && aligned16(a.k_cache) && aligned16(a.v_cache) && wide_src(a.key, a.key_strides) &&
+      wide_src(a.value, a.value_strides)) {
+    AppendArgs w = a;
+    w.layout = in_units(a.layout, elem_bytes);
+    for (int i = 0; i < 3; ++i) {
+      w.key_strides[i] = a.key_strides[i] * elem_bytes / 16;
+      w.value_strides[i] = a.value_strides[i] * elem_bytes / 16;
+    }
+    KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint4>)(w);
+  } else if (elem_bytes == 4) {
     KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint32_t>)(a);
   } else {
     KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint16_t>)(a);
@@ -385,17 +432,29 @@ cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stre
   return cudaGetLastError();
 }
 
+/// Runs launch(unit, args) with the widest copy unit gather's pools and outputs allow: 16 bytes (args in
+/// units), else the element.
+template <class Launch>
+void by_gather_unit(const GatherArgs& a, int elem_bytes, Launch launch) {
+  if (wide_rows(a.layout, elem_bytes) && aligned16(a.k_cache) && aligned16(a.v_cache) && aligned16(a.k_out) &&
+      aligned16(a.v_out)) {
+    GatherArgs w = a;
+    w.layout = in_units(a.layout, elem_bytes);
+    launch(uint4{}, w);
+  } else if (elem_bytes == 4) {
+    launch(uint32_t{}, a);
+  } else {
+    launch(uint16_t{}, a);
+  }
+}
+
 cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream_t stream) {
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0 || a.max_len == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(bh), grid_y(a.max_len));
-  const int64_t wider = a.layout.head_dim > a.layout.v_head_dim ? a.layout.head_dim : a.layout.v_head_dim;
-  const int threads = wider < kThreads ? static_cast<int>(wider) : kThreads;
-  if (elem_bytes == 4) {
-    KVC_LAUNCH(grid, threads, stream, gather_padded_kernel<uint32_t>)(a);
-  } else {
-    KVC_LAUNCH(grid, threads, stream, gather_padded_kernel<uint16_t>)(a);
-  }
+  by_gather_unit(a, elem_bytes, [&](auto unit, const GatherArgs& args) {
+    KVC_LAUNCH(grid, kThreads, stream, gather_padded_kernel<decltype(unit)>)(args);
+  });
   return cudaGetLastError();
 }
 
@@ -403,14 +462,10 @@ cudaError_t launch_gather_ragged(const GatherArgs& a, int elem_bytes, cudaStream
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0) return cudaSuccess;
   // Lengths live on the device; a fixed grid.y strides over however many rows each sequence has.
-  const dim3 grid(static_cast<unsigned>(bh), 64);
-  const int64_t wider = a.layout.head_dim > a.layout.v_head_dim ? a.layout.head_dim : a.layout.v_head_dim;
-  const int threads = wider < kThreads ? static_cast<int>(wider) : kThreads;
-  if (elem_bytes == 4) {
-    KVC_LAUNCH(grid, threads, stream, gather_ragged_kernel<uint32_t>)(a);
-  } else {
-    KVC_LAUNCH(grid, threads, stream, gather_ragged_kernel<uint16_t>)(a);
-  }
+  const dim3 grid(static_cast<unsigned>(bh), kRaggedGridY);
+  by_gather_unit(a, elem_bytes, [&](auto unit, const GatherArgs& args) {
+    KVC_LAUNCH(grid, kThreads, stream, gather_ragged_kernel<decltype(unit)>)(args);
+  });
   return cudaGetLastError();
 }
 
@@ -433,22 +488,24 @@ cudaError_t launch_append_quantized(const AppendArgs& a, int elem_bytes, cudaStr
 cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStream_t stream) {
   const int64_t bh = a.batch * a.layout.num_kv_heads;
   if (bh == 0) return cudaSuccess;
+  if (!ragged && a.max_len == 0) return cudaSuccess;
+  // (sequence, head, chunk of rows): a batch-1 gather of a long sequence spreads over many CTAs.
+  const dim3 grid(static_cast<unsigned>(bh), ragged ? kRaggedGridY : grid_y(a.max_len));
   if (a.k_rot || a.v_rot) {
-    KVC_LAUNCH(static_cast<unsigned>(bh), kThreads, stream, gather_rotated_kernel)(a, ragged);
+    KVC_LAUNCH(grid, kThreads, stream, gather_rotated_kernel)(a, ragged);
     return cudaGetLastError();
   }
-  KVC_LAUNCH(static_cast<unsigned>(bh), kThreads, stream, gather_dequantized_kernel)(a, ragged);
+  KVC_LAUNCH(grid, kThreads, stream, gather_dequantized_kernel)(a, ragged);
   return cudaGetLastError();
 }
 
 cudaError_t launch_swap_blocks(const BlockCopyArgs& a, cudaStream_t stream) {
-  for (int64_t i = 0; i < a.n; ++i) {
-    const int64_t src = a.pairs[2 * i], dst = a.pairs[2 * i + 1];
+  for (const BlockRun& run : block_runs(a.pairs, a.n)) {  // runs of consecutive blocks: one copy per pool
     for (int kv = 0; kv < 2; ++kv) {
       const int64_t bytes = kv == 0 ? a.block_bytes : a.v_block_bytes;  // K and V blocks may differ in size
-      const char* from = (kv == 0 ? a.k_src : a.v_src) + src * bytes;
-      char* to = (kv == 0 ? a.k_dst : a.v_dst) + dst * bytes;
-      const cudaError_t err = cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream);
+      const char* from = (kv == 0 ? a.k_src : a.v_src) + run.src * bytes;
+      char* to = (kv == 0 ? a.k_dst : a.v_dst) + run.dst * bytes;
+      const cudaError_t err = cudaMemcpyAsync(to, from, run.count * bytes, cudaMemcpyDefault, stream);
       if (err != cudaSuccess) return err;
     }
   }

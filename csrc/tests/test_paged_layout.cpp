@@ -2,8 +2,11 @@
 
 #include <set>
 
+#include "cache/cache_args.h"
 #include "core/paged_layout.h"
 
+using kvcache::BlockRun;
+using kvcache::block_runs;
 using kvcache::PagedLayout;
 
 TEST(PagedLayout, SupportedPageSizesArePowersOfTwoUpTo256) {
@@ -91,4 +94,22 @@ TEST(PagedLayout, ValueRowsOfAnotherWidthHaveTheirOwnOffsets) {
       }
     }
   }
+}
+
+TEST(BlockRuns, ConsecutiveOnBothSidesMergeInOrder) {
+  // (3,10) (4,11) (5,12): one run; (9,13): src jumps; (10,2): dst jumps back; (11,3) follows it; (11,4) repeats src
+  const std::vector<int64_t> pairs = {3, 10, 4, 11, 5, 12, 9, 13, 10, 2, 11, 3, 11, 4};
+  const std::vector<BlockRun> runs = block_runs(pairs.data(), 7);
+  ASSERT_EQ(runs.size(), 4u);
+  EXPECT_EQ(runs[0].src, 3); EXPECT_EQ(runs[0].dst, 10); EXPECT_EQ(runs[0].count, 3);
+  EXPECT_EQ(runs[1].src, 9); EXPECT_EQ(runs[1].dst, 13); EXPECT_EQ(runs[1].count, 1);
+  EXPECT_EQ(runs[2].src, 10); EXPECT_EQ(runs[2].dst, 2); EXPECT_EQ(runs[2].count, 2);
+  EXPECT_EQ(runs[3].src, 11); EXPECT_EQ(runs[3].dst, 4); EXPECT_EQ(runs[3].count, 1);
+  // every pair is covered once, in order
+  std::vector<int64_t> back;
+  for (const BlockRun& r : runs) {
+    for (int64_t k = 0; k < r.count; ++k) back.insert(back.end(), {r.src + k, r.dst + k});
+  }
+  EXPECT_EQ(back, pairs);
+  EXPECT_TRUE(block_runs(nullptr, 0).empty());
 }
