@@ -145,6 +145,13 @@ int64_t row_bytes(int64_t D) {
   return D / dims_per_elem<Read>() * int64_t(sizeof(typename Read::Elem));
 }
 
+/// One 64-byte line as a vector (any ISA build: GCC splits it into the machine's widest loads).
+inline vu load_line(const char* p) {
+  vu v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 /// K rows touched a cache line at a time (one OR per line), no arithmetic: with PvLoads, the step's
 /// floor for this traversal of scattered pages (tile setup, softmax and the prefetcher kept).
 template <class Read, int R>
@@ -153,13 +160,11 @@ struct ScoreLoads {
   static void load_query(const AttentionArgs&, int64_t, float*) {}
   static void scores(const float*, int64_t D, const typename Read::Elem* const* krow, const uint16_t* const*, float,
                      vf rows[R]) {
-    __m512i acc = _mm512_setzero_si512();
+    vu acc{};
     for (int j = 0; j < kTile; ++j) {
-      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) {
-        acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(krow[j]) + b));
-      }
+      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) acc |= load_line(reinterpret_cast<const char*>(krow[j]) + b);
     }
-    for (int r = 0; r < R; ++r) rows[r] = (vf)_mm512_and_si512(acc, _mm512_setzero_si512()) + float(r);
+    for (int r = 0; r < R; ++r) rows[r] = (vf)(acc & 0u) + float(r);
   }
 };
 template <class Read, int R>
@@ -169,14 +174,12 @@ struct PvLoads {
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename Read::Elem* const* vrow,
                          const uint16_t* const*, int64_t, Prefetcher& pf_state) {
     LocalPrefetcher pf(pf_state);
-    __m512i acc = _mm512_setzero_si512();
+    vu acc{};
     for (int j = 0; j < kTile; ++j) {
       pf.step(int(std::max<int64_t>(1, row_bytes<Read>(D) / 64)));
-      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) {
-        acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const char*>(vrow[j]) + b));
-      }
+      for (int64_t b = 0; b < row_bytes<Read>(D); b += 64) acc |= load_line(reinterpret_cast<const char*>(vrow[j]) + b);
     }
-    o[0] += p[0][0] + ((vf)acc)[0];
+    o[0] += p[0][0] + float(acc[0] & 1u);
   }
 };
 
@@ -235,7 +238,7 @@ double read_probe(const std::vector<float>& buf, int threads) {
   return double(buf.size()) * 4 / t;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512BF16__) && defined(__AVX512VNNI__)) || defined(KVC_AVX2_POLICIES)
 /// Per-phase breakdown: the decode kernel with one phase at a time replaced by a policy that does
 /// nothing (ScoreNone: no K loads, no q.k; PvNone: no V loads, no p.V); what the step loses is that
 /// phase's cost. "tiles" is what is left with both off: tile setup, mask and online softmax.
@@ -347,7 +350,9 @@ int main(int argc, char** argv) {
   Pool big_pool, small_pool;
   Step big = make_step(batch, ctx, big_pool);
   // From cache: one sequence of 1k tokens, run many times over.
-  const int64_t small_ctx = 1024;  // 4 MiB of bf16 K+V: in L3 (and mostly L2)
+  // 4 MiB of bf16 K+V: in L3 (and mostly L2). KVC_BENCH_SMALL_CTX overrides (a shared host's L3 may not
+  // keep 4 MiB: 128 tokens keep bf16 K+V within a Zen 3 core's 512 KiB L2)
+  const int64_t small_ctx = std::getenv("KVC_BENCH_SMALL_CTX") ? std::atoll(std::getenv("KVC_BENCH_SMALL_CTX")) : 1024;
   Step small = make_step(1, small_ctx, small_pool);
   const double kv_bytes = double(big_pool.k.size() + big_pool.v.size());
 
@@ -378,6 +383,17 @@ int main(int argc, char** argv) {
               "from DRAM %.2f, from cache %.2f\n",
               t * 1e3, kv_bytes / t / 1e9, 100 * kv_bytes / t / roof, roof / 1e9, per_key_ns(t, batch, ctx),
               per_key_ns(median(hot), 1, small_ctx));
+#ifdef KVC_AVX2_POLICIES
+  // AVX2: the fp32 FMA policies of every kind (8-lane register tiles)
+  if (group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
+    with_kv_kinds(kind, kind, dt, [&]<class SK, class SV>(SK, SV) {
+      using RK = typename ReaderFor<SK, true>::type;
+      using RV = typename ReaderFor<SV, false>::type;
+      phases<RK, RV, ScoreAvx2<RK, 4>, PvAvx2<RV, 4>>("AVX2 fp32 FMAs", big, small, threads, per_key_ns, batch, ctx,
+                                                     small_ctx);
+    });
+  }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   if (group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
     if (kind == KVKind::kFull && dt == DType::kBFloat16) {
