@@ -146,7 +146,9 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= a.batch * a.q_len * H) return;  // whole warps exit together
-  const int64_t h = row % H, token = row / H, b = token / a.q_len, q = token % a.q_len;
+  // 32-bit index arithmetic (rows < 2^32: the grid counts them in 32 bits): no 64-bit division calls
+  const unsigned r32 = static_cast<unsigned>(row), H32 = static_cast<unsigned>(H), q_len32 = static_cast<unsigned>(a.q_len);
+  const int64_t h = r32 % H32, token = r32 / H32, b = unsigned(token) / q_len32, q = unsigned(token) % q_len32;
   const int64_t slot = a.slots[b * a.slot_strides[0] + q * a.slot_strides[1]];
   if (slot < 0) return;
   const int64_t block = a.layout.block_of(slot), pos = a.layout.offset_in_page(slot);
@@ -256,11 +258,14 @@ __global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
 /// each token's codes, packed in planes as for values.
 __global__ void append_kivi_key_kernel(AppendArgs a) {
   const PagedLayout L = a.layout;
-  const int64_t H = L.num_kv_heads, D = L.head_dim, P = L.page_size, per_row = a.q_len / P;
+  const int64_t H = L.num_kv_heads, D = L.head_dim, P = L.page_size, per_row = a.q_len >> L.page_shift;
   const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (item >= a.batch * per_row * H) return;  // whole warps exit together
-  const int64_t h = item % H, page = item / H, b = page / per_row, t0 = (page % per_row) * P;
+  // 32-bit index arithmetic (items < 2^32: the grid counts them in 32 bits): no 64-bit division calls
+  const unsigned i32 = static_cast<unsigned>(item), H32 = static_cast<unsigned>(H), per_row32 = static_cast<unsigned>(per_row);
+  const unsigned page = i32 / H32;
+  const int64_t h = i32 % H32, b = page / per_row32, t0 = int64_t(page % per_row32) * P;
   const int64_t slot = a.slots[b * a.slot_strides[0] + t0 * a.slot_strides[1]];
   if (slot < 0) return;
   const int64_t block = L.block_of(slot);
@@ -291,10 +296,75 @@ __global__ void append_kivi_key_kernel(AppendArgs a) {
   }
 }
 
+/// Word j (0-3) of a 16-byte unit. NOTE: selects, not an array indexed at run time (which the compiler puts
+/// in local memory: a stack frame and local loads per value).
+__device__ __forceinline__ uint32_t word_at(const uint4& w, unsigned j) {
+  return j < 2 ? (j == 0 ? w.x : w.y) : (j == 2 ? w.z : w.w);
+}
+__device__ __forceinline__ uint8_t byte_at(const uint4& w, unsigned j) {
+  return static_cast<uint8_t>(word_at(w, j / 4) >> (8 * (j % 4)));
+}
+
+/// Dims [d0, d0 + dims) of pool row `row`, whose codes are the 16 bytes `w` (a unit: for int4 and KIVI it
+/// starts a 32-dim chunk), dequantized into out[dst], out[dst + 1], ... `s`: the row's int8 or the head's fp8
+/// scale; `scales`: the int4 / KIVI metadata; `key`: K side (KIVI keys: per-channel page metadata). A
+/// full-precision side is stored in out_dtype.
+__device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,
+                                                float s, const float* scales, const PagedLayout& L, bool key,
+                                                void* out, int64_t dst, DType out_dtype) {
+  const uint16_t* meta = reinterpret_cast<const uint16_t*>(scales);
+  const int64_t D = L.head_dim;
+  const auto half = [](uint16_t x) { return __half2float(__ushort_as_half(x)); };
+  const auto emit = [&](auto value) {
+    for (unsigned k = 0; k < dims; ++k) store_any(out, dst + k, out_dtype, value(k));
+  };
+  switch (kind) {
+    case KVKind::kFull:
+      return emit([&](unsigned k) {
+        if (out_dtype == DType::kFloat32) return __uint_as_float(word_at(w, k));
+        const auto bits = static_cast<unsigned short>(word_at(w, k / 2) >> (16 * (k % 2)));
+        return out_dtype == DType::kFloat16 ? __half2float(__ushort_as_half(bits))
+                                            : __bfloat162float(__ushort_as_bfloat16(bits));
+      });
+    case KVKind::kInt8:
+      return emit([&](unsigned k) { return quant::int8_decode(static_cast<int8_t>(byte_at(w, k)), s); });
+    case KVKind::kFp8E4M3: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE4M3) * s; });
+    case KVKind::kFp8E5M2: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE5M2) * s; });
+    case KVKind::kInt4: {  // one (scale, zero) pair for the unit's 32 dims
+      const uint16_t* m = meta + (row * (D / kInt4Group) + d0 / kInt4Group) * 2;
+      const float scale = half(m[0]), zero = half(m[1]);
+      return emit([&](unsigned k) {
+        return quant::uint_decode(static_cast<uint8_t>((byte_at(w, k / 2) >> (4 * (k % 2))) & 15), scale, zero);
+      });
+    }
+    default: {  // KIVI: planes per 32-dim chunk (core/quant.h), and the unit holds whole chunks
+      const int bits = kivi_bits(kind);
+      const auto code = [&](unsigned k) {
+        const unsigned c = k % 32, per = 4u * static_cast<unsigned>(bits);  // chunk bytes
+        return static_cast<uint8_t>((byte_at(w, (k / 32) * per + c % per) >> (bits * (c / per))) & ((1u << bits) - 1));
+      };
+      if (key) {
+        const uint16_t* m = meta + (row >> L.page_shift) * 2 * D;  // the row's (block, head) page
+        return emit([&](unsigned k) {
+          const int64_t d = d0 + k;
+          return quant::uint_decode(code(k), half(m[quant::kivi_key_scale_at(d)]), half(m[quant::kivi_key_zero_at(d)]));
+        });
+      }
+      return emit([&](unsigned k) {
+        const uint16_t* m = meta + (row * (D / 32) + (d0 + k) / 32) * 2;
+        return quant::uint_decode(code(k), half(m[0]), half(m[1]));
+      });
+    }
+  }
+}
+
 /// Dequantizing gather. grid.x = batch * num_kv_heads, grid.y strides over chunks of kRowsPerCta rows of
-/// the sequence; threads stride over a chunk's (token, dim), first of K, then of V (their rows may differ
-/// in width). Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged:
+/// the sequence; threads stride over a chunk's (token, unit), first of K, then of V (their rows may differ
+/// in width). A unit is 16 bytes of codes, read with one 128-bit load, when kUnits (every row of both pools
+/// is a whole number of units and the pools are 16-byte aligned: launch_gather_dequantized checks), else
+/// one value. Padded (ragged = false): out [batch, H, max_len, D], rows past the length zeroed. Ragged:
 /// [total, H, D].
+template <bool kUnits>
 __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
   const int64_t H = a.layout.num_kv_heads;
   const unsigned bh = blockIdx.x, heads = static_cast<unsigned>(H);  // 32-bit: no 64-bit division call
@@ -303,6 +373,7 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
   const int64_t rows = ragged ? len : a.max_len;
   const int32_t* table = a.block_table + b * a.table_stride;
+  const int64_t out_bytes = a.out_dtype == DType::kFloat32 ? 4 : 2;  // a full-precision side is stored so
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < rows; t0 += int64_t(gridDim.y) * kRowsPerCta) {
     const unsigned n = static_cast<unsigned>(min(int64_t(kRowsPerCta), rows - t0));
     for (int role = 0; role < 2; ++role) {
@@ -312,19 +383,27 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
       const float* scales = role == 0 ? a.k_scale : a.v_scale;
       const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
       void* out = role == 0 ? a.k_out : a.v_out;
-      const unsigned Du = static_cast<unsigned>(D);
-      for (unsigned i = threadIdx.x; i < n * Du; i += blockDim.x) {
-        const int64_t t = t0 + i / Du, d = i % Du;
-        const int64_t dst = ragged ? ((start + t) * H + h) * D + d : (bh * a.max_len + t) * D + d;
+      // per row: `units` loads of `dims` values each
+      const int64_t row_bytes = code_row_bytes(kind, D, out_bytes);
+      const unsigned units = kUnits ? static_cast<unsigned>(row_bytes / 16) : static_cast<unsigned>(D);
+      const unsigned dims = static_cast<unsigned>(D) / units;
+      for (unsigned i = threadIdx.x; i < n * units; i += blockDim.x) {
+        const int64_t t = t0 + i / units, d0 = int64_t(i % units) * dims;
+        const int64_t dst = (ragged ? ((start + t) * H + h) * D : (bh * a.max_len + t) * D) + d0;
         if (t >= len) {
-          store_any(out, dst, a.out_dtype, 0.f);
+          for (unsigned k = 0; k < dims; ++k) store_any(out, dst + k, a.out_dtype, 0.f);
           continue;
         }
-        const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1), off = L.offset(block, h, pos);
+        const int64_t block = table[t >> L.page_shift], pos = t & (L.page_size - 1);
         const int64_t r = L.row_index(block, h, pos);
         const float s = kind == KVKind::kInt8 ? scales[r]
                         : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
-        store_any(out, dst, a.out_dtype, dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0));
+        if constexpr (kUnits) {
+          const uint4 w = reinterpret_cast<const uint4*>(pool + r * row_bytes)[i % units];
+          dequantize_unit(w, r, d0, dims, kind, s, scales, L, role == 0, out, dst, a.out_dtype);
+        } else {
+          store_any(out, dst, a.out_dtype, dequantize(pool, r, d0, kind, s, a.out_dtype, scales, L, role == 0));
+        }
       }
     }
   }
@@ -353,13 +432,13 @@ __global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
         const float* scales = role == 0 ? a.k_scale : a.v_scale;
         const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
         const int64_t block = t < len ? table[t >> L.page_shift] : 0, pos = t & (L.page_size - 1);
-        const int64_t off = L.offset(block, h, pos), r = L.row_index(block, h, pos);
+        const int64_t r = L.row_index(block, h, pos);
         const float s = t >= len ? 0.f
                         : kind == KVKind::kInt8 ? scales[r]
                         : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
         if (!(role == 0 ? a.k_rot : a.v_rot)) {  // the other side's rows, of any width (K and V may differ)
           for (int64_t d = lane; d < D; d += 32) {
-            store_any(out, dst + d, a.out_dtype, t < len ? dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0) : 0.f);
+            store_any(out, dst + d, a.out_dtype, t < len ? dequantize(pool, r, d, kind, s, a.out_dtype, scales, L, role == 0) : 0.f);
           }
           continue;
         }
@@ -370,7 +449,7 @@ __global__ void gather_rotated_kernel(GatherArgs a, bool ragged) {
   #pragma unroll
           for (int k = 0; k < kMaxPerLane; ++k) {
             const int64_t d = lane + 32 * k;
-            if (d < D) x[k] = dequantize(pool, off, d, kind, s, a.out_dtype, scales, L, role == 0);
+            if (d < D) x[k] = dequantize(pool, r, d, kind, s, a.out_dtype, scales, L, role == 0);
           }
           warp_unrotate(x, D, lane);
         }
@@ -404,6 +483,27 @@ PagedLayout in_units(PagedLayout L, int elem_bytes) {
   return L;
 }
 
+/// Whether the pools' rows can move in 16-byte units: every K and V row a whole number of units, both pools
+/// 16-byte aligned (then every row starts on 16 bytes). append and gather add their other operands' terms.
+bool wide_pools(const PagedLayout& L, int elem_bytes, const void* k_cache, const void* v_cache) {
+  return wide_rows(L, elem_bytes) && aligned16(k_cache) && aligned16(v_cache);
+}
+
+/// Runs launch(unit, args) with the widest copy unit gather's pools and outputs allow: 16 bytes (args in
+/// units), else the element.
+template <class Launch>
+void by_gather_unit(const GatherArgs& a, int elem_bytes, Launch launch) {
+  if (wide_pools(a.layout, elem_bytes, a.k_cache, a.v_cache) && aligned16(a.k_out) && aligned16(a.v_out)) {
+    GatherArgs w = a;
+    w.layout = in_units(a.layout, elem_bytes);
+    launch(uint4{}, w);
+  } else if (elem_bytes == 4) {
+    launch(uint32_t{}, a);
+  } else {
+    launch(uint16_t{}, a);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stream) {
@@ -415,7 +515,7 @@ cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stre
     return aligned16(p) && st[3] == 1 && (st[0] * elem_bytes) % 16 == 0 && (st[1] * elem_bytes) % 16 == 0 &&
            (st[2] * elem_bytes) % 16 == 0;
   };
-  if (wide_rows(a.layout, elem_bytes) && aligned16(a.k_cache) && aligned16(a.v_cache) && wide_src(a.key, a.key_strides) &&
+  if (wide_pools(a.layout, elem_bytes, a.k_cache, a.v_cache) && wide_src(a.key, a.key_strides) &&
       wide_src(a.value, a.value_strides)) {
     AppendArgs w = a;
     w.layout = in_units(a.layout, elem_bytes);
@@ -430,22 +530,6 @@ cudaError_t launch_append(const AppendArgs& a, int elem_bytes, cudaStream_t stre
     KVC_LAUNCH(static_cast<unsigned>(tokens), kThreads, stream, append_kernel<uint16_t>)(a);
   }
   return cudaGetLastError();
-}
-
-/// Runs launch(unit, args) with the widest copy unit gather's pools and outputs allow: 16 bytes (args in
-/// units), else the element.
-template <class Launch>
-void by_gather_unit(const GatherArgs& a, int elem_bytes, Launch launch) {
-  if (wide_rows(a.layout, elem_bytes) && aligned16(a.k_cache) && aligned16(a.v_cache) && aligned16(a.k_out) &&
-      aligned16(a.v_out)) {
-    GatherArgs w = a;
-    w.layout = in_units(a.layout, elem_bytes);
-    launch(uint4{}, w);
-  } else if (elem_bytes == 4) {
-    launch(uint32_t{}, a);
-  } else {
-    launch(uint16_t{}, a);
-  }
 }
 
 cudaError_t launch_gather_padded(const GatherArgs& a, int elem_bytes, cudaStream_t stream) {
@@ -495,7 +579,17 @@ cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStre
     KVC_LAUNCH(grid, kThreads, stream, gather_rotated_kernel)(a, ragged);
     return cudaGetLastError();
   }
-  KVC_LAUNCH(grid, kThreads, stream, gather_dequantized_kernel)(a, ragged);
+  // 128-bit loads when every row of both pools is a whole number of 16-byte units (the pool tensors start
+  // on 16 bytes, so every row does): int8 / fp8 head dims of 16 k, int4 / kivi4 32 k, kivi2 64 k.
+  const int out_bytes = a.out_dtype == DType::kFloat32 ? 4 : 2;
+  const bool units = code_row_bytes(a.k_kind, a.layout.head_dim, out_bytes) % 16 == 0 &&
+                     code_row_bytes(a.v_kind, a.layout.v_head_dim, out_bytes) % 16 == 0 && aligned16(a.k_cache) &&
+                     aligned16(a.v_cache);
+  if (units) {
+    KVC_LAUNCH(grid, kThreads, stream, gather_dequantized_kernel<true>)(a, ragged);
+  } else {
+    KVC_LAUNCH(grid, kThreads, stream, gather_dequantized_kernel<false>)(a, ragged);
+  }
   return cudaGetLastError();
 }
 

@@ -32,14 +32,15 @@ KVC_HOST_DEVICE constexpr bool is_kivi(KVKind k) { return k == KVKind::kKivi4 ||
 KVC_HOST_DEVICE constexpr int kivi_bits(KVKind k) { return k == KVKind::kKivi2 ? 2 : 4; }
 
 /// Dims per stored code element (packed int4 and kivi4: 2, kivi2: 4).
-inline int64_t dims_per_code(KVKind k) {
+KVC_HOST_DEVICE constexpr int64_t dims_per_code(KVKind k) {
   return k == KVKind::kInt4 || k == KVKind::kKivi4 ? 2 : (k == KVKind::kKivi2 ? 4 : 1);
 }
 
 /// Bytes of one stored row of codes (a token of one head), without its scales. `full_bytes`: the
 /// element size of the pool's dtype, for kFull.
-inline int64_t code_row_bytes(KVKind k, int64_t head_dim, int64_t full_bytes) {
-  return k == KVKind::kFull ? head_dim * full_bytes : head_dim / dims_per_code(k);
+KVC_HOST_DEVICE constexpr int64_t code_row_bytes(KVKind k, int64_t head_dim, int64_t full_bytes) {
+  // (a shift, not a division: device code computes this too, where a 64-bit division is a slow call)
+  return k == KVKind::kFull ? head_dim * full_bytes : head_dim >> (dims_per_code(k) == 4 ? 2 : dims_per_code(k) - 1);
 }
 
 constexpr bool is_quantized(KVKind k) { return k != KVKind::kFull; }

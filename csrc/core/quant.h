@@ -160,8 +160,11 @@ KVC_HOST_DEVICE float uint_decode(uint8_t code, float scale, float zero) { retur
 // ---- KIVI packing: planes per 32-dim chunk ---------------------------------------------------------
 // With b bits a chunk of 32 dims takes 4 b bytes; dim j of the chunk sits in byte j % (4 b) at bit
 // b * (j / (4 b)). So dims 0-15 and 16-31 of a chunk unpack as two natural-order runs of 16.
-KVC_HOST_DEVICE int64_t planar_byte(int64_t d, int bits) { return (d / 32) * 4 * bits + (d % 32) % (4 * bits); }
-KVC_HOST_DEVICE int planar_shift(int64_t d, int bits) { return bits * static_cast<int>((d % 32) / (4 * bits)); }
+// (The in-chunk arithmetic is 32-bit: on a GPU a 64-bit division by the runtime 4 b is a call to a slow subroutine.)
+KVC_HOST_DEVICE int64_t planar_byte(int64_t d, int bits) {
+  return (d / 32) * 4 * bits + static_cast<int>(d % 32) % (4 * bits);
+}
+KVC_HOST_DEVICE int planar_shift(int64_t d, int bits) { return bits * (static_cast<int>(d % 32) / (4 * bits)); }
 KVC_HOST_DEVICE uint8_t planar_get(const uint8_t* row, int64_t d, int bits) {
   return static_cast<uint8_t>((row[planar_byte(d, bits)] >> planar_shift(d, bits)) & ((1 << bits) - 1));
 }

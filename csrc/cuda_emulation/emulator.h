@@ -144,6 +144,11 @@ inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return ::kvcache::emu::shfl(mask, v, src);
 }
 inline float __expf(float x) { return std::exp(x); }
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
 template <class T>
 inline T min(T a, T b) { return b < a ? b : a; }
 template <class T>

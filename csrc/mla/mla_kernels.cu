@@ -61,7 +61,7 @@ __global__ void mla_attention_kernel(MlaArgs a) {
   }
   const int64_t b = lo, q_start = a.cu_q_lens[b], q_len = a.cu_q_lens[b + 1] - q_start;
   const int64_t pos = a.kv_lens[b] - q_len + (tok - q_start);  // keys 0..pos are visible
-  const int64_t h = hq / a.group;
+  const int64_t h = static_cast<unsigned>(hq) / static_cast<unsigned>(a.group);  // 32-bit: no 64-bit division call
   const PagedLayout Ll = a.layout.side(false), Lr = a.layout.side(true);
   const int64_t Dl = Ll.head_dim, Dr = Lr.head_dim;
   const char* latent = static_cast<const char*>(a.latent_cache);
@@ -85,15 +85,15 @@ __global__ void mla_attention_kernel(MlaArgs a) {
     float s = -INFINITY;
     if (j <= pos) {  // this thread's key: its score
       const int64_t block = table[j >> Ll.page_shift], pp = j & (Ll.page_size - 1);
-      const int64_t off_l = Ll.offset(block, h, pp), off_r = Lr.offset(block, h, pp);
+      const int64_t row = Ll.row_index(block, h, pp);  // the same row of both pools (only their widths differ)
       const float sl = row_scale(a.latent_kind, a.latent_scale, Ll, block, h, pp);
       const float sr = row_scale(a.rope_kind, a.rope_scale, Lr, block, h, pp);
       float dot = 0.f;
       for (int64_t d = 0; d < Dl; ++d) {
-        dot += q[d] * dequantize(latent, off_l, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
+        dot += q[d] * dequantize(latent, row, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
       }
       for (int64_t d = 0; d < Dr; ++d) {
-        dot += q[Dl + d] * dequantize(rope, off_r, d, a.rope_kind, sr, a.rope_dtype, a.rope_scale, Lr, false);
+        dot += q[Dl + d] * dequantize(rope, row, d, a.rope_kind, sr, a.rope_dtype, a.rope_scale, Lr, false);
       }
       s = dot;
     }
@@ -108,12 +108,12 @@ __global__ void mla_attention_kernel(MlaArgs a) {
     const int64_t nk = pos + 1 - j0 < kThreads ? pos + 1 - j0 : kThreads;
     for (int64_t t = 0; t < nk; ++t) {  // each thread its dims of sum_t p_t c_t
       const int64_t key = j0 + t, block = table[key >> Ll.page_shift], pp = key & (Ll.page_size - 1);
-      const int64_t off_l = Ll.offset(block, h, pp);
+      const int64_t row = Ll.row_index(block, h, pp);
       const float sl = row_scale(a.latent_kind, a.latent_scale, Ll, block, h, pp);
       const float pt = p[t];
       for (int k = 0; k < kMaxPerThread; ++k) {
         const int64_t d = tid + int64_t(k) * kThreads;
-        if (d < Dl) acc[k] += pt * dequantize(latent, off_l, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
+        if (d < Dl) acc[k] += pt * dequantize(latent, row, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
       }
     }
     __syncthreads();  // p is rewritten by the next tile
