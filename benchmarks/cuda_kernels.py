@@ -576,6 +576,11 @@ def markdown(report: dict) -> str:
         "No GPU: every GPU figure below (occupancy, bytes in flight, bandwidth, flops) is **modelled, not "
         "measured**; registers, stack, spills and SASS counts are read from the compiler's output.",
         "",
+    ]
+    if report.get("updated_files"):
+        out += [f"Updated (`--update`): only {', '.join(f'`{f}`' for f in report['updated_files'])} re-analysed; "
+                f"the other files' rows are those of the run of {report['kept_from']}.", ""]
+    out += [
         f"- nvcc: {report['toolchain']['nvcc']}; flags: `{' '.join(report['toolchain']['flags'])}`",
         f"- cuobjdump: {report['toolchain']['cuobjdump'] or SASS_NOT_RUN}",
         "",
@@ -654,7 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
     parser.add_argument("--arch", action="append", help="only these architectures (default: CMakeLists.txt's)")
     parser.add_argument("--file", action="append", choices=CU_FILES, help="only these .cu files (default: all)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --file: re-analyse only those files and keep every other file's rows from the "
+                             "stored cuda_kernels.json (the attention file alone takes most of an hour on 2 cores)")
     args = parser.parse_args(argv)
+    if args.update and not args.file:
+        parser.error("--update needs --file")
 
     start = time.perf_counter()
     nvcc = shutil.which("nvcc")
@@ -670,12 +680,19 @@ def main(argv: list[str] | None = None) -> int:
             jobs = [pool.submit(analyse_file, nvcc, cuobjdump, ROOT / f, arch, flags, Path(tmp))
                     for f in args.file or CU_FILES for arch in archs]
             rows = [row for job in jobs for row in job.result()]
+    kept_from = None
+    if args.update:
+        stored = json.loads((args.out / "cuda_kernels.json").read_text())
+        rows += [r for r in stored["kernels"] if r["file"] not in args.file]
+        kept_from = stored.get("kept_from") or stored["date"]
     rows.sort(key=lambda r: (CU_FILES.index(r["file"]), r["kernel"], r["name"], r["arch"]))
     verdicts = [v for r in rows for v in r["checks"].values()]
     report = {
         "note": "modelled, not measured: no GPU ran these kernels",
         "date": _dt.date.today().isoformat(),
         "seconds": time.perf_counter() - start,
+        "updated_files": args.file if args.update else None,
+        "kept_from": kept_from,
         "toolchain": {"nvcc": tool_version(nvcc), "flags": flags.args,
                       "cuobjdump": f"{cuobjdump} ({tool_version(cuobjdump)})" if cuobjdump else None},
         "limits": {arch: dataclasses.asdict(lim) for arch, lim in SM_LIMITS.items()},
