@@ -60,7 +60,7 @@ KERNEL_BUDGETS: dict[str, KernelBudget] = {
     "merge_partials_kernel": KernelBudget(
         "kThreads", 64, why="streams partial states once: 64 regs keeps 32 warps/SM for latency hiding"),
     "merge_states_kernel": KernelBudget(
-        256, 32, why="element-wise: 32 regs is full occupancy (64 warps/SM); launch_merge_states uses 256 threads"),
+        "kMergeThreads", 32, why="one CTA per row: 32 regs is full occupancy (64 warps/SM)"),
     "mla_attention_kernel": KernelBudget(
         "kThreads", 128, decode=True, prefill=True,
         why="decode attention over latent rows: same reasoning as attention_kernel (16+ warps/SM at 128 regs)"),

@@ -33,6 +33,7 @@ constexpr int kMaxPerLane = 8;   // head_dim <= 256: each lane holds at most 8 d
 constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;  // rows of one pass over the keys
 constexpr int kTile = 16;        // keys per shared-memory tile
+constexpr int kMergeThreads = 128;  // merge_states: threads per row (head dims are 64-256)
 
 // Element types of the pools. Quantized codes widen to their code value; the scale is applied per key
 // (token_scale below), on the score for K and on the value for V.
@@ -50,26 +51,29 @@ __device__ __forceinline__ float to_float(Fp8E5M2 x) { return quant::fp8_decode(
 template <int kBits, bool kKey>
 struct Kivi { uint8_t bits; };
 
-/// Value i (a dim index into the pool: row * head_dim + d) of a pool; int4 reads its nibble and its
-/// group's fp16 (scale, zero) from `meta`.
+/// Value d of pool row `row` (L.row_index: rows, not element offsets, so that no 64-bit division by the
+/// runtime head_dim or page_size is needed); int4 reads its nibble and its group's fp16 (scale, zero) from `meta`.
 template <typename T>
-__device__ __forceinline__ float kv_at(const T* pool, const uint16_t* /*meta*/, const PagedLayout& /*L*/, int64_t i) {
-  return to_float(pool[i]);
+__device__ __forceinline__ float kv_at(const T* pool, const uint16_t* /*meta*/, const PagedLayout& L, int64_t row,
+                                       int64_t d) {
+  return to_float(pool[row * L.head_dim + d]);
 }
 template <int kBits, bool kKey>
 __device__ __forceinline__ float kv_at(const Kivi<kBits, kKey>* pool, const uint16_t* meta, const PagedLayout& L,
-                                       int64_t i) {
-  const int64_t D = L.head_dim, row = i / D, d = i % D;
+                                       int64_t row, int64_t d) {
+  const int64_t D = L.head_dim, i = row * D + d;
   const uint8_t code = quant::planar_get(reinterpret_cast<const uint8_t*>(pool) + row * (D * kBits / 8), d, kBits);
   if (kKey) {
-    const uint16_t* m = meta + (row / L.page_size) * 2 * D;
+    const uint16_t* m = meta + (row >> L.page_shift) * 2 * D;  // the row's (block, head) page
     return quant::uint_decode(code, __half2float(__ushort_as_half(m[quant::kivi_key_scale_at(d)])),
                               __half2float(__ushort_as_half(m[quant::kivi_key_zero_at(d)])));
   }
   const uint16_t* m = meta + (i / 32) * 2;
   return quant::uint_decode(code, __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
 }
-__device__ __forceinline__ float kv_at(const Int4* pool, const uint16_t* meta, const PagedLayout& /*L*/, int64_t i) {
+__device__ __forceinline__ float kv_at(const Int4* pool, const uint16_t* meta, const PagedLayout& L, int64_t row,
+                                       int64_t d) {
+  const int64_t i = row * L.head_dim + d;
   const uint8_t byte = pool[i / 2].bits;
   const uint16_t* m = meta + (i / kInt4Group) * 2;
   return quant::uint_decode(static_cast<uint8_t>((i & 1) ? byte >> 4 : byte & 15),
@@ -144,8 +148,11 @@ __device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t
     row.lo = 0;
     return;
   }
-  const int64_t h = t.head_begin + r / per_head, local = r % per_head;
-  const int64_t i = t.tok_begin + local / G, hq = h * G + local % G;
+  // 32-bit index arithmetic (a task's rows and a GQA group are small): no 64-bit division calls
+  const unsigned r32 = static_cast<unsigned>(r), per_head32 = static_cast<unsigned>(per_head);
+  const unsigned local = r32 % per_head32, G32 = static_cast<unsigned>(G);
+  const int64_t h = t.head_begin + r32 / per_head32;
+  const int64_t i = t.tok_begin + local / G32, hq = h * G + local % G32;
   const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
   row.pos = a.kv_lens[t.seq] - q_len + i;
   row.lo = a.window_left >= 0 ? max(int64_t(0), row.pos - a.window_left) : int64_t(0);
@@ -226,14 +233,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, co
     const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
     for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
       __syncthreads();  // the previous tile is no longer read
-      for (int64_t idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
-        const int64_t jj = idx / D, d = idx % D, key = t0 + jj;
+      for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
+        const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
+        const int64_t key = t0 + jj;
         float kv = 0.f, vv = 0.f;
         if (key < end) {  // staged dequantized: scales applied here, once per element
           const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
-          const int64_t off = L.offset(block, h, pos);
-          kv = kv_at(kc, k_meta, L, off + d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-          vv = kv_at(vc, v_meta, L, off + d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+          const int64_t row = L.row_index(block, h, pos);
+          kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+          vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
         }
         ks[jj][d] = kv;
         vs[jj][d] = vv;
@@ -285,8 +293,11 @@ __global__ void __launch_bounds__(kThreads) merge_partials_kernel(AttentionArgs 
       }
       acc_lse = w.lse;
     }
-    const int64_t h = sp.head_begin + r / per_head, local = r % per_head;
-    const int64_t row = (q_start + local / G) * a.q_heads + h * G + local % G;
+    // 32-bit index arithmetic (a split's rows and a GQA group are small): no 64-bit division calls
+    const unsigned r32 = static_cast<unsigned>(r), per_head32 = static_cast<unsigned>(per_head);
+    const unsigned local = r32 % per_head32, G32 = static_cast<unsigned>(G);
+    const int64_t h = sp.head_begin + r32 / per_head32;
+    const int64_t row = (q_start + local / G32) * a.q_heads + h * G + local % G32;
 #pragma unroll
     for (int k = 0; k < kMaxPerLane; ++k) {
       const int64_t d = lane + 32 * k;
@@ -296,15 +307,18 @@ __global__ void __launch_bounds__(kThreads) merge_partials_kernel(AttentionArgs 
   }
 }
 
-/// merge_states: one thread per (token, head, dim); rows of contiguous v tensors.
+/// merge_states: one CTA per row (token, head) of contiguous v tensors, its threads striding over head_dim
+/// (a row per CTA: no 64-bit division of an element index by the runtime head_dim).
 __global__ void merge_states_kernel(const void* v_a, const float* lse_a, const void* v_b, const float* lse_b,
-                                    void* v_out, float* lse_out, int64_t rows, int64_t D, DType dtype) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * D) return;
-  const int64_t r = i / D;
+                                    void* v_out, float* lse_out, int64_t D, DType dtype) {
+  const int64_t r = blockIdx.x;
   const MergeWeights w = merge_weights(lse_a[r], lse_b[r]);
-  store_any(v_out, i, dtype, w.w_a * load_any(v_a, i, dtype) + w.w_b * load_any(v_b, i, dtype));
-  if (i % D == 0) lse_out[r] = w.lse;
+  // (a 32-bit dim: with a 64-bit one the compiler's trip count was a 64-bit division)
+  for (unsigned d = threadIdx.x; d < static_cast<unsigned>(D); d += blockDim.x) {
+    const int64_t i = r * D + d;
+    store_any(v_out, i, dtype, w.w_a * load_any(v_a, i, dtype) + w.w_b * load_any(v_b, i, dtype));
+  }
+  if (threadIdx.x == 0) lse_out[r] = w.lse;
 }
 
 /// The element type of a stored kind (core/kv_format.h: with_kv_kinds), for keys (kKey) or values.
@@ -395,11 +409,10 @@ cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks,
 
 cudaError_t launch_merge_states(const void* v_a, const float* lse_a, const void* v_b, const float* lse_b, void* v_out,
                                 float* lse_out, int64_t rows, int64_t head_dim, DType dtype, cudaStream_t stream) {
-  const int64_t n = rows * head_dim;
-  if (n == 0) return cudaSuccess;
-  const int threads = 256;
-  KVC_LAUNCH(static_cast<unsigned>((n + threads - 1) / threads), threads, stream, merge_states_kernel)(
-      v_a, lse_a, v_b, lse_b, v_out, lse_out, rows, head_dim, dtype);
+  if (rows == 0 || head_dim == 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;  // one CTA per row: grid.x < 2^31
+  KVC_LAUNCH(static_cast<unsigned>(rows), kMergeThreads, stream, merge_states_kernel)(v_a, lse_a, v_b, lse_b, v_out,
+                                                                                      lse_out, head_dim, dtype);
   return cudaGetLastError();
 }
 
