@@ -339,9 +339,9 @@ __device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int
     }
     default: {  // KIVI: planes per 32-dim chunk (core/quant.h), and the unit holds whole chunks
       const int bits = kivi_bits(kind);
-      const auto code = [&](unsigned k) {
-        const unsigned c = k % 32, per = 4u * static_cast<unsigned>(bits);  // chunk bytes
-        return static_cast<uint8_t>((byte_at(w, (k / 32) * per + c % per) >> (bits * (c / per))) & ((1u << bits) - 1));
+      const auto code = [&](unsigned k) {  // quant::planar_get on the unit's bytes
+        const auto byte = byte_at(w, static_cast<unsigned>(quant::planar_byte(k, bits)));
+        return static_cast<uint8_t>((byte >> quant::planar_shift(k, bits)) & ((1u << bits) - 1));
       };
       if (key) {
         const uint16_t* m = meta + (row >> L.page_shift) * 2 * D;  // the row's (block, head) page
