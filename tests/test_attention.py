@@ -158,6 +158,16 @@ def test_long_context_split_k_matches(isa):
     run_and_check(pb32, torch.randn(1, 2, 64), cu_from([1]), window_left=1000, sink_tokens=4)
 
 
+def test_long_decode_reads_every_head_of_a_page(isa):
+    # >= 4096 keys: a CPU decode task reads as many KV heads as make a 32 KiB run of a page (here all 8 at
+    # head_dim 64, bf16), so one task serves 8 heads x 4 query rows; two sequences of unequal lengths, then
+    # with a window and sinks
+    pb = make_paged_batch([4100, 4133], 16, 8, 64, torch.bfloat16)
+    q = torch.randn(2, 32, 64).to(torch.bfloat16)
+    run_and_check(pb, q, cu_from([1, 1]))
+    run_and_check(pb, q, cu_from([1, 1]), window_left=3000, sink_tokens=4)
+
+
 def test_non_contiguous_query(isa):
     pb = make_paged_batch([64, 9], 16, 2, 64, torch.bfloat16)
     base = torch.randn(2 + 9, 64, 8).to(torch.bfloat16)

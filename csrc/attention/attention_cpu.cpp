@@ -70,7 +70,7 @@ AttentionTaskFn task_fn() {
 }
 
 /// The CPU planner's options for a call: split decode keys over the threads, prefill in BLAS-sized row
-/// blocks, and long decodes over a page's 8 KiB run of heads.
+/// blocks, and long decodes over a page's 32 KiB run of heads.
 PlanOptions plan_options(const AttentionArgs& a) {
   PlanOptions opt;
   opt.parallelism = at::get_num_threads();

@@ -38,13 +38,16 @@ struct PlanOptions {
   bool fill_waves = false;
 };
 
-/// KV heads whose rows of one page make an 8 KiB run: a head-at-a-time stream of short runs at scattered
+/// KV heads whose rows of one page make a 32 KiB run: a head-at-a-time stream of short runs at scattered
 /// pages is read neither by the hardware prefetcher nor from open DRAM rows (a DDR5 rank's row is 8 KiB).
 /// int8, 8 x 32k tokens, Zen 4: 35-37 -> 28-31 ns per key and KV head from DRAM with 4 KiB runs (2 heads);
 /// Zen 5, from DRAM: 4 KiB -> 8 KiB runs took int8 26-27.5 -> 22 ns, int4 20.7 -> 18.5, bf16 40 -> 38.
+/// Zen 3 (AVX2), bf16, 8 x 32k, paired rounds: 8 KiB -> 32 KiB runs (2 -> 8 heads) took the step to
+/// 0.87-0.89 of its time (a run against itself: 0.98); int8 and batch 1 x 32k unchanged within noise.
+constexpr int64_t kDecodeRunBytes = 32768;
 inline int64_t decode_heads_per_page(const PagedLayout& L, int64_t k_row_bytes, int64_t v_row_bytes) {
   const int64_t run = L.page_size * std::max<int64_t>(1, std::max(k_row_bytes, v_row_bytes));
-  return std::clamp<int64_t>(8192 / run, 1, L.num_kv_heads);
+  return std::clamp<int64_t>(kDecodeRunBytes / run, 1, L.num_kv_heads);
 }
 
 struct AttentionPlan {
