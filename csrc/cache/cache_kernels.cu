@@ -140,7 +140,7 @@ __device__ __forceinline__ uint16_t group_scale_bits(float mn, float mx, int bit
 
 /// Quantizing append: one warp per (token, kv head) row; lanes stride over head_dim. A full-precision
 /// side copies elem_bytes-wide elements; a quantized side encodes with core/quant.h.
-__global__ void append_quantized_kernel(AppendArgs a, int elem_bytes) {
+__global__ void __launch_bounds__(kThreads, 4) append_quantized_kernel(AppendArgs a, int elem_bytes) {
   KVC_SHARED(float, rotated, [kThreads / 32][kMaxPerLane * 32]);  // one row buffer per warp
   const int64_t H = a.layout.num_kv_heads;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;

@@ -9,6 +9,24 @@
 
 namespace kvcache::cuda {
 
+/// The butterflies between registers k and k + kHk (k & kHk == 0) for the runtime stride hk = kHk, found by
+/// recursion over the powers of two below N. NOTE: every index is a constant: a runtime x[k + hk] made ptxas
+/// keep x in a stack frame (append_quantized_kernel: 32 bytes, 130 local loads and 141 local stores).
+template <int N, int kHk = 1>
+__device__ __forceinline__ void register_butterflies(float (&x)[N], int hk) {
+  if constexpr (kHk < N) {
+    if (hk != kHk) return register_butterflies<N, 2 * kHk>(x, hk);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if ((k & kHk) == 0 && k + kHk < N) {
+        const float a = x[k], b = x[k + kHk];
+        x[k] = a + b;
+        x[k + kHk] = a - b;
+      }
+    }
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void warp_fwht(float (&x)[N], int64_t D, int lane) {
   // Butterflies across lanes (h < 32): the lower dim of a pair computes a + b, the upper a - b.
@@ -20,20 +38,7 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int64_t D, int lane) {
     }
   }
   // Butterflies across registers (h >= 32): dims lane + 32 k and lane + 32 (k + h / 32).
-  for (int64_t h = 32; h < D; h <<= 1) {
-    const int hk = static_cast<int>(h / 32);
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-#pragma unroll
-      for (int k2 = 0; k2 < N; ++k2) {
-        if (k2 == k + hk && (k & hk) == 0) {
-          const float a = x[k], b = x[k2];
-          x[k] = a + b;
-          x[k2] = a - b;
-        }
-      }
-    }
-  }
+  for (int64_t h = 32; h < D; h <<= 1) register_butterflies(x, static_cast<int>(h / 32));
 }
 
 template <int N>
