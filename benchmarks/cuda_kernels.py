@@ -103,6 +103,9 @@ class SmLimits:
     fp32_flops: float            # datasheet peak of the CUDA cores (non-tensor) FP32
     sm_count: int
     part: str
+    clock_hz: float              # datasheet boost clock, for the issue bound
+    tensor_flops: float          # datasheet peak of the tensor cores, dense bf16 / fp16 with fp32 accumulation
+    issue_per_cycle: int = 4     # warp instructions an SM issues per cycle (one per sub-partition scheduler)
 
 
 # CUDA C++ Programming Guide, "Compute Capabilities" / "Technical Specifications per Compute Capability":
@@ -110,12 +113,14 @@ class SmLimits:
 # both 8.0 and 9.0; at most 164 KB shared memory per SM on 8.0 and 228 KB on 9.0 (1 KB of it reserved per
 # CTA). The allocation granularities (256 registers per warp, 4 sub-partitions, 128 B of shared memory)
 # are those of the CUDA occupancy calculator, include/cuda_occupancy.h of the toolkit (cases 8 and 9).
-# Peak DRAM bandwidth, FP32 rate and SM count are the A100 SXM4 80GB and H100 SXM5 datasheet figures.
+# Peak DRAM bandwidth, FP32 and dense bf16 tensor rates, SM count and boost clock are the A100 SXM4 80GB
+# and H100 SXM5 datasheet figures; one warp instruction per cycle per SM sub-partition is the issue rate of
+# both architectures' schedulers (the A100 / H100 architecture whitepapers).
 SM_LIMITS = {
     "sm_80": SmLimits(65536, 256, 4, 255, 64, 32, 164 * 1024, 128, 1024,
-                      2039e9, 19.5e12, 108, "A100 SXM4 80GB"),
+                      2039e9, 19.5e12, 108, "A100 SXM4 80GB", 1410e6, 312e12),
     "sm_90a": SmLimits(65536, 256, 4, 255, 64, 32, 228 * 1024, 128, 1024,
-                       3352e9, 66.9e12, 132, "H100 SXM5"),
+                       3352e9, 66.9e12, 132, "H100 SXM5", 1980e6, 989e12),
 }
 
 SASS_NOT_RUN = "not run (no cuobjdump)"
@@ -313,8 +318,34 @@ def sass_counts(instructions: list[Instruction], call_names: dict[int, str]) -> 
             calls[name] = calls.get(name, 0) + 1
     counts.update(global_loads=global_loads, async_copies=async_copies, calls=calls,
                   div64_calls=sum(n for name, n in calls.items() if DIV64_HELPER.search(name)),
-                  loads_in_flight=loads_in_flight(instructions))
+                  loads_in_flight=loads_in_flight(instructions), streaming_loop=streaming_loop(instructions))
     return counts
+
+
+def innermost_loops(instructions: list[Instruction]) -> list[tuple[int, int]]:
+    """(first, last) addresses of the innermost loops: a backward branch's range that holds no other."""
+    loop_ends: dict[int, int] = {}  # loop head -> its last backward branch
+    for ins in instructions:
+        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
+            head = int(t.group(1), 16)
+            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    return [(s, e) for s, e in loop_ends.items() if not any(s < s2 <= e and e2 <= e for s2, e2 in loop_ends.items()
+                                                           if (s2, e2) != (s, e))]
+
+
+def streaming_loop(instructions: list[Instruction]) -> dict:
+    """The innermost loops that load from global memory (a decode kernel's passes over its keys: K, V, their
+    scales), taken together as one pass: their instructions (every instruction of each body once: a branch
+    inside makes this an upper bound) and the bytes their global loads fetch per thread. The issue bound of
+    the roofline reads it: a warp issues `instructions` to stream 32 x `bytes_per_thread` bytes."""
+    loops = []
+    for start, end in sorted(innermost_loops(instructions)):
+        body = [ins for ins in instructions if start <= ins.address <= end]
+        loaded = sum(load_bytes(ins.opcode) for ins in body if ins.base in ("LDG", "LDGSTS"))
+        if loaded:
+            loops.append((start, end, len(body), loaded))
+    return {"instructions": sum(n for _, _, n, _ in loops), "bytes_per_thread": sum(b for *_, b in loops),
+            "loops": [f"0x{s:04x}-0x{e:04x}" for s, e, _, _ in loops]}
 
 
 def loads_in_flight(instructions: list[Instruction]) -> dict:
@@ -324,14 +355,8 @@ def loads_in_flight(instructions: list[Instruction]) -> dict:
     one to the next until an instruction reads a register one of them writes: the bytes pending at that
     first use are what the thread has in flight while it waits. The largest such group over the innermost
     loops (the streaming loops; an outer loop's set-up loads are not counted)."""
-    loop_ends: dict[int, int] = {}  # loop head -> its last backward branch
-    for ins in instructions:
-        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
-            head = int(t.group(1), 16)
-            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
     # innermost loops only: an outer loop's per-pass set-up (task fields, lengths) is not the streaming loop
-    loops = [(s, e) for s, e in loop_ends.items() if not any(s < s2 <= e and e2 <= e for s2, e2 in loop_ends.items()
-                                                             if (s2, e2) != (s, e))]
+    loops = innermost_loops(instructions)
     targets = {start for start, _ in loops} | {int(t.group(1), 16) for ins in instructions if ins.base == "BRA"
                                                and (t := re.search(r"0x([0-9a-f]+)", ins.operands))}
     best = {"bytes_per_thread": 0, "loads": 0, "at": None}
@@ -403,9 +428,19 @@ MODEL_ASSUMPTIONS = [
     "is assumed to sit in that loop with the group in flight at once, all lanes active).",
     "Targets: 20 KB/SM on sm_80 and 32 KB/SM on sm_90 (issue #23), the bytes needed in flight to cover "
     "DRAM latency at full bandwidth. Modelled attainable bandwidth = peak x min(1, in flight / target).",
-    "Roofline: decode of a GQA group of 4 query heads per KV head at the kernel's KV element size: "
-    "4 x 4 x head_dim flops per key (q.k and p.v, 2 flops per multiply-add, per query head) over the key's K "
-    "and V bytes; compute roof: FP32 CUDA cores (the kernels use no tensor-core instruction yet).",
+    "Roofline of a decode step (a GQA group of 4 query heads per KV head, at the kernel's KV element size: "
+    "4 x 4 x head_dim flops per key over its K and V bytes), in KV bytes per second for the whole GPU, the "
+    "least of four bounds: bandwidth = the datasheet DRAM peak; latency = bytes in flight per SM x SMs / the "
+    "DRAM latency the issue's targets imply (target x SMs / peak: 1.08 us on A100, 1.29 us on H100), i.e. "
+    "peak x in flight / target; issue = SMs x 4 warp instructions per cycle x boost clock x the bytes a warp's "
+    "streaming loops load per pass (32 lanes, all active) / their instructions per pass (the innermost loops "
+    "with global loads, taken as one pass over a chunk of keys; every instruction of a body counted once, so an "
+    "upper bound on the instructions and a lower bound on this rate, and the loops' own work only: set-up and "
+    "reductions outside them are not counted); compute = the peak of the units the SASS uses (tensor cores when it has an MMA "
+    "instruction, else the FP32 CUDA cores) / flops per byte. Efficiency = the least bound / the DRAM peak.",
+    "Prefill (attention_kernel and mla_attention_kernel serve prefill tasks too): with no MMA instruction its "
+    "compute roof is the FP32 CUDA cores, 19.5 / 312 = 6.3% (A100) and 66.9 / 989 = 6.8% (H100) of the dense "
+    "bf16 tensor-core roof a prefill on tensor cores would have.",
 ]
 
 KV_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2, "signed char": 1, "Fp8E4M3": 1, "Fp8E5M2": 1,
@@ -425,18 +460,34 @@ def kv_element_bytes(name: str) -> float:
 
 
 def in_flight_model(row: dict, lim: SmLimits, arch: str) -> dict:
-    per_thread = row["sass"]["loads_in_flight"]["bytes_per_thread"]
+    """Little's-law bytes in flight per SM and the roofline of a decode kernel (see MODEL_ASSUMPTIONS)."""
+    sass = row["sass"]
+    per_thread = sass["loads_in_flight"]["bytes_per_thread"]
     warps = row["occupancy"]["warps_per_sm"]
     per_sm = warps * 32 * per_thread
     target = IN_FLIGHT_TARGET_BYTES[arch]
     fraction = min(1.0, per_sm / target)
     kv_bytes = kv_element_bytes(row["name"])
     intensity = GQA_GROUP * 4 / (2 * kv_bytes)  # flops per byte: 4 x 4 x D flops over 2 x D x bytes
-    bandwidth = lim.dram_bytes_per_s * fraction
+    loop = sass["streaming_loop"]
+    tensor = bool(sass["mma"])
+    compute_peak = lim.tensor_flops if tensor else lim.fp32_flops
+    latency_s = target * lim.sm_count / lim.dram_bytes_per_s
+    bounds = {
+        "bandwidth": lim.dram_bytes_per_s,
+        "latency": per_sm * lim.sm_count / latency_s,
+        "issue": (lim.sm_count * lim.issue_per_cycle * lim.clock_hz * 32 * loop["bytes_per_thread"] / loop["instructions"]
+                  if loop["instructions"] else 0.0),
+        "compute": compute_peak / intensity,
+    }
+    bound = min(bounds, key=bounds.get)
+    attainable = bounds[bound]
     return {"bytes_per_thread": per_thread, "warps_per_sm": warps, "bytes_per_sm": per_sm, "target_bytes": target,
-            "bandwidth_fraction": fraction, "attainable_bytes_per_s": bandwidth,
-            "arithmetic_intensity": intensity, "attainable_flops": min(lim.fp32_flops, intensity * bandwidth),
-            "bound": "memory" if intensity * bandwidth < lim.fp32_flops else "compute"}
+            "bandwidth_fraction": fraction, "attainable_bytes_per_s": attainable,
+            "arithmetic_intensity": intensity, "attainable_flops": attainable * intensity,
+            "bound": bound, "bounds_bytes_per_s": bounds, "dram_latency_s": latency_s,
+            "compute_units": "tensor" if tensor else "fp32", "streaming_loop": loop,
+            "efficiency": attainable / lim.dram_bytes_per_s}
 
 
 # ---- checks -----------------------------------------------------------------------------------------------
@@ -455,6 +506,7 @@ def run_checks(row: dict, budget: KernelBudget | None) -> dict[str, str]:
         checks["128-bit KV loads"] = SASS_NOT_RUN if decode else "n/a"
         checks["prefill has MMA"] = SASS_NOT_RUN if prefill else "n/a"
         checks["bytes in flight"] = SASS_NOT_RUN if decode else "n/a"
+        checks["roofline modelled"] = SASS_NOT_RUN if decode else "n/a"
         return checks
     checks["no local memory"] = verdict(not row["local_memory"] and sass["local_loads"] + sass["local_stores"] == 0)
     checks["no 64-bit division calls"] = verdict(sass["div64_calls"] == 0)
@@ -463,6 +515,9 @@ def run_checks(row: dict, budget: KernelBudget | None) -> dict[str, str]:
     checks["prefill has MMA"] = verdict(bool(sass["mma"])) if budget and budget.prefill else "n/a"
     model = row.get("in_flight")
     checks["bytes in flight"] = verdict(model["bytes_per_sm"] >= model["target_bytes"]) if model else "n/a"
+    # check 6: every decode kernel has its roofline, each of the four bounds a positive rate
+    checks["roofline modelled"] = (verdict(model is not None and all(v > 0 for v in model["bounds_bytes_per_s"].values()))
+                                   if budget and budget.decode else "n/a")
     return checks
 
 
@@ -586,13 +641,16 @@ def markdown(report: dict) -> str:
         "",
         "## Modelled per-SM limits",
         "",
-        "| arch | part | regs/SM | alloc unit | warps/SM | CTAs/SM | smem/SM | DRAM | FP32 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arch | part | regs/SM | alloc unit | warps/SM | CTAs/SM | smem/SM | DRAM | FP32 | tensor (bf16) | "
+        "boost clock | issue |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arch, lim in SM_LIMITS.items():
         out.append(f"| {arch} | {lim.part} | {lim.registers_per_sm} | {lim.register_alloc_unit}/warp | "
                    f"{lim.max_warps_per_sm} | {lim.max_ctas_per_sm} | {lim.smem_per_sm // 1024} KB | "
-                   f"{lim.dram_bytes_per_s / 1e9:.0f} GB/s | {lim.fp32_flops / 1e12:.1f} TFLOP/s |")
+                   f"{lim.dram_bytes_per_s / 1e9:.0f} GB/s | {lim.fp32_flops / 1e12:.1f} TFLOP/s | "
+                   f"{lim.tensor_flops / 1e12:.0f} TFLOP/s | {lim.clock_hz / 1e6:.0f} MHz | "
+                   f"{lim.issue_per_cycle} warp instr./cycle |")
     out += ["", "Assumptions of the model:", ""] + [f"- {a}" for a in MODEL_ASSUMPTIONS]
 
     out += ["", "## Summary per kernel (worst template instance)", "",
@@ -614,17 +672,23 @@ def markdown(report: dict) -> str:
                    f"({', '.join(worst_occ['limited_by'])}) | {', '.join(failed) or 'none'} |")
 
     out += ["", "## Bytes in flight and roofline of the decode kernels (modelled, not measured)", "",
-            "| kernel | arch | B/thread in flight | warps/SM | in flight/SM | target | BW fraction | "
-            "flop/B | attainable | bound |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "Bounds in GB/s of KV read for the whole GPU (see the assumptions above); the least one binds. "
+            "Streaming loops: their instructions per pass / the bytes each thread loads in it (innermost loops with "
+            "global loads).", "",
+            "| kernel | arch | B/thread in flight | warps/SM | in flight/SM | target | streaming loops | flop/B | "
+            "bandwidth | latency | issue | compute | bound | modelled efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if m := r.get("in_flight"):
+            b = {k: v / 1e9 for k, v in m["bounds_bytes_per_s"].items()}
+            loop = m["streaming_loop"]
             out.append(f"| {r['name']} | {r['arch']} | {m['bytes_per_thread']:g} | {m['warps_per_sm']} | "
-                       f"{kib(m['bytes_per_sm'])} | {kib(m['target_bytes'])} | {m['bandwidth_fraction']:.0%} | "
-                       f"{m['arithmetic_intensity']:g} | {m['attainable_bytes_per_s'] / 1e9:.0f} GB/s, "
-                       f"{m['attainable_flops'] / 1e12:.2f} TFLOP/s | {m['bound']} |")
+                       f"{kib(m['bytes_per_sm'])} | {kib(m['target_bytes'])} | {loop['instructions']} / "
+                       f"{loop['bytes_per_thread']:g} B | {m['arithmetic_intensity']:g} | {b['bandwidth']:.0f} | "
+                       f"{b['latency']:.0f} | {b['issue']:.0f} | {b['compute']:.0f} ({m['compute_units']}) | "
+                       f"{m['bound']} | {m['efficiency']:.0%} |")
     if not any("in_flight" in r for r in rows):
-        out.append(f"| - | - | {SASS_NOT_RUN} | | | | | | | |")
+        out.append(f"| - | - | {SASS_NOT_RUN} |" + " |" * 11)
 
     check_names = list(rows[0]["checks"]) if rows else []
     out += ["", "## Every instance", "",

@@ -74,6 +74,46 @@ def test_parse_sass_sample():
     assert counts["mma"] == {"HMMA": 1}  # HFMA2.MMA runs on the FMA pipe: no tensor core
     # in the loop 0x10..0x50: 2 + 16 + 8 bytes pending when the FADD reads R8
     assert counts["loads_in_flight"] == {"bytes_per_thread": 26, "loads": 3, "at": "0x0010"}
+    # the one loop with global loads: 5 instructions (3 loads, the FADD, the branch) stream 26 bytes per thread
+    assert counts["streaming_loop"] == {"instructions": 5, "bytes_per_thread": 26, "loops": ["0x0010-0x0050"]}
+
+
+def test_streaming_loops_add_up():
+    """Two innermost loops with global loads (a K pass and a V pass) make one pass; a loop without loads
+    does not count, nor does an outer loop around them."""
+    sass = "\n".join(f"        /*{a:04x}*/ {op} ;" for a, op in [
+        (0x00, "LDG.E R2, [R4.64]"),                  # outer loop body (set-up load)
+        (0x10, "LDG.E.128 R8, [R4.64]"), (0x20, "FFMA R3, R8, R9, R3"), (0x30, "@P0 BRA 0x10"),
+        (0x40, "FADD R3, R3, R3"), (0x50, "@P1 BRA 0x40"),          # no load: not streaming
+        (0x60, "LDG.E.64 R12, [R4.64]"), (0x70, "@P2 BRA 0x60"),
+        (0x80, "@P3 BRA 0x0"), (0x90, "EXIT")])
+    functions = report.parse_sass("\t\tFunction : _Z1kv\n" + sass)
+    loop = report.streaming_loop(functions["_Z1kv"])
+    assert loop == {"instructions": 5, "bytes_per_thread": 24, "loops": ["0x0010-0x0030", "0x0060-0x0070"]}
+
+
+def test_roofline_bounds():
+    """The four bounds of the decode roofline from their inputs, by hand (MODEL_ASSUMPTIONS)."""
+    lim = report.SM_LIMITS["sm_80"]
+    row = {"name": "attention_kernel<__nv_bfloat16>", "occupancy": {"warps_per_sm": 16},
+           "sass": {"loads_in_flight": {"bytes_per_thread": 16}, "mma": {},
+                    "streaming_loop": {"instructions": 100, "bytes_per_thread": 32, "loops": []}}}
+    m = report.in_flight_model(row, lim, "sm_80")
+    per_sm = 16 * 32 * 16  # 8 KB of the 20 KB target
+    assert m["bytes_per_sm"] == per_sm
+    b = m["bounds_bytes_per_s"]
+    assert b["bandwidth"] == lim.dram_bytes_per_s
+    assert b["latency"] == pytest.approx(lim.dram_bytes_per_s * per_sm / (20 * 1024))
+    assert b["issue"] == pytest.approx(108 * 4 * 1410e6 * 32 * 32 / 100)  # ~6.2 TB/s
+    assert b["compute"] == pytest.approx(19.5e12 / 4)  # bf16: 16 flops per 4 bytes of K and V per dim
+    assert m["bound"] == "latency" and m["efficiency"] == pytest.approx(per_sm / (20 * 1024))
+    # a kernel with an MMA instruction is held to the tensor cores; fewer bytes per instruction: issue-bound
+    row["sass"]["mma"] = {"HMMA": 8}
+    row["sass"]["loads_in_flight"]["bytes_per_thread"] = 64
+    row["sass"]["streaming_loop"]["instructions"] = 2000
+    m = report.in_flight_model(row, lim, "sm_80")
+    assert m["compute_units"] == "tensor" and m["bounds_bytes_per_s"]["compute"] == pytest.approx(312e12 / 4)
+    assert m["bound"] == "issue" and m["attainable_bytes_per_s"] == pytest.approx(108 * 4 * 1410e6 * 32 * 32 / 2000)
 
 
 def test_demangled_short_names():
