@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "attention/attention_cuda_launch.h"
+#include "cache/dequant_cuda.cuh"
 #include "cache/rotation_cuda.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
@@ -78,6 +79,39 @@ __device__ __forceinline__ float kv_at(const Int4* pool, const uint16_t* meta, c
   const uint16_t* m = meta + (i / kInt4Group) * 2;
   return quant::uint_decode(static_cast<uint8_t>((i & 1) ? byte >> 4 : byte & 15),
                             __half2float(__ushort_as_half(m[0])), __half2float(__ushort_as_half(m[1])));
+}
+
+/// The stored kind and full-precision dtype of a pool element type (constants, so that dequantize_unit's
+/// switch folds away in each instance).
+template <typename T>
+struct KvType;
+template <>
+struct KvType<float> { static constexpr KVKind kind = KVKind::kFull; static constexpr DType dtype = DType::kFloat32; };
+template <>
+struct KvType<__half> { static constexpr KVKind kind = KVKind::kFull; static constexpr DType dtype = DType::kFloat16; };
+template <>
+struct KvType<__nv_bfloat16> {
+  static constexpr KVKind kind = KVKind::kFull;
+  static constexpr DType dtype = DType::kBFloat16;
+};
+template <>
+struct KvType<int8_t> { static constexpr KVKind kind = KVKind::kInt8; static constexpr DType dtype = DType::kFloat32; };
+template <>
+struct KvType<Fp8E4M3> { static constexpr KVKind kind = KVKind::kFp8E4M3; static constexpr DType dtype = DType::kFloat32; };
+template <>
+struct KvType<Fp8E5M2> { static constexpr KVKind kind = KVKind::kFp8E5M2; static constexpr DType dtype = DType::kFloat32; };
+template <>
+struct KvType<Int4> { static constexpr KVKind kind = KVKind::kInt4; static constexpr DType dtype = DType::kFloat32; };
+template <int kBits, bool kKey>
+struct KvType<Kivi<kBits, kKey>> {
+  static constexpr KVKind kind = kBits == 2 ? KVKind::kKivi2 : KVKind::kKivi4;
+  static constexpr DType dtype = DType::kFloat32;
+};
+
+/// Bytes of one stored row of element type T (codes only: scales and metadata live apart).
+template <typename T>
+__device__ __forceinline__ int64_t stored_row_bytes(int64_t D) {
+  return code_row_bytes(KvType<T>::kind, D, KvType<T>::dtype == DType::kFloat32 ? 4 : 2);
 }
 
 /// The scale of the key at (block, head, pos): per row for int8, per head for fp8, 1 otherwise (full
@@ -199,6 +233,48 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
   }
 }
 
+/// Stages keys [t0, t0 + kTile) of one side (K or V) of head h into `tile`, dequantized with their scales, from
+/// 16-byte units of codes: one LDG.E.128 per unit (4 fp32, 8 bf16 / fp16, 16 int8 / fp8, 32 int4 / kivi4 or
+/// 64 kivi2 values), decoded in registers. Keys at or past `end` stage 0. Needs every row to be whole units
+/// and the pool 16-byte aligned (units_ok). The same values as kv_at x token_scale.
+/// NOTE: one unit per thread at a time: two loaded before either was decoded took the quantized instances to
+/// 165-250 registers with spills (sm_80), for no more bytes in flight in the model.
+template <typename T>
+__device__ __forceinline__ void stage_units(const AttentionArgs& a, const T* pool, const float* scales, bool key,
+                                            const int32_t* table, int64_t h, int64_t t0, int64_t end,
+                                            float (*tile)[kMaxPerLane * 32]) {
+  constexpr KVKind kind = KvType<T>::kind;
+  // values per unit: a constant of the type, so that the decode below unrolls (no loop around a unit's values)
+  constexpr unsigned kDims =
+      static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype == DType::kFloat32 ? 4 : 2));
+  const PagedLayout& L = a.layout;
+  const int64_t row_bytes = stored_row_bytes<T>(L.head_dim);
+  const unsigned units = static_cast<unsigned>(row_bytes / 16), n = kTile * units;  // 32-bit: n < kTile x 64
+  for (unsigned i = threadIdx.x; i < n; i += kThreads) {
+    const int64_t k = t0 + i / units;
+    float* out = tile[i / units] + (i % units) * kDims;
+    if (k >= end) {
+#pragma unroll
+      for (unsigned d = 0; d < kDims; ++d) out[d] = 0.f;
+      continue;
+    }
+    const int64_t block = table[k >> L.page_shift], pos = k & (L.page_size - 1);
+    const int64_t row = L.row_index(block, h, pos);
+    const uint4 w = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(pool) + row * row_bytes)[i % units];
+    dequantize_unit(w, row, int64_t(i % units) * kDims, kDims, kind, KvType<T>::dtype,
+                    token_scale(kind, scales, L, block, h, pos), scales, L, key, [&](unsigned d, float v) { out[d] = v; });
+  }
+}
+
+/// Whether stage_units can read pools of K type KT and V type VT: whole 16-byte units per row, aligned pools.
+template <typename KT, typename VT>
+__device__ __forceinline__ bool units_ok(const AttentionArgs& a) {
+  const int64_t D = a.layout.head_dim;
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return stored_row_bytes<KT>(D) % 16 == 0 && stored_row_bytes<VT>(D) % 16 == 0 && aligned(a.k_cache) &&
+         aligned(a.v_cache);
+}
+
 /// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys.
 /// Rows are dealt to the warps in turn (row i * kWarps + warp of the pass), so that a decode step of a
 /// GQA group of 4 keeps all four warps busy.
@@ -219,6 +295,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, co
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
   const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
+  const bool units = units_ok<KT, VT>(a);  // 128-bit staging loads, else one value per load
 
   for (int64_t first = 0; first < rows; first += kRowsPerCta) {
     Row rw[kRowsPerWarp];
@@ -233,18 +310,23 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, co
     const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
     for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
       __syncthreads();  // the previous tile is no longer read
-      for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
-        const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
-        const int64_t key = t0 + jj;
-        float kv = 0.f, vv = 0.f;
-        if (key < end) {  // staged dequantized: scales applied here, once per element
-          const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
-          const int64_t row = L.row_index(block, h, pos);
-          kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-          vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+      if (units) {
+        stage_units(a, kc, a.k_scale, true, table, h, t0, end, ks);
+        stage_units(a, vc, a.v_scale, false, table, h, t0, end, vs);
+      } else {
+        for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
+          const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
+          const int64_t key = t0 + jj;
+          float kv = 0.f, vv = 0.f;
+          if (key < end) {  // staged dequantized: scales applied here, once per element
+            const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
+            const int64_t row = L.row_index(block, h, pos);
+            kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+            vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+          }
+          ks[jj][d] = kv;
+          vs[jj][d] = vv;
         }
-        ks[jj][d] = kv;
-        vs[jj][d] = vv;
       }
       __syncthreads();
       if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)

@@ -296,68 +296,6 @@ __global__ void append_kivi_key_kernel(AppendArgs a) {
   }
 }
 
-/// Word j (0-3) of a 16-byte unit. NOTE: selects, not an array indexed at run time (which the compiler puts
-/// in local memory: a stack frame and local loads per value).
-__device__ __forceinline__ uint32_t word_at(const uint4& w, unsigned j) {
-  return j < 2 ? (j == 0 ? w.x : w.y) : (j == 2 ? w.z : w.w);
-}
-__device__ __forceinline__ uint8_t byte_at(const uint4& w, unsigned j) {
-  return static_cast<uint8_t>(word_at(w, j / 4) >> (8 * (j % 4)));
-}
-
-/// Dims [d0, d0 + dims) of pool row `row`, whose codes are the 16 bytes `w` (a unit: for int4 and KIVI it
-/// starts a 32-dim chunk), dequantized into out[dst], out[dst + 1], ... `s`: the row's int8 or the head's fp8
-/// scale; `scales`: the int4 / KIVI metadata; `key`: K side (KIVI keys: per-channel page metadata). A
-/// full-precision side is stored in out_dtype.
-__device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,
-                                                float s, const float* scales, const PagedLayout& L, bool key,
-                                                void* out, int64_t dst, DType out_dtype) {
-  const uint16_t* meta = reinterpret_cast<const uint16_t*>(scales);
-  const int64_t D = L.head_dim;
-  const auto half = [](uint16_t x) { return __half2float(__ushort_as_half(x)); };
-  const auto emit = [&](auto value) {
-    for (unsigned k = 0; k < dims; ++k) store_any(out, dst + k, out_dtype, value(k));
-  };
-  switch (kind) {
-    case KVKind::kFull:
-      return emit([&](unsigned k) {
-        if (out_dtype == DType::kFloat32) return __uint_as_float(word_at(w, k));
-        const auto bits = static_cast<unsigned short>(word_at(w, k / 2) >> (16 * (k % 2)));
-        return out_dtype == DType::kFloat16 ? __half2float(__ushort_as_half(bits))
-                                            : __bfloat162float(__ushort_as_bfloat16(bits));
-      });
-    case KVKind::kInt8:
-      return emit([&](unsigned k) { return quant::int8_decode(static_cast<int8_t>(byte_at(w, k)), s); });
-    case KVKind::kFp8E4M3: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE4M3) * s; });
-    case KVKind::kFp8E5M2: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE5M2) * s; });
-    case KVKind::kInt4: {  // one (scale, zero) pair for the unit's 32 dims
-      const uint16_t* m = meta + (row * (D / kInt4Group) + d0 / kInt4Group) * 2;
-      const float scale = half(m[0]), zero = half(m[1]);
-      return emit([&](unsigned k) {
-        return quant::uint_decode(static_cast<uint8_t>((byte_at(w, k / 2) >> (4 * (k % 2))) & 15), scale, zero);
-      });
-    }
-    default: {  // KIVI: planes per 32-dim chunk (core/quant.h), and the unit holds whole chunks
-      const int bits = kivi_bits(kind);
-      const auto code = [&](unsigned k) {  // quant::planar_get on the unit's bytes
-        const auto byte = byte_at(w, static_cast<unsigned>(quant::planar_byte(k, bits)));
-        return static_cast<uint8_t>((byte >> quant::planar_shift(k, bits)) & ((1u << bits) - 1));
-      };
-      if (key) {
-        const uint16_t* m = meta + (row >> L.page_shift) * 2 * D;  // the row's (block, head) page
-        return emit([&](unsigned k) {
-          const int64_t d = d0 + k;
-          return quant::uint_decode(code(k), half(m[quant::kivi_key_scale_at(d)]), half(m[quant::kivi_key_zero_at(d)]));
-        });
-      }
-      return emit([&](unsigned k) {
-        const uint16_t* m = meta + (row * (D / 32) + (d0 + k) / 32) * 2;
-        return quant::uint_decode(code(k), half(m[0]), half(m[1]));
-      });
-    }
-  }
-}
-
 /// Dequantizing gather. grid.x = batch * num_kv_heads, grid.y strides over chunks of kRowsPerCta rows of
 /// the sequence; threads stride over a chunk's (token, unit), first of K, then of V (their rows may differ
 /// in width). A unit is 16 bytes of codes, read with one 128-bit load, when kUnits (every row of both pools
@@ -400,7 +338,8 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
                         : (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2 ? scales[h] : 1.f);
         if constexpr (kUnits) {
           const uint4 w = reinterpret_cast<const uint4*>(pool + r * row_bytes)[i % units];
-          dequantize_unit(w, r, d0, dims, kind, s, scales, L, role == 0, out, dst, a.out_dtype);
+          dequantize_unit(w, r, d0, dims, kind, a.out_dtype, s, scales, L, role == 0,
+                          [&](unsigned k, float v) { store_any(out, dst + k, a.out_dtype, v); });
         } else {
           store_any(out, dst, a.out_dtype, dequantize(pool, r, d0, kind, s, a.out_dtype, scales, L, role == 0));
         }

@@ -1,5 +1,6 @@
-// One stored value of a K or V row of any format, dequantized to fp32: the device side of cache/quant_rows.h,
-// shared by the dequantizing gather (cache_kernels.cu) and the MLA kernel (mla/mla_kernels.cu).
+// Stored values of a K or V row of any format, dequantized to fp32: the device side of cache/quant_rows.h,
+// one value at a time (dequantize) or a 16-byte unit of codes at a time (dequantize_unit), shared by the
+// dequantizing gather (cache_kernels.cu), the attention kernel's tile staging and the MLA kernel.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -44,6 +45,70 @@ __device__ __forceinline__ float dequantize(const char* pool, int64_t row, int64
     case KVKind::kInt8: return quant::int8_decode(reinterpret_cast<const int8_t*>(pool)[i], scale);
     case KVKind::kFp8E4M3: return quant::fp8_decode(reinterpret_cast<const uint8_t*>(pool)[i], quant::kE4M3) * scale;
     default: return quant::fp8_decode(reinterpret_cast<const uint8_t*>(pool)[i], quant::kE5M2) * scale;
+  }
+}
+
+/// Word j (0-3) of a 16-byte unit. NOTE: selects, not an array indexed at run time (which the compiler puts
+/// in local memory: a stack frame and local loads per value).
+__device__ __forceinline__ uint32_t word_at(const uint4& w, unsigned j) {
+  return j < 2 ? (j == 0 ? w.x : w.y) : (j == 2 ? w.z : w.w);
+}
+__device__ __forceinline__ uint8_t byte_at(const uint4& w, unsigned j) {
+  return static_cast<uint8_t>(word_at(w, j / 4) >> (8 * (j % 4)));
+}
+
+/// Dims [d0, d0 + dims) of pool row `row`, whose codes are the 16 bytes `w` (a unit: for int4 and KIVI it
+/// starts a 32-dim chunk), dequantized: out(k, value of dim d0 + k) for k < dims. `full_dtype`: a
+/// full-precision side's dtype; `s`: the row's int8 or the head's fp8 scale; `scales`: the int4 / KIVI
+/// metadata; `key`: K side (KIVI keys: per-channel page metadata). The same arithmetic as dequantize().
+template <class Out>
+__device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,
+                                                DType full_dtype, float s, const float* scales, const PagedLayout& L,
+                                                bool key, Out out) {
+  const uint16_t* meta = reinterpret_cast<const uint16_t*>(scales);
+  const int64_t D = L.head_dim;
+  const auto half = [](uint16_t x) { return __half2float(__ushort_as_half(x)); };
+  const auto emit = [&](auto value) {
+#pragma unroll
+    for (unsigned k = 0; k < dims; ++k) out(k, value(k));
+  };
+  switch (kind) {
+    case KVKind::kFull:
+      return emit([&](unsigned k) {
+        if (full_dtype == DType::kFloat32) return __uint_as_float(word_at(w, k));
+        const auto bits = static_cast<unsigned short>(word_at(w, k / 2) >> (16 * (k % 2)));
+        return full_dtype == DType::kFloat16 ? __half2float(__ushort_as_half(bits))
+                                            : __bfloat162float(__ushort_as_bfloat16(bits));
+      });
+    case KVKind::kInt8:
+      return emit([&](unsigned k) { return quant::int8_decode(static_cast<int8_t>(byte_at(w, k)), s); });
+    case KVKind::kFp8E4M3: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE4M3) * s; });
+    case KVKind::kFp8E5M2: return emit([&](unsigned k) { return quant::fp8_decode(byte_at(w, k), quant::kE5M2) * s; });
+    case KVKind::kInt4: {  // one (scale, zero) pair for the unit's 32 dims
+      const uint16_t* m = meta + (row * (D / kInt4Group) + d0 / kInt4Group) * 2;
+      const float scale = half(m[0]), zero = half(m[1]);
+      return emit([&](unsigned k) {
+        return quant::uint_decode(static_cast<uint8_t>((byte_at(w, k / 2) >> (4 * (k % 2))) & 15), scale, zero);
+      });
+    }
+    default: {  // KIVI: planes per 32-dim chunk (core/quant.h), and the unit holds whole chunks
+      const int bits = kivi_bits(kind);
+      const auto code = [&](unsigned k) {  // quant::planar_get on the unit's bytes
+        const auto byte = byte_at(w, static_cast<unsigned>(quant::planar_byte(k, bits)));
+        return static_cast<uint8_t>((byte >> quant::planar_shift(k, bits)) & ((1u << bits) - 1));
+      };
+      if (key) {
+        const uint16_t* m = meta + (row >> L.page_shift) * 2 * D;  // the row's (block, head) page
+        return emit([&](unsigned k) {
+          const int64_t d = d0 + k;
+          return quant::uint_decode(code(k), half(m[quant::kivi_key_scale_at(d)]), half(m[quant::kivi_key_zero_at(d)]));
+        });
+      }
+      return emit([&](unsigned k) {
+        const uint16_t* m = meta + (row * (D / 32) + (d0 + k) / 32) * 2;
+        return quant::uint_decode(code(k), half(m[0]), half(m[1]));
+      });
+    }
   }
 }
 
