@@ -38,6 +38,36 @@ __device__ __forceinline__ float cta_reduce(float x, float* warp_vals) {
   return r;
 }
 
+/// Whether every row of a pool of layout L (kind, full-precision dtype) is whole 16-byte units and the pool
+/// starts on 16 bytes: then a thread reads its key's row a unit (one LDG.E.128) at a time.
+__device__ __forceinline__ bool whole_units(const void* pool, const PagedLayout& L, KVKind kind, DType dtype) {
+  return code_row_bytes(kind, L.head_dim, dtype == DType::kFloat32 ? 4 : 2) % 16 == 0 &&
+         (reinterpret_cast<uintptr_t>(pool) & 15u) == 0;
+}
+
+/// q[0 .. D) . row `row` of a pool (kind, dtype, scale s, scales: dequantize's arguments), summed in dim order:
+/// by 16-byte units when `units` (the same values as dequantize, the same order, so the same sum), else one
+/// value per load.
+__device__ __forceinline__ float row_dot(const float* q, const char* pool, int64_t row, const PagedLayout& L,
+                                         KVKind kind, DType dtype, float s, const float* scales, bool key, bool units) {
+  float dot = 0.f;
+  const int64_t D = L.head_dim;
+  if (units) {
+    const int64_t row_bytes = code_row_bytes(kind, D, dtype == DType::kFloat32 ? 4 : 2);
+    const unsigned n = static_cast<unsigned>(row_bytes / 16), dims = static_cast<unsigned>(D) / n;
+    const uint4* src = reinterpret_cast<const uint4*>(pool + row * row_bytes);
+    for (unsigned u = 0; u < n; ++u) {
+      const uint4 w = src[u];  // a copy: one 128-bit load (a reference into global memory loaded word by word)
+      const float* qu = q + u * dims;
+      dequantize_unit(w, row, int64_t(u) * dims, dims, kind, dtype, s, scales, L, key,
+                      [&](unsigned k, float v) { dot += qu[k] * v; });
+    }
+    return dot;
+  }
+  for (int64_t d = 0; d < D; ++d) dot += q[d] * dequantize(pool, row, d, kind, s, dtype, scales, L, key);
+  return dot;
+}
+
 /// A stored row's scale argument of `dequantize`: the row's int8 scale or the head's fp8 scale.
 __device__ __forceinline__ float row_scale(KVKind kind, const float* scales, const PagedLayout& L, int64_t block,
                                            int64_t h, int64_t pos) {
@@ -67,6 +97,8 @@ __global__ void mla_attention_kernel(MlaArgs a) {
   const char* latent = static_cast<const char*>(a.latent_cache);
   const char* rope = static_cast<const char*>(a.rope_cache);
   const int32_t* table = a.block_tables + b * a.table_stride;
+  const bool latent_units = whole_units(latent, Ll, a.latent_kind, a.latent_dtype);
+  const bool rope_units = Dr > 0 && whole_units(rope, Lr, a.rope_kind, a.rope_dtype);
 
   KVC_SHARED(float, q, [kMlaMaxLatentDim + kMlaMaxRopeDim]);
   KVC_SHARED(float, p, [kThreads]);
@@ -88,14 +120,8 @@ __global__ void mla_attention_kernel(MlaArgs a) {
       const int64_t row = Ll.row_index(block, h, pp);  // the same row of both pools (only their widths differ)
       const float sl = row_scale(a.latent_kind, a.latent_scale, Ll, block, h, pp);
       const float sr = row_scale(a.rope_kind, a.rope_scale, Lr, block, h, pp);
-      float dot = 0.f;
-      for (int64_t d = 0; d < Dl; ++d) {
-        dot += q[d] * dequantize(latent, row, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
-      }
-      for (int64_t d = 0; d < Dr; ++d) {
-        dot += q[Dl + d] * dequantize(rope, row, d, a.rope_kind, sr, a.rope_dtype, a.rope_scale, Lr, false);
-      }
-      s = dot;
+      s = row_dot(q, latent, row, Ll, a.latent_kind, a.latent_dtype, sl, a.latent_scale, true, latent_units) +
+          row_dot(q + Dl, rope, row, Lr, a.rope_kind, a.rope_dtype, sr, a.rope_scale, false, rope_units);
     }
     const float m_new = fmaxf(m, cta_reduce<true>(s, warp_vals));
     const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
