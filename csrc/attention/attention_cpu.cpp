@@ -75,9 +75,9 @@ PlanOptions plan_options(const AttentionArgs& a) {
   PlanOptions opt;
   opt.parallelism = at::get_num_threads();
   opt.prefill_rows = 128;  // prefill goes through BLAS (attention_cpu_kernel.h): larger products
-  const int64_t full_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2, D = a.layout.head_dim;
-  opt.decode_heads = decode_heads_per_page(a.layout, code_row_bytes(a.k_kind, D, full_bytes),
-                                           code_row_bytes(a.v_kind, D, full_bytes));
+  const int64_t D = a.layout.head_dim;
+  opt.decode_heads = decode_heads_per_page(a.layout, code_row_bytes(a.k_kind, D, a.kv_dtype),
+                                           code_row_bytes(a.v_kind, D, a.kv_dtype));
   return opt;
 }
 

@@ -111,7 +111,7 @@ struct KvType<Kivi<kBits, kKey>> {
 /// Bytes of one stored row of element type T (codes only: scales and metadata live apart).
 template <typename T>
 __device__ __forceinline__ int64_t stored_row_bytes(int64_t D) {
-  return code_row_bytes(KvType<T>::kind, D, KvType<T>::dtype == DType::kFloat32 ? 4 : 2);
+  return code_row_bytes(KvType<T>::kind, D, KvType<T>::dtype);
 }
 
 /// The scale of the key at (block, head, pos): per row for int8, per head for fp8, 1 otherwise (full
@@ -245,8 +245,7 @@ __device__ __forceinline__ void stage_units(const AttentionArgs& a, const T* poo
                                             float (*tile)[kMaxPerLane * 32]) {
   constexpr KVKind kind = KvType<T>::kind;
   // values per unit: a constant of the type, so that the decode below unrolls (no loop around a unit's values)
-  constexpr unsigned kDims =
-      static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype == DType::kFloat32 ? 4 : 2));
+  constexpr unsigned kDims = static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype));
   const PagedLayout& L = a.layout;
   const int64_t row_bytes = stored_row_bytes<T>(L.head_dim);
   const unsigned units = static_cast<unsigned>(row_bytes / 16), n = kTile * units;  // 32-bit: n < kTile x 64
@@ -270,9 +269,8 @@ __device__ __forceinline__ void stage_units(const AttentionArgs& a, const T* poo
 template <typename KT, typename VT>
 __device__ __forceinline__ bool units_ok(const AttentionArgs& a) {
   const int64_t D = a.layout.head_dim;
-  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  return stored_row_bytes<KT>(D) % 16 == 0 && stored_row_bytes<VT>(D) % 16 == 0 && aligned(a.k_cache) &&
-         aligned(a.v_cache);
+  return whole_units(a.k_cache, KvType<KT>::kind, D, KvType<KT>::dtype) &&
+         whole_units(a.v_cache, KvType<VT>::kind, D, KvType<VT>::dtype);
 }
 
 /// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys.

@@ -311,7 +311,6 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
   const int64_t len = ragged ? a.cu_seq_lens[b + 1] - start : a.seq_lens[b];
   const int64_t rows = ragged ? len : a.max_len;
   const int32_t* table = a.block_table + b * a.table_stride;
-  const int64_t out_bytes = a.out_dtype == DType::kFloat32 ? 4 : 2;  // a full-precision side is stored so
   for (int64_t t0 = int64_t(blockIdx.y) * kRowsPerCta; t0 < rows; t0 += int64_t(gridDim.y) * kRowsPerCta) {
     const unsigned n = static_cast<unsigned>(min(int64_t(kRowsPerCta), rows - t0));
     for (int role = 0; role < 2; ++role) {
@@ -322,7 +321,7 @@ __global__ void gather_dequantized_kernel(GatherArgs a, bool ragged) {
       const char* pool = static_cast<const char*>(role == 0 ? a.k_cache : a.v_cache);
       void* out = role == 0 ? a.k_out : a.v_out;
       // per row: `units` loads of `dims` values each
-      const int64_t row_bytes = code_row_bytes(kind, D, out_bytes);
+      const int64_t row_bytes = code_row_bytes(kind, D, a.out_dtype);  // a full-precision side is stored so
       const unsigned units = kUnits ? static_cast<unsigned>(row_bytes / 16) : static_cast<unsigned>(D);
       const unsigned dims = static_cast<unsigned>(D) / units;
       for (unsigned i = threadIdx.x; i < n * units; i += blockDim.x) {
@@ -520,10 +519,8 @@ cudaError_t launch_gather_dequantized(const GatherArgs& a, bool ragged, cudaStre
   }
   // 128-bit loads when every row of both pools is a whole number of 16-byte units (the pool tensors start
   // on 16 bytes, so every row does): int8 / fp8 head dims of 16 k, int4 / kivi4 32 k, kivi2 64 k.
-  const int out_bytes = a.out_dtype == DType::kFloat32 ? 4 : 2;
-  const bool units = code_row_bytes(a.k_kind, a.layout.head_dim, out_bytes) % 16 == 0 &&
-                     code_row_bytes(a.v_kind, a.layout.v_head_dim, out_bytes) % 16 == 0 && aligned16(a.k_cache) &&
-                     aligned16(a.v_cache);
+  const bool units = whole_units(a.k_cache, a.k_kind, a.layout.head_dim, a.out_dtype) &&
+                     whole_units(a.v_cache, a.v_kind, a.layout.v_head_dim, a.out_dtype);
   if (units) {
     KVC_LAUNCH(grid, kThreads, stream, gather_dequantized_kernel<true>)(a, ragged);
   } else {

@@ -48,6 +48,13 @@ __device__ __forceinline__ float dequantize(const char* pool, int64_t row, int64
   }
 }
 
+/// Whether every row of a pool (codes of `kind` at head_dim D, full-precision dtype `full`) is whole 16-byte
+/// units and the pool starts on 16 bytes: then its rows are read a unit (one LDG.E.128) at a time. The pool
+/// tensors start on their allocation, so checking the base is enough for every row.
+KVC_HOST_DEVICE bool whole_units(const void* pool, KVKind kind, int64_t D, DType full) {
+  return code_row_bytes(kind, D, full) % 16 == 0 && (reinterpret_cast<uintptr_t>(pool) & 15u) == 0;
+}
+
 /// Word j (0-3) of a 16-byte unit. NOTE: selects, not an array indexed at run time (which the compiler puts
 /// in local memory: a stack frame and local loads per value).
 __device__ __forceinline__ uint32_t word_at(const uint4& w, unsigned j) {

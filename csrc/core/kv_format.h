@@ -36,11 +36,15 @@ KVC_HOST_DEVICE constexpr int64_t dims_per_code(KVKind k) {
   return k == KVKind::kInt4 || k == KVKind::kKivi4 ? 2 : (k == KVKind::kKivi2 ? 4 : 1);
 }
 
-/// Bytes of one stored row of codes (a token of one head), without its scales. `full_bytes`: the
-/// element size of the pool's dtype, for kFull.
-KVC_HOST_DEVICE constexpr int64_t code_row_bytes(KVKind k, int64_t head_dim, int64_t full_bytes) {
+/// Bytes of one value of a full-precision tensor of dtype t.
+KVC_HOST_DEVICE constexpr int64_t dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+/// Bytes of one stored row of codes (a token of one head), without its scales. `full`: the pool's dtype,
+/// which sets the row's size for kFull.
+KVC_HOST_DEVICE constexpr int64_t code_row_bytes(KVKind k, int64_t head_dim, DType full) {
   // (a shift, not a division: device code computes this too, where a 64-bit division is a slow call)
-  return k == KVKind::kFull ? head_dim * full_bytes : head_dim >> (dims_per_code(k) == 4 ? 2 : dims_per_code(k) - 1);
+  return k == KVKind::kFull ? head_dim * dtype_bytes(full)
+                            : head_dim >> (dims_per_code(k) == 4 ? 2 : dims_per_code(k) - 1);
 }
 
 constexpr bool is_quantized(KVKind k) { return k != KVKind::kFull; }

@@ -38,13 +38,6 @@ __device__ __forceinline__ float cta_reduce(float x, float* warp_vals) {
   return r;
 }
 
-/// Whether every row of a pool of layout L (kind, full-precision dtype) is whole 16-byte units and the pool
-/// starts on 16 bytes: then a thread reads its key's row a unit (one LDG.E.128) at a time.
-__device__ __forceinline__ bool whole_units(const void* pool, const PagedLayout& L, KVKind kind, DType dtype) {
-  return code_row_bytes(kind, L.head_dim, dtype == DType::kFloat32 ? 4 : 2) % 16 == 0 &&
-         (reinterpret_cast<uintptr_t>(pool) & 15u) == 0;
-}
-
 /// q[0 .. D) . row `row` of a pool (kind, dtype, scale s, scales: dequantize's arguments), summed in dim order:
 /// by 16-byte units when `units` (the same values as dequantize, the same order, so the same sum), else one
 /// value per load.
@@ -53,7 +46,7 @@ __device__ __forceinline__ float row_dot(const float* q, const char* pool, int64
   float dot = 0.f;
   const int64_t D = L.head_dim;
   if (units) {
-    const int64_t row_bytes = code_row_bytes(kind, D, dtype == DType::kFloat32 ? 4 : 2);
+    const int64_t row_bytes = code_row_bytes(kind, D, dtype);
     const unsigned n = static_cast<unsigned>(row_bytes / 16), dims = static_cast<unsigned>(D) / n;
     const uint4* src = reinterpret_cast<const uint4*>(pool + row * row_bytes);
     for (unsigned u = 0; u < n; ++u) {
@@ -97,8 +90,8 @@ __global__ void mla_attention_kernel(MlaArgs a) {
   const char* latent = static_cast<const char*>(a.latent_cache);
   const char* rope = static_cast<const char*>(a.rope_cache);
   const int32_t* table = a.block_tables + b * a.table_stride;
-  const bool latent_units = whole_units(latent, Ll, a.latent_kind, a.latent_dtype);
-  const bool rope_units = Dr > 0 && whole_units(rope, Lr, a.rope_kind, a.rope_dtype);
+  const bool latent_units = whole_units(latent, a.latent_kind, Ll.head_dim, a.latent_dtype);
+  const bool rope_units = Dr > 0 && whole_units(rope, a.rope_kind, Lr.head_dim, a.rope_dtype);
 
   KVC_SHARED(float, q, [kMlaMaxLatentDim + kMlaMaxRopeDim]);
   KVC_SHARED(float, p, [kThreads]);
