@@ -52,11 +52,18 @@ class KernelBudget:
 
 
 KERNEL_BUDGETS: dict[str, KernelBudget] = {
-    # attention_kernel serves decode (split-K tasks) and prefill tasks (attention_kernels.cu).
+    # attention_kernel serves decode (split-K tasks), and the prefill tasks prefill_mma_kernel does not take
+    # (attention_kernels.cu: mma_prefill): fp32 queries, head_dim > 128 or not a multiple of 16, Hadamard-
+    # rotated pages, an fp16 query over quantized pages.
     "attention_kernel": KernelBudget(
-        "kThreads", 128, decode=True, prefill=True,
+        "kThreads", 128, decode=True,
         why="128 regs x 4-warp CTAs leaves 16 warps/SM; with 128-bit KV loads (512 B per warp load) 4 loads "
             "in flight per warp reach 32 KB/SM, the sm_90 target. More registers than that costs warps"),
+    # prefill_mma_kernel: prefill tasks of bf16 / fp16 queries on tensor cores (FlashAttention-2's scheme).
+    "prefill_mma_kernel": KernelBudget(
+        "kThreads", 255, prefill=True,
+        why="FlashAttention-2's register tiles at head_dim 128: O (64 fp32), Q's A fragments (32) and a 16 x 64 "
+            "S block (32) per lane; 2 CTAs (8 warps) per SM, as FlashAttention-2 runs. It must not spill"),
     "merge_partials_kernel": KernelBudget(
         "kThreads", 64, why="streams partial states once: 64 regs keeps 32 warps/SM for latency hiding"),
     "merge_states_kernel": KernelBudget(
@@ -348,6 +355,30 @@ def streaming_loop(instructions: list[Instruction]) -> dict:
             "loops": [f"0x{s:04x}-0x{e:04x}" for s, e, _, _ in loops]}
 
 
+def mma_loop(instructions: list[Instruction], inner_trips: float = 1.0) -> dict:
+    """The smallest loop that holds every MMA instruction of the kernel (a prefill kernel's pass over a tile
+    of keys; ptxas may rotate a loop so that a smaller one holds only some of them): its instructions per
+    pass, each loop inside it (staging the tile) counted `inner_trips` times, and its MMAs. Empty when no
+    loop holds them all."""
+    total_mma = sum(1 for ins in instructions if ins.base in MMA_OPCODES)
+    loop_ends: dict[int, int] = {}
+    for ins in instructions:
+        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
+            head = int(t.group(1), 16)
+            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    for start, end in sorted(loop_ends.items(), key=lambda se: se[1] - se[0]):
+        body = [ins for ins in instructions if start <= ins.address <= end]
+        mma = sum(1 for ins in body if ins.base in MMA_OPCODES)
+        if not mma or mma < total_mma:
+            continue
+        inner = [(s2, e2) for s2, e2 in loop_ends.items() if start <= s2 and e2 <= end and (s2, e2) != (start, end)]
+        inner = [(s2, e2) for s2, e2 in inner if not any(s3 <= s2 and e2 <= e3 and (s3, e3) != (s2, e2) for s3, e3 in inner)]
+        in_inner = sum(1 for ins in body if any(s2 <= ins.address <= e2 for s2, e2 in inner))
+        return {"instructions": round(len(body) - in_inner + inner_trips * in_inner), "mma": mma,
+                "loop": f"0x{start:04x}-0x{end:04x}", "inner_loops": len(inner), "inner_trips": inner_trips}
+    return {"instructions": 0, "mma": 0, "loop": "", "inner_loops": 0, "inner_trips": inner_trips}
+
+
 def loads_in_flight(instructions: list[Instruction]) -> dict:
     """Static estimate of one thread's outstanding global-load bytes inside loops.
 
@@ -438,9 +469,11 @@ MODEL_ASSUMPTIONS = [
     "upper bound on the instructions and a lower bound on this rate, and the loops' own work only: set-up and "
     "reductions outside them are not counted); compute = the peak of the units the SASS uses (tensor cores when it has an MMA "
     "instruction, else the FP32 CUDA cores) / flops per byte. Efficiency = the least bound / the DRAM peak.",
-    "Prefill (attention_kernel and mla_attention_kernel serve prefill tasks too): with no MMA instruction its "
-    "compute roof is the FP32 CUDA cores, 19.5 / 312 = 6.3% (A100) and 66.9 / 989 = 6.8% (H100) of the dense "
-    "bf16 tensor-core roof a prefill on tensor cores would have.",
+    "Prefill: prefill_mma_kernel takes the prefill tasks of bf16 / fp16 queries on tensor cores (its compute "
+    "roof: the dense bf16 / fp16 tensor-core peak, 312 TFLOP/s A100, 989 H100). The shapes it does not take "
+    "(attention_kernel: fp32 queries, head_dim > 128 or not a multiple of 16, rotated pages, an fp16 query over "
+    "quantized pages) and MLA prefill (mla_attention_kernel) run on the FP32 CUDA cores, whose roof is "
+    "19.5 / 312 = 6.3% (A100) and 66.9 / 989 = 6.8% (H100) of the tensor cores'.",
 ]
 
 KV_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2, "signed char": 1, "Fp8E4M3": 1, "Fp8E5M2": 1,
@@ -488,6 +521,30 @@ def in_flight_model(row: dict, lim: SmLimits, arch: str) -> dict:
             "bound": bound, "bounds_bytes_per_s": bounds, "dram_latency_s": latency_s,
             "compute_units": "tensor" if tensor else "fp32", "streaming_loop": loop,
             "efficiency": attainable / lim.dram_bytes_per_s}
+
+
+# Cycles a sub-partition's tensor core takes per mma.m16n8k16 (2,048 FMAs) at the datasheet dense rate:
+# A100 312 TFLOP/s / (108 SMs x 4 x 1.41 GHz) = 512 FLOP per cycle -> 8; H100 989 / (132 x 4 x 1.98 GHz) = 946
+# FLOP per cycle -> 4.3 (mma.sync is not H100's full-rate path, wgmma is: an upper bound there).
+MMA_CYCLES = {"sm_80": 4096 / (312e12 / (108 * 4 * 1410e6)), "sm_90a": 4096 / (989e12 / (132 * 4 * 1980e6))}
+
+
+def prefill_model(row: dict, instructions: list[Instruction], lim: SmLimits, arch: str) -> dict:
+    """Modelled prefill efficiency (fraction of the dense tensor-core peak): with MMA instructions, the
+    tensor cores are busy at most MMA_CYCLES x MMAs per instruction issued in the loop that holds them (one
+    warp instruction per cycle per sub-partition; the loop's other instructions share the issue slots); without
+    them, the FP32 cores' share of the tensor peak (a bound the kernel cannot exceed)."""
+    # the tile's staging loops run (64 keys x 128 dims x the KV element size / 16 B per unit) / 128 threads
+    # times per pass at head_dim 128: 4 x the element size
+    kv_args = re.search(r"<(.*)>$", row["name"])
+    kv = [KV_ELEMENT_BYTES[a.strip()] for a in re.split(r",\s*(?![^<]*>)", kv_args.group(1))[:2]] if kv_args else [2]
+    loop = mma_loop(instructions, inner_trips=4 * sum(kv) / len(kv))
+    if loop["mma"]:
+        fraction = min(1.0, MMA_CYCLES[arch] * loop["mma"] / loop["instructions"])
+        return {"units": "tensor", "mma_loop": loop, "mma_cycles": MMA_CYCLES[arch], "efficiency": fraction,
+                "bound": "tensor peak" if fraction >= 1.0 else "issue"}
+    return {"units": "fp32", "mma_loop": loop, "mma_cycles": MMA_CYCLES[arch],
+            "efficiency": lim.fp32_flops / lim.tensor_flops, "bound": "fp32 cores"}
 
 
 # ---- checks -----------------------------------------------------------------------------------------------
@@ -599,6 +656,8 @@ def analyse_file(nvcc: str, cuobjdump: str | None, source: Path, arch: str, flag
                "sass": sass_counts(functions[mangled], call_names.get(mangled, {})) if mangled in functions else None}
         if row["sass"] and budget and budget.decode:
             row["in_flight"] = in_flight_model(row, lim, arch)
+        if row["sass"] and budget and budget.prefill:
+            row["prefill"] = prefill_model(row, functions[mangled], lim, arch)
         row["checks"] = run_checks(row, budget)
         rows.append(row)
     return rows
@@ -689,6 +748,19 @@ def markdown(report: dict) -> str:
                        f"{m['bound']} | {m['efficiency']:.0%} |")
     if not any("in_flight" in r for r in rows):
         out.append(f"| - | - | {SASS_NOT_RUN} |" + " |" * 11)
+
+    out += ["", "## Prefill (modelled, not measured)", "",
+            "Share of the dense tensor-core peak a prefill kernel can reach: with MMA instructions, at most the "
+            "tensor cores' cycles per mma.m16n8k16 (A100: 8, H100: 4.3) x the MMAs per instruction of the loop "
+            "that holds them (one warp instruction issued per cycle per sub-partition); without, the FP32 cores' "
+            "share of the tensor peak.", "",
+            "| kernel | arch | units | loop | instructions | MMAs | bound | modelled efficiency |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if m := r.get("prefill"):
+            loop = m["mma_loop"]
+            out.append(f"| {r['name']} | {r['arch']} | {m['units']} | {loop['loop'] or '-'} | "
+                       f"{loop['instructions'] or '-'} | {loop['mma'] or '-'} | {m['bound']} | {m['efficiency']:.1%} |")
 
     check_names = list(rows[0]["checks"]) if rows else []
     out += ["", "## Every instance", "",

@@ -97,6 +97,17 @@ def test_long_chunked_prefill(isa, dtype, window_left, sink_tokens):
     run_and_check(pb, q, cu_from(q_lens), window_left=window_left, sink_tokens=sink_tokens)
 
 
+@pytest.mark.parametrize("softcap, window_left, sink_tokens", [(0.0, -1, 0), (20.0, -1, 0), (0.0, 70, 3), (30.0, 45, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_blocks_with_softcap_window_and_sinks(isa, dtype, softcap, window_left, sink_tokens):
+    # 16-bit prefill in blocks of 64 query rows (on CUDA, tensor cores: prefill_mma_kernel) with each masking
+    # feature: a chunk after a cached prefix, block and 64-key tile tails, a decode row beside them
+    kv_lens, q_lens = [250, 131, 5], [150, 131, 1]
+    pb = make_paged_batch(kv_lens, 16, 2, 64, dtype)
+    q = (2 * torch.randn(sum(q_lens), 8, 64)).to(dtype)  # scores large enough for the cap to matter
+    run_and_check(pb, q, cu_from(q_lens), window_left=window_left, sink_tokens=sink_tokens, softcap=softcap)
+
+
 @pytest.mark.parametrize("softcap", [5.0, 30.0])
 def test_softcap(isa, softcap):
     pb = make_paged_batch([90, 33], 16, 2, 64, torch.float32)

@@ -154,3 +154,18 @@ def test_real_file_every_kernel_parsed(tmp_path):
         assert kernel in registers_by_kernel, f"{kernel} missing from the parsed ptxas output"
         assert all(r > 0 for r in registers_by_kernel[kernel])
     assert set(registers_by_kernel) <= set(report.KERNEL_BUDGETS)  # every kernel has a budget
+
+
+def test_mma_loop_takes_the_loop_holding_every_mma_and_weights_its_inner_loops():
+    # an outer loop 0x00-0x90 (a tile) holding a staging loop 0x10-0x30 and both MMAs; a rotated loop
+    # 0x40-0x60 holds only one MMA and must not be taken
+    ops = ["NOP", "LDG.E.128", "STS.128", "BRA", "HMMA.16816.F32.BF16", "FADD", "BRA", "HMMA.16816.F32.BF16",
+           "FMUL", "BRA"]
+    targets = {3: 0x10, 6: 0x40, 9: 0x00}
+    ins = [report.Instruction(16 * i, op, f"0x{targets[i]:x}" if i in targets else "R0")
+           for i, op in enumerate(ops)]
+    loop = report.mma_loop(ins, inner_trips=4)
+    assert (loop["loop"], loop["mma"], loop["inner_loops"]) == ("0x0000-0x0090", 2, 2)
+    # 10 instructions, of which the inner loops' 3 + 3 run 4 times: 4 + 4 x 6 = 28
+    assert loop["instructions"] == 4 + 4 * 6
+    assert report.mma_loop(ins[:3])["mma"] == 0  # no MMA: no loop

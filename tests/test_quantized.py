@@ -10,7 +10,7 @@ import kvcache
 from kvcache import reference as ref
 from kvcache.pool import format_id
 
-from conftest import DEVICES, attention_vs_reference
+from conftest import DEVICES, assert_lse_rule, attention_vs_reference
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4",
            "int8(hadamard)", "fp8_e4m3(hadamard)", "int4(hadamard)", "k=int8(hadamard),v=int4", "k=int4,v=fp8_e5m2(hadamard)"]
@@ -79,13 +79,6 @@ def test_gather_dequantizes_exactly(backend, fmt, device):
     kr, vr = kvcache.paged_gather_ragged(pool.k, pool.v, table, torch.tensor([0, 40, 57], dtype=torch.int32, device=device),
                                          **pool.op_kwargs())
     assert torch.equal(kr[:40].cpu(), k_ref[0, :, :40].transpose(0, 1))
-
-
-def assert_lse_rule(lse, lse64, lse_pt):
-    """The log-sum-exp by the FlashAttention rule too: at most twice PyTorch's error in the query's dtype
-    (bf16 queries of int8 and int4 keys are quantized per row in two int8 levels for byte dot products)."""
-    lse_err, lse_pt_err = (lse - lse64).abs().max().item(), (lse_pt - lse64).abs().max().item()
-    assert lse_err <= 2 * lse_pt_err + 2e-3, f"lse error {lse_err:.3g} > 2 x {lse_pt_err:.3g} + 2e-3"
 
 
 @pytest.mark.parametrize("q_heads", [8, 6, 4, 2])  # groups of 4, 3, 2, 1: every row-block size of the AVX2 kernel

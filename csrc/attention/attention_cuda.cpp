@@ -53,7 +53,7 @@ void paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, co
   const at::Tensor d_tasks = to_device(plan.tasks, k_cache.device());
   const at::Tensor d_splits = to_device(plan.splits, k_cache.device());
   check_launch(cuda::launch_attention(a, reinterpret_cast<const AttentionTask*>(d_tasks.data_ptr()),
-                                      static_cast<int64_t>(plan.tasks.size()),
+                                      static_cast<int64_t>(plan.tasks.size()), plan.num_prefill_tasks,
                                       reinterpret_cast<const AttentionPlan::Split*>(d_splits.data_ptr()),
                                       static_cast<int64_t>(plan.splits.size()), partial,
                                       c10::cuda::getCurrentCUDAStream()),
@@ -79,7 +79,7 @@ void paged_attention_planned_cuda(const at::Tensor& query, const at::Tensor& k_c
   const PartialStates partial = allocate_partials(h->num_slots, h->rows_per_slot, a.layout.head_dim, query.options(),
                                                   &part_o, &part_lse);
   // The task lists were uploaded once, with the plan: nothing crosses to the device here.
-  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
+  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks, h->num_prefill_tasks,
                                       plan_splits(plan_device, *h, true), h->num_splits, partial,
                                       c10::cuda::getCurrentCUDAStream()),
                "paged_attention_planned");

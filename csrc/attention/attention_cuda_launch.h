@@ -22,8 +22,9 @@ PlanOptions cuda_plan_options(const AttentionArgs& a, int64_t multiprocessors);
 /// The plan of a paged_attention call on a device with `multiprocessors` SMs.
 AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInfo& host, int64_t multiprocessors);
 
-/// Runs a plan's tasks (a device array), then merges the split states.
-cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
+/// Runs a plan's tasks (a device array), then merges the split states. The first `num_prefill` tasks are the
+/// prefill tasks of a plan made with PlanOptions::prefill_first (they run on tensor cores when they can).
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks, int64_t num_prefill,
                              const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
                              cudaStream_t stream);
 

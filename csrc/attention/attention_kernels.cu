@@ -6,7 +6,8 @@
 // dot products, and the online-softmax and merge math is the same as the CPU kernel's
 // (core/softmax_state.h). Work is cut into the same AttentionTasks as on the CPU (attention_plan.h),
 // each of one KV head: decode tasks (a few rows, a range of keys: split-K) and prefill tasks (a block
-// of query rows, all their keys). One kernel serves both: the CTA stages tiles of kTile keys of its KV
+// of query rows, all their keys). attention_kernel serves decode tasks, and the prefill tasks that
+// prefill_mma_kernel (tensor cores, below) does not take: the CTA stages tiles of kTile keys of its KV
 // head in shared memory, dequantized to fp32, and every warp reuses them for its rows, so each page is
 // read once per KV head and task, not once per query head. A task holds at most kRowsPerCta rows per
 // pass; a wider GQA group (e.g. MQA with 32 query heads) takes several passes over the keys.
@@ -16,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/attention_cuda_launch.h"
 #include "cache/dequant_cuda.cuh"
@@ -24,6 +26,7 @@
 #include "core/dtype_cuda.cuh"
 #include "core/quant.h"
 #include "core/softmax_state.h"
+#include "core/warp_mma.cuh"
 
 namespace kvcache::cuda {
 namespace {
@@ -233,35 +236,51 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
   }
 }
 
-/// Stages keys [t0, t0 + kTile) of one side (K or V) of head h into `tile`, dequantized with their scales, from
-/// 16-byte units of codes: one LDG.E.128 per unit (4 fp32, 8 bf16 / fp16, 16 int8 / fp8, 32 int4 / kivi4 or
-/// 64 kivi2 values), decoded in registers. Keys at or past `end` stage 0. Needs every row to be whole units
-/// and the pool 16-byte aligned (units_ok). The same values as kv_at x token_scale.
+/// A float as element type Out of a shared-memory tile.
+template <typename Out>
+__device__ __forceinline__ Out from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+/// Stages keys [t0, t0 + kKeys) of one side (K or V) of head h into `tile` (rows of kCols elements of Out),
+/// dequantized with their scales, from 16-byte units of codes: one LDG.E.128 per unit (4 fp32, 8 bf16 / fp16,
+/// 16 int8 / fp8, 32 int4 / kivi4 or 64 kivi2 values), decoded in registers; a full-precision unit already
+/// in the tile's type is stored as it is (one STS.128). Keys at or past `end` stage 0. Needs every row to be
+/// whole units and the pool 16-byte aligned (units_ok). The same values as kv_at x token_scale.
 /// NOTE: one unit per thread at a time: two loaded before either was decoded took the quantized instances to
 /// 165-250 registers with spills (sm_80), for no more bytes in flight in the model.
-template <typename T>
+template <int kKeys, typename T, typename Out, int kCols>
 __device__ __forceinline__ void stage_units(const AttentionArgs& a, const T* pool, const float* scales, bool key,
                                             const int32_t* table, int64_t h, int64_t t0, int64_t end,
-                                            float (*tile)[kMaxPerLane * 32]) {
+                                            Out (*tile)[kCols]) {
   constexpr KVKind kind = KvType<T>::kind;
   // values per unit: a constant of the type, so that the decode below unrolls (no loop around a unit's values)
   constexpr unsigned kDims = static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype));
   const PagedLayout& L = a.layout;
   const int64_t row_bytes = stored_row_bytes<T>(L.head_dim);
-  const unsigned units = static_cast<unsigned>(row_bytes / 16), n = kTile * units;  // 32-bit: n < kTile x 64
+  const unsigned units = static_cast<unsigned>(row_bytes / 16), n = kKeys * units;  // 32-bit: n < kKeys x 64
   for (unsigned i = threadIdx.x; i < n; i += kThreads) {
     const int64_t k = t0 + i / units;
-    float* out = tile[i / units] + (i % units) * kDims;
+    Out* out = tile[i / units] + (i % units) * kDims;
     if (k >= end) {
 #pragma unroll
-      for (unsigned d = 0; d < kDims; ++d) out[d] = 0.f;
+      for (unsigned d = 0; d < kDims; ++d) out[d] = from_float<Out>(0.f);
       continue;
     }
     const int64_t block = table[k >> L.page_shift], pos = k & (L.page_size - 1);
     const int64_t row = L.row_index(block, h, pos);
     const uint4 w = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(pool) + row * row_bytes)[i % units];
-    dequantize_unit(w, row, int64_t(i % units) * kDims, kDims, kind, KvType<T>::dtype,
-                    token_scale(kind, scales, L, block, h, pos), scales, L, key, [&](unsigned d, float v) { out[d] = v; });
+    if constexpr (std::is_same_v<T, Out>) {
+      *reinterpret_cast<uint4*>(out) = w;  // full precision in the tile's own type: nothing to decode
+    } else {
+      dequantize_unit(w, row, int64_t(i % units) * kDims, kDims, kind, KvType<T>::dtype,
+                      token_scale(kind, scales, L, block, h, pos), scales, L, key,
+                      [&](unsigned d, float v) { out[d] = from_float<Out>(v); });
+    }
   }
 }
 
@@ -309,8 +328,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, co
     for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
       __syncthreads();  // the previous tile is no longer read
       if (units) {
-        stage_units(a, kc, a.k_scale, true, table, h, t0, end, ks);
-        stage_units(a, vc, a.v_scale, false, table, h, t0, end, vs);
+        stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
+        stage_units<kTile>(a, vc, a.v_scale, false, table, h, t0, end, vs);
       } else {
         for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
           const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
@@ -347,6 +366,240 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, co
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
+  }
+}
+
+// ---- Prefill on tensor cores -------------------------------------------------------------------------
+// Prefill tasks (more query rows per KV head than a decode step: the planner orders them first) run in
+// prefill_mma_kernel when mma_prefill(a) holds: FlashAttention-2's scheme on mma.m16n8k16 (core/warp_mma.cuh)
+// in the query's dtype with fp32 accumulation. A warp owns 16 query rows (kMmaRows per pass of the CTA); the
+// CTA stages tiles of kMmaKeys keys of K and V in shared memory, dequantized to the query's dtype; a warp
+// computes its 16 x 64 block of S = Q K^T, takes the online softmax of it in registers and adds P V to its
+// output, P going from S's accumulator fragments straight into A fragments (the two layouts match). Scores
+// are scaled in fp32 (the query is not pre-scaled, so a bf16 query enters the tensor core exactly).
+
+constexpr int kMmaRows = kWarps * 16;       // query rows of one pass: one m16 tile per warp
+constexpr int kMmaKeys = 64;                // keys per shared-memory tile
+constexpr int kMmaMaxDim = 128;             // O takes head_dim / 2 fp32 registers per lane
+constexpr int kMmaStride = kMmaMaxDim + 8;  // a tile row: +16 bytes, so that ldmatrix's 8 rows hit 8 bank groups
+static_assert(kMmaRows <= kMmaKeys, "the query block is staged through the K tile");
+
+template <typename In>
+struct alignas(16) MmaTile {
+  In v[kMmaKeys][kMmaStride];
+};
+
+/// Whether prefill tasks of call `a` run on tensor cores: a bf16 query over bf16 or quantized pages, or an
+/// fp16 query over fp16 pages (quantized pages are dequantized to bf16: an fp16 query would lose precision
+/// in bf16), head_dim a multiple of 16 up to kMmaMaxDim, rows of whole 16-byte units, no Hadamard rotation
+/// (a rotated query or output needs a warp's whole row, which the mma fragments spread over a quad).
+KVC_HOST_DEVICE bool mma_prefill(const AttentionArgs& a) {
+  const int64_t D = a.layout.head_dim;
+  const auto fits = [&](KVKind kind) {
+    return kind == KVKind::kFull ? a.kv_dtype == a.q_dtype : a.q_dtype == DType::kBFloat16;
+  };
+  return (a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16) && fits(a.k_kind) && fits(a.v_kind) &&
+         D % 16 == 0 && D <= kMmaMaxDim && !a.k_rot && !a.v_rot && whole_units(a.k_cache, a.k_kind, D, a.kv_dtype) &&
+         whole_units(a.v_cache, a.v_kind, D, a.kv_dtype);
+}
+
+/// Two values as one mma fragment register of In, the first in the low 16 bits (as in memory).
+__device__ __forceinline__ uint32_t pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return uint32_t{__bfloat16_as_ushort(lo)} | (uint32_t{__bfloat16_as_ushort(hi)} << 16);
+}
+__device__ __forceinline__ uint32_t pack_pair(__half lo, __half hi) {
+  return uint32_t{__half_as_ushort(lo)} | (uint32_t{__half_as_ushort(hi)} << 16);
+}
+
+/// A lane's two query rows in a warp's m16 tile (g = lane / 4: rows g and g + 8).
+struct MmaRow {
+  int64_t pos = -1, lo = 0;  // position of the query, first key of its window
+  int64_t out_row = 0;       // (token, query head) of out / lse
+  int64_t q_at = 0;          // its query's first element in `query`
+  bool valid = false;
+};
+
+/// Row r of task t (numbered as in AttentionTask; init_row's mapping).
+__device__ __forceinline__ MmaRow mma_row(const AttentionArgs& a, const AttentionTask& t, int64_t r) {
+  MmaRow row;
+  const int64_t G = a.group, per_head = int64_t(t.tok_end - t.tok_begin) * G;
+  if (r >= int64_t(t.head_end - t.head_begin) * per_head) return row;
+  const unsigned r32 = static_cast<unsigned>(r), per_head32 = static_cast<unsigned>(per_head);
+  const unsigned local = r32 % per_head32, G32 = static_cast<unsigned>(G);
+  const int64_t h = t.head_begin + r32 / per_head32;
+  const int64_t i = t.tok_begin + local / G32, hq = h * G + local % G32;
+  const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
+  row.valid = true;
+  row.pos = a.kv_lens[t.seq] - q_len + i;
+  row.lo = a.window_left >= 0 ? max(int64_t(0), row.pos - a.window_left) : int64_t(0);
+  row.out_row = (q_start + i) * a.q_heads + hq;
+  row.q_at = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
+  return row;
+}
+
+/// Prefill tasks of one KV head (t.head_begin == t.head_end - 1, as the planner makes them) on tensor cores.
+template <typename KT, typename VT, typename In>
+__global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, const AttentionTask* tasks,
+                                                               PartialStates partial) {
+  KVC_SHARED(MmaTile<In>, ks, [1]);
+  KVC_SHARED(MmaTile<In>, vs, [1]);
+  const AttentionTask t = tasks[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const PagedLayout L = a.layout;
+  const int64_t D = L.head_dim;
+  const int64_t h = t.head_begin;
+  const int32_t* table = a.block_tables + t.seq * a.table_stride;
+  const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
+  const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
+  const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
+  const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
+  constexpr int kSteps = kMmaMaxDim / 16;  // k-steps of S = Q K^T; n-tiles of O are 2 per step
+  constexpr int kKeyTiles = kMmaKeys / 8;  // n-tiles of S
+  const float inv_cap = a.softcap > 0.f ? 1.f / a.softcap : 0.f;  // (a division per score is a slow-path call)
+
+  for (int64_t first = 0; first < rows; first += kMmaRows) {
+    const int64_t r0 = first + warp * 16;
+    const MmaRow row[2] = {mma_row(a, t, r0 + g), mma_row(a, t, r0 + g + 8)};
+    // the query block, through the K tile: rows [first, first + kMmaRows) x dims [0, D), 0 past the task's rows
+    __syncthreads();  // the previous pass no longer reads the tiles
+    for (unsigned i = threadIdx.x; i < kMmaRows * static_cast<unsigned>(D); i += kThreads) {
+      const unsigned rr = i / static_cast<unsigned>(D), d = i % static_cast<unsigned>(D);
+      const MmaRow q = mma_row(a, t, first + rr);
+      float v = 0.f;
+      if (q.valid) v = load_any(a.query, q.q_at + d * a.q_strides[2], a.q_dtype);
+      ks[0].v[rr][d] = from_float<In>(v);
+    }
+    __syncthreads();
+    uint32_t qa[kSteps][4] = {};  // A fragments of the warp's 16 query rows
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      if (kk * 16 < D) ldmatrix(qa[kk], &ks[0].v[warp * 16 + lane % 16][kk * 16 + 8 * (lane / 16)]);
+    }
+    float o[2 * kSteps][4] = {};  // C fragments of O: n-tile n holds dims [8 n, 8 n + 8)
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per row (g, g + 8); l: this lane's partial sum
+    const int64_t warp_last = max(row[0].pos, row[1].pos);  // the quad's rows; reduced over the warp below
+    int64_t last = warp_last;
+    for (int off = 16; off > 0; off >>= 1) last = max(last, int64_t(__shfl_xor_sync(0xffffffffu, warp_last, off)));
+
+    for (int64_t t0 = t.kv_begin; t0 < end; t0 += kMmaKeys) {
+      __syncthreads();  // the query fragments are loaded / the previous tile is no longer read
+      stage_units<kMmaKeys>(a, static_cast<const KT*>(a.k_cache), a.k_scale, true, table, h, t0, end, ks[0].v);
+      stage_units<kMmaKeys>(a, static_cast<const VT*>(a.v_cache), a.v_scale, false, table, h, t0, end, vs[0].v);
+      __syncthreads();
+      if (t0 > last) continue;  // no row of this warp sees these keys (the warp still joins the barriers)
+      float s[kKeyTiles][4];  // C fragments of S: n-tile j holds keys t0 + [8 j, 8 j + 8)
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kSteps; ++kk) {
+          if (kk * 16 >= D) continue;
+          uint32_t b[2];  // K^T's 16 x 8 block: lanes 0-15 address rows (keys) of the tile, 8 dims each
+          ldmatrix(b, &ks[0].v[8 * j + lane % 8][kk * 16 + 8 * ((lane / 8) % 2)]);
+          mma_m16n8k16<In>(s[j], qa[kk], b, s[j]);
+        }
+      }
+      // scale, soft cap, mask; the tile's max per row over the quad (the 4 lanes holding a row). Each row sees
+      // the tile's columns [first, last] and those below `sinks` (32-bit, relative to t0: no 64-bit compares
+      // per score)
+      int first_col[2], last_col[2];
+      const int sinks = static_cast<int>(min(max(a.sink_tokens - t0, int64_t(0)), int64_t(kMmaKeys)));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t last_key = min(row[i].pos, end - 1);  // pos is -1 for a row past the task's
+        last_col[i] = static_cast<int>(min(max(last_key - t0, int64_t(-1)), int64_t(kMmaKeys - 1)));
+        first_col[i] = static_cast<int>(min(max(row[i].lo - t0, int64_t(0)), int64_t(kMmaKeys)));
+      }
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int col = 8 * j + 2 * tq + (c & 1), i = c / 2;
+          float x = s[j][c] * a.scale;
+          if (a.softcap > 0.f) x = a.softcap * tanhf(x * inv_cap);
+          x = col <= last_col[i] && (col >= first_col[i] || col < sinks) ? x : -INFINITY;
+          s[j][c] = x;
+          tile_max[c / 2] = fmaxf(tile_max[c / 2], x);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      }
+      float base[2];  // one rescale per row and tile
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float m_new = fmaxf(m[i], tile_max[i]);
+        base[i] = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: every p below is 0
+        const float alpha = __expf(m[i] - base[i]);  // 0 when m was -inf
+        m[i] = m_new;
+        l[i] *= alpha;
+#pragma unroll
+        for (int n = 0; n < 2 * kSteps; ++n) {
+          o[n][2 * i] *= alpha;
+          o[n][2 * i + 1] *= alpha;
+        }
+      }
+      // O += P V, 16 keys per k-step: S's fragments of n-tiles 2 kk and 2 kk + 1 are P's A fragment
+#pragma unroll
+      for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+        float p[2][4];
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            p[jj][c] = __expf(s[2 * kk + jj][c] - base[c / 2]);
+            l[c / 2] += p[jj][c];
+          }
+        }
+        const uint32_t pa[4] = {pack_pair(from_float<In>(p[0][0]), from_float<In>(p[0][1])),
+                                pack_pair(from_float<In>(p[0][2]), from_float<In>(p[0][3])),
+                                pack_pair(from_float<In>(p[1][0]), from_float<In>(p[1][1])),
+                                pack_pair(from_float<In>(p[1][2]), from_float<In>(p[1][3]))};
+#pragma unroll
+        for (int n = 0; n < 2 * kSteps; n += 2) {
+          if (n * 8 >= D) continue;
+          uint32_t b[4];  // V's 16 x 16 block (keys x dims), transposed: b for n-tiles n and n + 1
+          ldmatrix_trans(b, &vs[0].v[16 * kk + lane % 16][8 * n + 8 * (lane / 16)]);
+          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_m16n8k16<In>(o[n], pa, b0, o[n]);
+          mma_m16n8k16<In>(o[n + 1], pa, b1, o[n + 1]);
+        }
+      }
+    }
+    // l over the quad, then normalize and write (dims 8 n + 2 tq, + 1 of rows g and g + 8)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+      if (!row[i].valid) continue;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const float lse = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
+      const int64_t slot_row = t.partial * partial.rows_per_slot + r0 + g + 8 * i;
+#pragma unroll
+      for (int n = 0; n < 2 * kSteps; ++n) {
+        if (n * 8 >= D) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t d = 8 * n + 2 * tq + e;
+          const float v = o[n][2 * i + e] * inv;
+          if (t.partial < 0) {
+            store_any(a.out, row[i].out_row * D + d, a.q_dtype, v);
+          } else {
+            partial.o[slot_row * D + d] = v;
+          }
+        }
+      }
+      if (tq == 0) {
+        if (t.partial < 0) {
+          if (a.lse != nullptr) a.lse[row[i].out_row] = lse;
+        } else {
+          partial.lse[slot_row] = lse;
+        }
+      }
+    }
   }
 }
 
@@ -436,6 +689,19 @@ cudaError_t launch_by_kv(const AttentionArgs& a, const AttentionTask* tasks, int
   return cudaGetLastError();
 }
 
+/// prefill_mma_kernel's instances: the query's dtype for full-precision pages, bf16 for quantized ones
+/// (mma_prefill); none for fp32 pages.
+template <typename KT, typename VT>
+struct PrefillMma {
+  static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
+    if constexpr (std::is_same_v<KT, __half>) {
+      KVC_LAUNCH(grid, kThreads, s, prefill_mma_kernel<KT, VT, __half>)(a, t, p);
+    } else if constexpr (!std::is_same_v<KT, float>) {
+      KVC_LAUNCH(grid, kThreads, s, prefill_mma_kernel<KT, VT, __nv_bfloat16>)(a, t, p);
+    }
+  }
+};
+
 template <typename KT, typename VT>
 struct Attention {
   static void launch(dim3 grid, cudaStream_t s, const AttentionArgs& a, const AttentionTask* t, const PartialStates& p) {
@@ -467,7 +733,12 @@ PlanOptions cuda_plan_options(const AttentionArgs& a, int64_t multiprocessors) {
   // such a sequence is split along its keys, down to a single page when the batch is small.
   opt.decode_rows = 64;
   opt.min_split_keys = std::max<int64_t>(a.layout.page_size, kTile);
-  opt.prefill_rows = kRowsPerCta;  // a prefill task's rows fit one pass, unless one token's GQA group is wider
+  // Prefill tasks go first, to prefill_mma_kernel: kMmaRows rows each when its shapes allow (the query's
+  // dtype is not known to a step plan: with an fp32 query, attention_kernel takes such a task in passes).
+  opt.prefill_first = true;
+  const int64_t D = a.layout.head_dim;
+  const bool mma_shape = D % 16 == 0 && D <= kMmaMaxDim && !a.k_rot && !a.v_rot;
+  opt.prefill_rows = mma_shape ? kMmaRows : kRowsPerCta;  // kRowsPerCta: one pass of attention_kernel
   return opt;
 }
 
@@ -475,10 +746,17 @@ AttentionPlan plan_cuda_attention(const AttentionArgs& a, const AttentionHostInf
   return make_attention_plan(a, host, cuda_plan_options(a, multiprocessors));
 }
 
-cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks,
+cudaError_t launch_attention(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_tasks, int64_t num_prefill,
                              const AttentionPlan::Split* splits, int64_t num_splits, const PartialStates& partial,
                              cudaStream_t stream) {
-  cudaError_t err = launch_by_kv<Attention>(a, tasks, num_tasks, partial, stream);
+  cudaError_t err = cudaSuccess;
+  if (num_prefill > 0 && mma_prefill(a)) {  // the prefill tasks on tensor cores, the rest on CUDA cores
+    err = launch_by_kv<PrefillMma>(a, tasks, num_prefill, partial, stream);
+    if (err != cudaSuccess) return err;
+    tasks += num_prefill;
+    num_tasks -= num_prefill;
+  }
+  err = launch_by_kv<Attention>(a, tasks, num_tasks, partial, stream);
   if (err != cudaSuccess) return err;
   if (num_splits > 0) {
     KVC_LAUNCH(static_cast<unsigned>(num_splits), kThreads, stream, merge_partials_kernel)(a, splits, partial);

@@ -36,6 +36,9 @@ struct PlanOptions {
   // prefill tasks leave of it, and not at all once a wave is full; the task count is not padded to a
   // multiple of the workers (a partial wave already overlaps the next kernel's). CPU: false.
   bool fill_waves = false;
+  // Prefill tasks first, each group largest first (CUDA: they run in their own kernel, over a prefix of the
+  // task list). CPU: false (one largest-first list for the dynamic schedule).
+  bool prefill_first = false;
 };
 
 /// KV heads whose rows of one page make a 32 KiB run: a head-at-a-time stream of short runs at scattered
@@ -56,7 +59,8 @@ struct AttentionPlan {
     int32_t first_slot, num_slots;  // int32 like the rest: no padding bytes (see AttentionTask)
   };
   static_assert(sizeof(Split) == 5 * sizeof(int32_t), "Split must have no padding");
-  std::vector<AttentionTask> tasks;  // largest first
+  std::vector<AttentionTask> tasks;  // largest first (with PlanOptions::prefill_first: prefill tasks first)
+  int64_t num_prefill_tasks = 0;     // tasks of prefill-like sequences (more than decode_rows rows per KV head)
   std::vector<Split> splits;         // (sequence, head) pairs whose keys were split
   int64_t rows_per_slot = 0;
   int64_t num_slots = 0;
@@ -102,7 +106,12 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
       ++want_splits;
     }
   }
-  std::vector<std::pair<int64_t, AttentionTask>> costed;
+  struct Costed {
+    bool ahead;    // a prefill task, with PlanOptions::prefill_first
+    int64_t cost;  // rows x keys
+    AttentionTask task;
+  };
+  std::vector<Costed> costed;
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t q_len = host.q_lens[b], kv_len = host.kv_lens[b];
     if (q_len == 0) continue;  // kv_len >= q_len > 0 below
@@ -118,7 +127,7 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
           const int64_t k1 = std::min(kv_len, k0 + chunk);
           AttentionTask t{int32_t(b), int32_t(h), int32_t(h1), 0, int32_t(q_len), int32_t(k0), int32_t(k1), -1};
           if (splits > 1) t.partial = int32_t(plan.num_slots++);
-          costed.push_back({q_len * G * (h1 - h) * (k1 - k0), t});
+          costed.push_back({false, q_len * G * (h1 - h) * (k1 - k0), t});
         }
         if (splits > 1) {
           plan.splits.push_back({int32_t(b), int32_t(h), int32_t(h1), int32_t(first), int32_t(plan.num_slots - first)});
@@ -128,15 +137,18 @@ inline AttentionPlan make_attention_plan(const AttentionArgs& a, const Attention
         for (int64_t i0 = 0; i0 < q_len; i0 += prefill_tokens) {
           const int64_t i1 = std::min(q_len, i0 + prefill_tokens);
           AttentionTask t{int32_t(b), int32_t(h), int32_t(h + 1), int32_t(i0), int32_t(i1), 0, int32_t(kv_len), -1};
-          costed.push_back({(i1 - i0) * G * (kv_len - q_len + i1), t});
+          costed.push_back({opt.prefill_first, (i1 - i0) * G * (kv_len - q_len + i1), t});
+          ++plan.num_prefill_tasks;
         }
       }
     }
   }
-  // Largest first, so a dynamic schedule ends with the small tasks.
-  std::stable_sort(costed.begin(), costed.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  // Largest first, so a dynamic schedule ends with the small tasks (after the prefill tasks, when they go first).
+  std::stable_sort(costed.begin(), costed.end(), [](const Costed& x, const Costed& y) {
+    return x.ahead != y.ahead ? x.ahead : x.cost > y.cost;
+  });
   plan.tasks.reserve(costed.size());
-  for (auto& c : costed) plan.tasks.push_back(c.second);
+  for (const Costed& c : costed) plan.tasks.push_back(c.task);
   return plan;
 }
 

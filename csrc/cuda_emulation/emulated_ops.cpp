@@ -103,7 +103,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(plan.num_slots, plan.rows_per_slot, a.layout.head_dim,
                                                   query.options(), &part_o, &part_lse);
-  check_launch(cuda::launch_attention(a, plan.tasks.data(), static_cast<int64_t>(plan.tasks.size()),
+  check_launch(cuda::launch_attention(a, plan.tasks.data(), static_cast<int64_t>(plan.tasks.size()), plan.num_prefill_tasks,
                                       plan.splits.data(), static_cast<int64_t>(plan.splits.size()), partial, nullptr),
                "paged_attention");
 }
@@ -122,7 +122,7 @@ void paged_attention_planned(const at::Tensor& query, const at::Tensor& k_cache,
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(h->num_slots, h->rows_per_slot, a.layout.head_dim, query.options(),
                                                   &part_o, &part_lse);
-  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks,
+  check_launch(cuda::launch_attention(a, plan_tasks(plan_device, *h, true), h->num_tasks, h->num_prefill_tasks,
                                       plan_splits(plan_device, *h, true), h->num_splits, partial, nullptr),
                "paged_attention_planned");
 }

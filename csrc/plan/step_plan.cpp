@@ -93,6 +93,7 @@ std::tuple<at::Tensor, at::Tensor> build_step_plan(
   const AttentionPlan plan = make_attention_plan(a, host, options(a));
   h.num_tasks = static_cast<int64_t>(plan.tasks.size());
   h.num_splits = static_cast<int64_t>(plan.splits.size());
+  h.num_prefill_tasks = plan.num_prefill_tasks;
   h.rows_per_slot = plan.rows_per_slot;
   h.num_slots = plan.num_slots;
 

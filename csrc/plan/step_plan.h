@@ -32,6 +32,7 @@ struct StepPlanHeader {
   int64_t table_width = 0;      // columns of the block tables
   int64_t slot_rows = 0, slot_cols = 0;  // slot_mapping [rows, cols]; 0 x 0 when the plan has none
   int64_t num_tasks = 0, num_splits = 0, rows_per_slot = 0, num_slots = 0;
+  int64_t num_prefill_tasks = 0;  // AttentionPlan::num_prefill_tasks
   // byte offsets into the device tensor
   int64_t tables_at = 0, seq_lens_at = 0, cu_q_lens_at = 0, slots_at = 0, tasks_at = 0, splits_at = 0;
   int64_t device_bytes = 0;

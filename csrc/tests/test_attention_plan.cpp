@@ -180,6 +180,37 @@ TEST(AttentionPlanGpu, PrefillTasksCountTowardTheWave) {
   EXPECT_EQ(plan_light.tasks.size(), size_t(8 * 37 + 80));
 }
 
+TEST(AttentionPlanGpu, PrefillTasksGoFirstWhenAsked) {
+  // a decode sequence between two prefills: with prefill_first the prefill tasks make a prefix of the list
+  // (prefill_mma_kernel runs over it), each group largest first; without it, one largest-first list
+  const AttentionArgs a = args_for(3, 2, 4);
+  AttentionHostInfo host{{40, 5000, 300}, {40, 1, 300}};
+  PlanOptions opt = gpu_options(4, 2);
+  opt.prefill_rows = 64;  // 16 tokens of a group of 4 per task
+  const auto is_prefill = [](const AttentionTask& t) { return t.seq != 1; };
+  const auto cost = [&](const AttentionTask& t) {  // the planner's: rows x keys seen (causal for prefill)
+    return is_prefill(t) ? int64_t(t.tok_end - t.tok_begin) * (host.kv_lens[t.seq] - host.q_lens[t.seq] + t.tok_end)
+                         : int64_t(t.kv_end - t.kv_begin);
+  };
+  for (bool first : {true, false}) {
+    opt.prefill_first = first;
+    const AttentionPlan plan = make_attention_plan(a, host, opt);
+    const int64_t prefill = 2 * (3 + 19);  // 2 KV heads x (40 / 16 -> 3, 300 / 16 -> 19 tasks)
+    EXPECT_EQ(plan.num_prefill_tasks, prefill);
+    ASSERT_GT(static_cast<int64_t>(plan.tasks.size()), prefill);
+    if (first) {
+      for (int64_t i = 0; i < static_cast<int64_t>(plan.tasks.size()); ++i) {
+        EXPECT_EQ(is_prefill(plan.tasks[i]), i < prefill) << "task " << i;
+        if (i > 0 && i != prefill) {
+          EXPECT_GE(cost(plan.tasks[i - 1]), cost(plan.tasks[i])) << "task " << i;
+        }
+      }
+    } else {
+      EXPECT_FALSE(is_prefill(plan.tasks[0]));  // the decode splits of 5000 keys are the largest tasks
+    }
+  }
+}
+
 TEST(AttentionPlanGpu, UpTo64RowsPerKvHeadIsDecode) {
   const AttentionArgs a = args_for(2, 2, 4);
   AttentionHostInfo host{{4096, 4096}, {16, 17}};  // 64 rows per KV head: decode; 68: prefill
