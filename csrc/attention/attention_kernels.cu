@@ -292,6 +292,43 @@ __device__ __forceinline__ bool units_ok(const AttentionArgs& a) {
          whole_units(a.v_cache, KvType<VT>::kind, D, KvType<VT>::dtype);
 }
 
+/// stage_units for a tile whose keys' pool rows are already in `rows` (shared memory, -1 past the sequence's
+/// end): the K and V sides share one block-table read and row_index per key, and a thread steps through its
+/// (key, unit) pairs without a division per unit.
+template <int kKeys, typename T, typename Out, int kCols>
+__device__ __forceinline__ void stage_rows(const AttentionArgs& a, const T* pool, const float* scales, bool key,
+                                           int64_t h, const int64_t* rows, Out (*tile)[kCols]) {
+  constexpr KVKind kind = KvType<T>::kind;
+  constexpr unsigned kDims = static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype));
+  const PagedLayout& L = a.layout;
+  const int64_t row_bytes = stored_row_bytes<T>(L.head_dim);
+  const unsigned units = static_cast<unsigned>(row_bytes / 16);
+  const unsigned step_key = kThreads / units, step_unit = kThreads % units;  // 32-bit, once per call
+  unsigned jj = threadIdx.x / units, u = threadIdx.x % units;
+  for (; jj < kKeys; jj += step_key, u += step_unit) {
+    if (u >= units) {
+      u -= units;
+      ++jj;
+      if (jj >= kKeys) break;
+    }
+    Out* out = tile[jj] + u * kDims;
+    const int64_t row = rows[jj];
+    if (row < 0) {
+#pragma unroll
+      for (unsigned d = 0; d < kDims; ++d) out[d] = from_float<Out>(0.f);
+      continue;
+    }
+    const uint4 w = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(pool) + row * row_bytes)[u];
+    if constexpr (std::is_same_v<T, Out>) {
+      *reinterpret_cast<uint4*>(out) = w;
+    } else {
+      const float scale = kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
+      dequantize_unit(w, row, int64_t(u) * kDims, kDims, kind, KvType<T>::dtype, scale, scales, L, key,
+                      [&](unsigned d, float v) { out[d] = from_float<Out>(v); });
+    }
+  }
+}
+
 /// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys.
 /// Rows are dealt to the warps in turn (row i * kWarps + warp of the pass), so that a decode step of a
 /// GQA group of 4 keeps all four warps busy.
@@ -443,6 +480,7 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
                                                                PartialStates partial) {
   KVC_SHARED(MmaTile<In>, ks, [1]);
   KVC_SHARED(MmaTile<In>, vs, [1]);
+  KVC_SHARED(int64_t, tile_rows, [kMmaKeys]);  // pool rows of the tile's keys (K and V alike), -1 past the end
   const AttentionTask t = tasks[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const PagedLayout L = a.layout;
@@ -483,25 +521,48 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
 
     for (int64_t t0 = t.kv_begin; t0 < end; t0 += kMmaKeys) {
       __syncthreads();  // the query fragments are loaded / the previous tile is no longer read
-      stage_units<kMmaKeys>(a, static_cast<const KT*>(a.k_cache), a.k_scale, true, table, h, t0, end, ks[0].v);
-      stage_units<kMmaKeys>(a, static_cast<const VT*>(a.v_cache), a.v_scale, false, table, h, t0, end, vs[0].v);
+      if (threadIdx.x < kMmaKeys) {
+        const int64_t k = t0 + threadIdx.x;
+        tile_rows[threadIdx.x] = k < end ? L.row_index(table[k >> L.page_shift], h, k & (L.page_size - 1)) : -1;
+      }
+      __syncthreads();
+      stage_rows<kMmaKeys>(a, static_cast<const KT*>(a.k_cache), a.k_scale, true, h, tile_rows, ks[0].v);
+      stage_rows<kMmaKeys>(a, static_cast<const VT*>(a.v_cache), a.v_scale, false, h, tile_rows, vs[0].v);
       __syncthreads();
       if (t0 > last) continue;  // no row of this warp sees these keys (the warp still joins the barriers)
-      float s[kKeyTiles][4];  // C fragments of S: n-tile j holds keys t0 + [8 j, 8 j + 8)
+      // S = Q K^T; the head_dim guard (uniform) outside the loop over the key n-tiles, so that it branches once
+      // per k-step, not once per MMA
+      float s[kKeyTiles][4] = {};  // C fragments of S: n-tile j holds keys t0 + [8 j, 8 j + 8)
 #pragma unroll
-      for (int j = 0; j < kKeyTiles; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int kk = 0; kk < kSteps; ++kk) {
+        if (kk * 16 >= D) break;
 #pragma unroll
-        for (int kk = 0; kk < kSteps; ++kk) {
-          if (kk * 16 >= D) continue;
-          uint32_t b[2];  // K^T's 16 x 8 block: lanes 0-15 address rows (keys) of the tile, 8 dims each
-          ldmatrix(b, &ks[0].v[8 * j + lane % 8][kk * 16 + 8 * ((lane / 8) % 2)]);
-          mma_m16n8k16<In>(s[j], qa[kk], b, s[j]);
+        for (int j = 0; j < kKeyTiles; j += 2) {
+          // K^T's blocks for n-tiles j and j + 1: matrix m = lane / 8 is keys 8 (j + m / 2) + [0, 8), dims
+          // kk 16 + 8 (m % 2) + [0, 8)
+          uint32_t b[4];
+          ldmatrix(b, &ks[0].v[8 * j + 8 * (lane / 16) + lane % 8][kk * 16 + 8 * ((lane / 8) % 2)]);
+          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_m16n8k16<In>(s[j], qa[kk], b0, s[j]);
+          mma_m16n8k16<In>(s[j + 1], qa[kk], b1, s[j + 1]);
         }
       }
-      // scale, soft cap, mask; the tile's max per row over the quad (the 4 lanes holding a row). Each row sees
-      // the tile's columns [first, last] and those below `sinks` (32-bit, relative to t0: no 64-bit compares
-      // per score)
+      // scale and soft cap (one branch per tile, not per score)
+      if (a.softcap > 0.f) {
+#pragma unroll
+        for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[j][c] = a.softcap * tanhf(s[j][c] * a.scale * inv_cap);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[j][c] *= a.scale;
+        }
+      }
+      // mask; the tile's max per row over the quad (the 4 lanes holding a row). Each row sees the tile's
+      // columns [first, last] and those below `sinks` (32-bit, relative to t0: no 64-bit compares per score)
       int first_col[2], last_col[2];
       const int sinks = static_cast<int>(min(max(a.sink_tokens - t0, int64_t(0)), int64_t(kMmaKeys)));
 #pragma unroll
@@ -516,11 +577,9 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int col = 8 * j + 2 * tq + (c & 1), i = c / 2;
-          float x = s[j][c] * a.scale;
-          if (a.softcap > 0.f) x = a.softcap * tanhf(x * inv_cap);
-          x = col <= last_col[i] && (col >= first_col[i] || col < sinks) ? x : -INFINITY;
+          const float x = col <= last_col[i] && (col >= first_col[i] || col < sinks) ? s[j][c] : -INFINITY;
           s[j][c] = x;
-          tile_max[c / 2] = fmaxf(tile_max[c / 2], x);
+          tile_max[i] = fmaxf(tile_max[i], x);
         }
       }
 #pragma unroll
@@ -542,7 +601,9 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
           o[n][2 * i + 1] *= alpha;
         }
       }
-      // O += P V, 16 keys per k-step: S's fragments of n-tiles 2 kk and 2 kk + 1 are P's A fragment
+      // P in the query's dtype: S's fragments of n-tiles 2 kk and 2 kk + 1 are P's A fragment for keys
+      // [16 kk, 16 kk + 16)
+      uint32_t pa[kKeyTiles / 2][4];
 #pragma unroll
       for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
         float p[2][4];
@@ -554,18 +615,22 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
             l[c / 2] += p[jj][c];
           }
         }
-        const uint32_t pa[4] = {pack_pair(from_float<In>(p[0][0]), from_float<In>(p[0][1])),
-                                pack_pair(from_float<In>(p[0][2]), from_float<In>(p[0][3])),
-                                pack_pair(from_float<In>(p[1][0]), from_float<In>(p[1][1])),
-                                pack_pair(from_float<In>(p[1][2]), from_float<In>(p[1][3]))};
+        pa[kk][0] = pack_pair(from_float<In>(p[0][0]), from_float<In>(p[0][1]));
+        pa[kk][1] = pack_pair(from_float<In>(p[0][2]), from_float<In>(p[0][3]));
+        pa[kk][2] = pack_pair(from_float<In>(p[1][0]), from_float<In>(p[1][1]));
+        pa[kk][3] = pack_pair(from_float<In>(p[1][2]), from_float<In>(p[1][3]));
+      }
+      // O += P V; the head_dim guard outside the loop over the keys
 #pragma unroll
-        for (int n = 0; n < 2 * kSteps; n += 2) {
-          if (n * 8 >= D) continue;
+      for (int n = 0; n < 2 * kSteps; n += 2) {
+        if (n * 8 >= D) break;
+#pragma unroll
+        for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
           uint32_t b[4];  // V's 16 x 16 block (keys x dims), transposed: b for n-tiles n and n + 1
           ldmatrix_trans(b, &vs[0].v[16 * kk + lane % 16][8 * n + 8 * (lane / 16)]);
           const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          mma_m16n8k16<In>(o[n], pa, b0, o[n]);
-          mma_m16n8k16<In>(o[n + 1], pa, b1, o[n + 1]);
+          mma_m16n8k16<In>(o[n], pa[kk], b0, o[n]);
+          mma_m16n8k16<In>(o[n + 1], pa[kk], b1, o[n + 1]);
         }
       }
     }
