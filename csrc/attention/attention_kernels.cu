@@ -170,35 +170,49 @@ __device__ __forceinline__ void absorb(const AttentionArgs& a, Row& r, float s, 
   }
 }
 
-/// Sets up row `r` of task `t` (numbered as in AttentionTask) for this warp.
-__device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t r, int lane, Row& row) {
-  const int64_t G = a.group, D = a.layout.head_dim;
-  const int64_t per_head = int64_t(t.tok_end - t.tok_begin) * G;
-  const int64_t rows = int64_t(t.head_end - t.head_begin) * per_head;
-  row.valid = r < rows;
-  row.m = -INFINITY;
-  row.l = 0.f;
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = row.o[k] = 0.f;
-  if (!row.valid) {
-    row.pos = -1;
-    row.lo = 0;
-    return;
-  }
-  // 32-bit index arithmetic (a task's rows and a GQA group are small): no 64-bit division calls
+/// Where row r of a task sits: its query position, window, output row and query (init_row, prefill_mma_kernel).
+struct TaskRow {
+  int64_t pos = -1, lo = 0;  // position of the query, first key of its window
+  int64_t out_row = 0;       // (token, query head) of out / lse
+  int64_t q_at = 0;          // its query's first element in `query`
+  bool valid = false;
+};
+
+/// Row r of task t (numbered as in AttentionTask); invalid past the task's rows.
+__device__ __forceinline__ TaskRow task_row(const AttentionArgs& a, const AttentionTask& t, int64_t r) {
+  TaskRow row;
+  const int64_t G = a.group, per_head = int64_t(t.tok_end - t.tok_begin) * G;
+  if (r >= int64_t(t.head_end - t.head_begin) * per_head) return row;
   const unsigned r32 = static_cast<unsigned>(r), per_head32 = static_cast<unsigned>(per_head);
   const unsigned local = r32 % per_head32, G32 = static_cast<unsigned>(G);
   const int64_t h = t.head_begin + r32 / per_head32;
   const int64_t i = t.tok_begin + local / G32, hq = h * G + local % G32;
   const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
+  row.valid = true;
   row.pos = a.kv_lens[t.seq] - q_len + i;
   row.lo = a.window_left >= 0 ? max(int64_t(0), row.pos - a.window_left) : int64_t(0);
-  row.out_row = (q_start + i) * a.q_heads + hq;  // used when the task writes the final output
-  const int64_t base = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
+  row.out_row = (q_start + i) * a.q_heads + hq;
+  row.q_at = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
+  return row;
+}
+
+/// Sets up row `r` of task `t` (numbered as in AttentionTask) for this warp.
+__device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t r, int lane, Row& row) {
+  const int64_t D = a.layout.head_dim;
+  const TaskRow place = task_row(a, t, r);
+  row.valid = place.valid;
+  row.pos = place.pos;
+  row.lo = place.lo;
+  row.out_row = place.out_row;  // used when the task writes the final output
+  row.m = -INFINITY;
+  row.l = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = row.o[k] = 0.f;
+  if (!row.valid) return;
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
     const int64_t d = lane + 32 * k;
-    if (d < D) row.q[k] = load_any(a.query, base + d * a.q_strides[2], a.q_dtype);
+    if (d < D) row.q[k] = load_any(a.query, place.q_at + d * a.q_strides[2], a.q_dtype);
   }
   if (a.k_rot) {  // keys are stored rotated: rotate the query alike (whole warp: row.valid is uniform)
     warp_rotate(row.q, D, lane);
@@ -430,13 +444,18 @@ struct alignas(16) MmaTile {
 /// fp16 query over fp16 pages (quantized pages are dequantized to bf16: an fp16 query would lose precision
 /// in bf16), head_dim a multiple of 16 up to kMmaMaxDim, rows of whole 16-byte units, no Hadamard rotation
 /// (a rotated query or output needs a warp's whole row, which the mma fragments spread over a quad).
+/// The part of mma_prefill a step plan can check (it knows no query dtype and no pool pointers).
+KVC_HOST_DEVICE bool mma_prefill_shape(const AttentionArgs& a) {
+  const int64_t D = a.layout.head_dim;
+  return D % 16 == 0 && D <= kMmaMaxDim && !a.k_rot && !a.v_rot;
+}
 KVC_HOST_DEVICE bool mma_prefill(const AttentionArgs& a) {
   const int64_t D = a.layout.head_dim;
   const auto fits = [&](KVKind kind) {
     return kind == KVKind::kFull ? a.kv_dtype == a.q_dtype : a.q_dtype == DType::kBFloat16;
   };
   return (a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16) && fits(a.k_kind) && fits(a.v_kind) &&
-         D % 16 == 0 && D <= kMmaMaxDim && !a.k_rot && !a.v_rot && whole_units(a.k_cache, a.k_kind, D, a.kv_dtype) &&
+         mma_prefill_shape(a) && whole_units(a.k_cache, a.k_kind, D, a.kv_dtype) &&
          whole_units(a.v_cache, a.v_kind, D, a.kv_dtype);
 }
 
@@ -446,32 +465,6 @@ __device__ __forceinline__ uint32_t pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi
 }
 __device__ __forceinline__ uint32_t pack_pair(__half lo, __half hi) {
   return uint32_t{__half_as_ushort(lo)} | (uint32_t{__half_as_ushort(hi)} << 16);
-}
-
-/// A lane's two query rows in a warp's m16 tile (g = lane / 4: rows g and g + 8).
-struct MmaRow {
-  int64_t pos = -1, lo = 0;  // position of the query, first key of its window
-  int64_t out_row = 0;       // (token, query head) of out / lse
-  int64_t q_at = 0;          // its query's first element in `query`
-  bool valid = false;
-};
-
-/// Row r of task t (numbered as in AttentionTask; init_row's mapping).
-__device__ __forceinline__ MmaRow mma_row(const AttentionArgs& a, const AttentionTask& t, int64_t r) {
-  MmaRow row;
-  const int64_t G = a.group, per_head = int64_t(t.tok_end - t.tok_begin) * G;
-  if (r >= int64_t(t.head_end - t.head_begin) * per_head) return row;
-  const unsigned r32 = static_cast<unsigned>(r), per_head32 = static_cast<unsigned>(per_head);
-  const unsigned local = r32 % per_head32, G32 = static_cast<unsigned>(G);
-  const int64_t h = t.head_begin + r32 / per_head32;
-  const int64_t i = t.tok_begin + local / G32, hq = h * G + local % G32;
-  const int64_t q_start = a.cu_q_lens[t.seq], q_len = a.cu_q_lens[t.seq + 1] - q_start;
-  row.valid = true;
-  row.pos = a.kv_lens[t.seq] - q_len + i;
-  row.lo = a.window_left >= 0 ? max(int64_t(0), row.pos - a.window_left) : int64_t(0);
-  row.out_row = (q_start + i) * a.q_heads + hq;
-  row.q_at = (q_start + i) * a.q_strides[0] + hq * a.q_strides[1];
-  return row;
 }
 
 /// Prefill tasks of one KV head (t.head_begin == t.head_end - 1, as the planner makes them) on tensor cores.
@@ -497,15 +490,14 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(AttentionArgs a, 
 
   for (int64_t first = 0; first < rows; first += kMmaRows) {
     const int64_t r0 = first + warp * 16;
-    const MmaRow row[2] = {mma_row(a, t, r0 + g), mma_row(a, t, r0 + g + 8)};
+    const TaskRow row[2] = {task_row(a, t, r0 + g), task_row(a, t, r0 + g + 8)};
     // the query block, through the K tile: rows [first, first + kMmaRows) x dims [0, D), 0 past the task's rows
     __syncthreads();  // the previous pass no longer reads the tiles
-    for (unsigned i = threadIdx.x; i < kMmaRows * static_cast<unsigned>(D); i += kThreads) {
-      const unsigned rr = i / static_cast<unsigned>(D), d = i % static_cast<unsigned>(D);
-      const MmaRow q = mma_row(a, t, first + rr);
-      float v = 0.f;
-      if (q.valid) v = load_any(a.query, q.q_at + d * a.q_strides[2], a.q_dtype);
-      ks[0].v[rr][d] = from_float<In>(v);
+    for (unsigned rr = warp; rr < kMmaRows; rr += kWarps) {  // a row per warp: its mapping once, not per dim
+      const TaskRow q = task_row(a, t, first + rr);
+      for (unsigned d = lane; d < static_cast<unsigned>(D); d += 32) {
+        ks[0].v[rr][d] = from_float<In>(q.valid ? load_any(a.query, q.q_at + d * a.q_strides[2], a.q_dtype) : 0.f);
+      }
     }
     __syncthreads();
     uint32_t qa[kSteps][4] = {};  // A fragments of the warp's 16 query rows
@@ -801,9 +793,7 @@ PlanOptions cuda_plan_options(const AttentionArgs& a, int64_t multiprocessors) {
   // Prefill tasks go first, to prefill_mma_kernel: kMmaRows rows each when its shapes allow (the query's
   // dtype is not known to a step plan: with an fp32 query, attention_kernel takes such a task in passes).
   opt.prefill_first = true;
-  const int64_t D = a.layout.head_dim;
-  const bool mma_shape = D % 16 == 0 && D <= kMmaMaxDim && !a.k_rot && !a.v_rot;
-  opt.prefill_rows = mma_shape ? kMmaRows : kRowsPerCta;  // kRowsPerCta: one pass of attention_kernel
+  opt.prefill_rows = mma_prefill_shape(a) ? kMmaRows : kRowsPerCta;  // kRowsPerCta: one pass of attention_kernel
   return opt;
 }
 
