@@ -49,6 +49,7 @@ class KernelBudget:
     decode: bool = False        # reads KV pages in a decode step: 128-bit loads and the bytes-in-flight target apply
     prefill: bool = False       # serves prefill tasks: tensor-core instructions (HMMA / HGMMA) are expected
     block_note: str = ""        # where the block size comes from, when the launcher picks it at run time
+    async_group_keys: int = 0   # keys whose K and V rows one cp.async group copies (a pipeline stage), if any
 
 
 KERNEL_BUDGETS: dict[str, KernelBudget] = {
@@ -56,9 +57,10 @@ KERNEL_BUDGETS: dict[str, KernelBudget] = {
     # (attention_kernels.cu: mma_prefill): fp32 queries, head_dim > 128 or not a multiple of 16, Hadamard-
     # rotated pages, an fp16 query over quantized pages.
     "attention_kernel": KernelBudget(
-        "kThreads", 128, decode=True,
-        why="128 regs x 4-warp CTAs leaves 16 warps/SM; with 128-bit KV loads (512 B per warp load) 4 loads "
-            "in flight per warp reach 32 KB/SM, the sm_90 target. More registers than that costs warps"),
+        "kThreads", 168, decode=True, async_group_keys=16,
+        why="__launch_bounds__(128, 3): 168 regs keeps 3 CTAs (12 warps) per SM. The cp.async ring, not the "
+            "registers, holds the bytes in flight: 12-16 KB per CTA, 36-48 KB per SM at 3 CTAs, over the 32 KB "
+            "sm_90 target. (At 128, ptxas spilled the int4 / KIVI instances on sm_90a.)"),
     # prefill_mma_kernel: prefill tasks of bf16 / fp16 queries on tensor cores (FlashAttention-2's scheme).
     "prefill_mma_kernel": KernelBudget(
         "kThreads", 255, prefill=True,
@@ -325,6 +327,7 @@ def sass_counts(instructions: list[Instruction], call_names: dict[int, str]) -> 
             calls[name] = calls.get(name, 0) + 1
     counts.update(global_loads=global_loads, async_copies=async_copies, calls=calls,
                   div64_calls=sum(n for name, n in calls.items() if DIV64_HELPER.search(name)),
+                  async_groups_in_flight=async_groups_in_flight(instructions),
                   loads_in_flight=loads_in_flight(instructions), streaming_loop=streaming_loop(instructions))
     return counts
 
@@ -377,6 +380,24 @@ def mma_loop(instructions: list[Instruction], inner_trips: float = 1.0) -> dict:
         return {"instructions": round(len(body) - in_inner + inner_trips * in_inner), "mma": mma,
                 "loop": f"0x{start:04x}-0x{end:04x}", "inner_loops": len(inner), "inner_trips": inner_trips}
     return {"instructions": 0, "mma": 0, "loop": "", "inner_loops": 0, "inner_trips": inner_trips}
+
+
+def async_groups_in_flight(instructions: list[Instruction]) -> int:
+    """cp.async groups a thread keeps in flight in its streaming loop: N + 1 for the largest
+    `DEPBAR.LE SB0, N` (cp.async.wait_group N) inside a loop of a kernel that has LDGSTS; 0 without LDGSTS."""
+    if not any(ins.base == "LDGSTS" for ins in instructions):
+        return 0
+    loop_ends: dict[int, int] = {}
+    for ins in instructions:
+        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
+            head = int(t.group(1), 16)
+            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    best = 0
+    for ins in instructions:
+        m = re.match(r"SB0,\s*0x([0-9a-f]+)", ins.operands) if ins.opcode.startswith("DEPBAR.LE") else None
+        if m and any(s <= ins.address <= e for s, e in loop_ends.items()):
+            best = max(best, int(m.group(1), 16) + 1)
+    return best
 
 
 def loads_in_flight(instructions: list[Instruction]) -> dict:
@@ -457,6 +478,10 @@ MODEL_ASSUMPTIONS = [
     "thread. Outstanding bytes per thread: the largest group of global loads a thread issues inside an "
     "innermost loop of the kernel's SASS before it first reads one of their results (a static estimate: every resident warp "
     "is assumed to sit in that loop with the group in flight at once, all lanes active).",
+    "Kernels that stream KV through a cp.async ring (LDGSTS; attention_kernel's decode pipeline): each thread "
+    "also has in flight the groups its wait leaves pending plus the one it is waiting for (cp.async.wait_group N, "
+    "SASS DEPBAR.LE SB0, N inside a loop: N + 1 groups) x the bytes of one group per thread (the kernel's keys "
+    "per group x K and V row bytes at head_dim 128 / threads per CTA); the larger of that and the LDG estimate.",
     "Targets: 20 KB/SM on sm_80 and 32 KB/SM on sm_90 (issue #23), the bytes needed in flight to cover "
     "DRAM latency at full bandwidth. Modelled attainable bandwidth = peak x min(1, in flight / target).",
     "Roofline of a decode step (a GQA group of 4 query heads per KV head, at the kernel's KV element size: "
@@ -492,10 +517,23 @@ def kv_element_bytes(name: str) -> float:
     return sum(sizes) / len(sizes) if sizes else 2.0
 
 
-def in_flight_model(row: dict, lim: SmLimits, arch: str) -> dict:
+def kv_row_bytes(name: str, head_dim: int = 128) -> float:
+    """Bytes of one K row plus one V row of a kernel instance at head_dim, from its first two template arguments."""
+    m = re.search(r"<(.*)>$", name)
+    args = [a.strip() for a in re.split(r",\s*(?![^<]*>)", m.group(1))][:2] if m else []
+    sizes = [KV_ELEMENT_BYTES[a] for a in args if a in KV_ELEMENT_BYTES]
+    return head_dim * (sum(sizes) if len(sizes) == 2 else 4.0)
+
+
+def in_flight_model(row: dict, lim: SmLimits, arch: str, budget: KernelBudget | None = None) -> dict:
     """Little's-law bytes in flight per SM and the roofline of a decode kernel (see MODEL_ASSUMPTIONS)."""
     sass = row["sass"]
     per_thread = sass["loads_in_flight"]["bytes_per_thread"]
+    groups = sass.get("async_groups_in_flight", 0)
+    async_per_thread = 0.0
+    if groups and budget and budget.async_group_keys:
+        async_per_thread = groups * budget.async_group_keys * kv_row_bytes(row["name"]) / row["occupancy"]["block"]
+    per_thread = max(per_thread, async_per_thread)
     warps = row["occupancy"]["warps_per_sm"]
     per_sm = warps * 32 * per_thread
     target = IN_FLIGHT_TARGET_BYTES[arch]
@@ -515,7 +553,8 @@ def in_flight_model(row: dict, lim: SmLimits, arch: str) -> dict:
     }
     bound = min(bounds, key=bounds.get)
     attainable = bounds[bound]
-    return {"bytes_per_thread": per_thread, "warps_per_sm": warps, "bytes_per_sm": per_sm, "target_bytes": target,
+    return {"bytes_per_thread": per_thread, "async_groups": groups, "async_bytes_per_thread": async_per_thread,
+            "warps_per_sm": warps, "bytes_per_sm": per_sm, "target_bytes": target,
             "bandwidth_fraction": fraction, "attainable_bytes_per_s": attainable,
             "arithmetic_intensity": intensity, "attainable_flops": attainable * intensity,
             "bound": bound, "bounds_bytes_per_s": bounds, "dram_latency_s": latency_s,
@@ -655,7 +694,7 @@ def analyse_file(nvcc: str, cuobjdump: str | None, source: Path, arch: str, flag
                "occupancy": occupancy(res, block, lim),
                "sass": sass_counts(functions[mangled], call_names.get(mangled, {})) if mangled in functions else None}
         if row["sass"] and budget and budget.decode:
-            row["in_flight"] = in_flight_model(row, lim, arch)
+            row["in_flight"] = in_flight_model(row, lim, arch, budget)
         if row["sass"] and budget and budget.prefill:
             row["prefill"] = prefill_model(row, functions[mangled], lim, arch)
         row["checks"] = run_checks(row, budget)

@@ -116,6 +116,32 @@ def test_roofline_bounds():
     assert m["bound"] == "issue" and m["attainable_bytes_per_s"] == pytest.approx(108 * 4 * 1410e6 * 32 * 32 / 2000)
 
 
+def test_async_pipeline_groups_in_flight():
+    """A cp.async ring: the wait inside the loop leaves N groups pending (DEPBAR.LE SB0, N) while the thread waits
+    for one more, so N + 1 groups are in flight; the wait after the loop (N = 0) does not count, and without
+    LDGSTS there is no pipeline. The model turns groups into bytes with the kernel's keys per group."""
+    body = [(0x00, "LDGSTS.E.BYPASS.LTC128B.128 [R7], [R4.64]"), (0x10, "LDGDEPBAR"),
+            (0x20, "DEPBAR.LE SB0, 0x2"), (0x30, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+            (0x40, "LDGSTS.E.BYPASS.LTC128B.128 [R9], [R6.64]"), (0x50, "LDGDEPBAR"),
+            (0x60, "LDS.128 R8, [R7]"), (0x70, "@P0 BRA 0x20"), (0x80, "DEPBAR.LE SB0, 0x0"), (0x90, "EXIT")]
+    sass = "\t\tFunction : _Z1kv\n" + "\n".join(f"        /*{a:04x}*/ {op} ;" for a, op in body)
+    instructions = report.parse_sass(sass)["_Z1kv"]
+    assert report.async_groups_in_flight(instructions) == 3
+    no_async = [ins for ins in instructions if ins.base != "LDGSTS"]
+    assert report.async_groups_in_flight(no_async) == 0
+    lim = report.SM_LIMITS["sm_90a"]
+    row = {"name": "attention_kernel<signed char, Int4>", "occupancy": {"warps_per_sm": 12, "block": 128},
+           "sass": {"loads_in_flight": {"bytes_per_thread": 16}, "mma": {}, "async_groups_in_flight": 3,
+                    "streaming_loop": {"instructions": 100, "bytes_per_thread": 32, "loops": []}}}
+    budget = report.KERNEL_BUDGETS["attention_kernel"]
+    m = report.in_flight_model(row, lim, "sm_90a", budget)
+    # 3 groups x 16 keys x (128 int8 + 64 int4 bytes) / 128 threads = 72 B per thread
+    assert m["bytes_per_thread"] == pytest.approx(3 * budget.async_group_keys * (128 + 64) / 128)
+    assert m["bytes_per_sm"] == pytest.approx(12 * 32 * m["bytes_per_thread"])
+    # without the kernel's group size the LDG estimate stands
+    assert report.in_flight_model(row, lim, "sm_90a")["bytes_per_thread"] == 16
+
+
 def test_demangled_short_names():
     assert report.short_name("void kvcache::cuda::(anonymous namespace)::append_kernel<unsigned short>"
                              "(kvcache::AppendArgs)") == "append_kernel<unsigned short>"

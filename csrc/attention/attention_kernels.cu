@@ -8,8 +8,8 @@
 // each of one KV head: decode tasks (a few rows, a range of keys: split-K) and prefill tasks (a block
 // of query rows, all their keys). attention_kernel serves decode tasks, and the prefill tasks that
 // prefill_mma_kernel (tensor cores, below) does not take: the CTA stages tiles of kTile keys of its KV
-// head in shared memory, dequantized to fp32, and every warp reuses them for its rows, so each page is
-// read once per KV head and task, not once per query head. A task holds at most kRowsPerCta rows per
+// head in shared memory (through a cp.async ring of several tiles in flight: DecodePipe), and every warp
+// reuses them for its rows, so each page is read once per KV head and task, not once per query head. A task holds at most kRowsPerCta rows per
 // pass; a wider GQA group (e.g. MQA with 32 query heads) takes several passes over the keys.
 // Split tasks write partial states that merge_partials_kernel folds into the output.
 #include <cuda_bf16.h>
@@ -22,6 +22,7 @@
 #include "attention/attention_cuda_launch.h"
 #include "cache/dequant_cuda.cuh"
 #include "cache/rotation_cuda.cuh"
+#include "core/cp_async.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
 #include "core/quant.h"
@@ -34,9 +35,17 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxPerLane = 8;   // head_dim <= 256: each lane holds at most 8 dims
-constexpr int kRowsPerWarp = 4;  // rows a warp keeps in registers
-constexpr int kRowsPerCta = kWarps * kRowsPerWarp;  // rows of one pass over the keys
+// A warp keeps kLaneFloats query dims (and as many output dims) of its rows per lane: 4 rows of head_dim <= 128
+// (4 dims per lane), 2 of head_dim <= 256 (8 per lane), so that registers do not grow with the largest head_dim.
+constexpr int kLaneFloats = 16;
+constexpr int kRowsPerCta = kWarps * kLaneFloats / 4;  // rows of one pass over the keys at head_dim <= 128
 constexpr int kTile = 16;        // keys per shared-memory tile
+constexpr int kPipeMaxDim = 128;  // attention_kernel's cp.async pipeline: head_dim up to this
+constexpr int64_t kSmemBytes = 48 * 1024;  // static shared memory of a CTA (the limit without opting in)
+// attention_kernel is compiled for at least this many resident CTAs per SM (at most 168 registers a thread),
+// and its cp.async ring keeps kPipeInFlight bytes in flight per CTA: issue #23's 32 KB per sm_90 SM at 3 CTAs.
+constexpr int kDecodeCtasPerSm = 3;
+constexpr int64_t kPipeInFlight = 12 * 1024;
 constexpr int kMergeThreads = 128;  // merge_states: threads per row (head dims are 64-256)
 
 // Element types of the pools. Quantized codes widen to their code value; the scale is applied per key
@@ -134,37 +143,38 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-/// One query row held by a warp: its query (pre-scaled) and output dims d = lane + 32 k.
+/// One query row held by a warp: its query (pre-scaled) and output dims d = lane + 32 k, k < kPerLane.
+template <int kPerLane>
 struct Row {
-  float q[kMaxPerLane];
-  float o[kMaxPerLane];
+  float q[kPerLane];
+  float o[kPerLane];
   float m, l;
-  int64_t pos, lo;  // position of the query, first key of its window
-  int64_t out_row;  // index of (token, query head) in out/lse, or of the partial-state row
-  bool valid;
+  int32_t pos, lo;  // position of the query, first key of its window (kv_lens are int32)
+  bool valid;       // finish_row finds the row's place in out / lse again (task_row): two registers fewer
 };
 
-__device__ __forceinline__ bool key_visible(const AttentionArgs& a, const Row& r, int64_t j) {
+template <int kPerLane>
+__device__ __forceinline__ bool key_visible(const AttentionArgs& a, const Row<kPerLane>& r, int32_t j) {
   return j <= r.pos && (j >= r.lo || j < a.sink_tokens);
 }
 
 /// Online-softmax update of a row with one key: score s (already reduced over the warp) and the
 /// key's V, read through `v_at(d)`.
-template <class VAt>
-__device__ __forceinline__ void absorb(const AttentionArgs& a, Row& r, float s, int lane, VAt v_at) {
+template <int kPerLane, class VAt>
+__device__ __forceinline__ void absorb(const AttentionArgs& a, Row<kPerLane>& r, float s, int lane, VAt v_at) {
   if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
   if (s > r.m) {
     const float alpha = __expf(r.m - s);  // 0 when m was -inf
     r.l *= alpha;
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) r.o[k] *= alpha;
+    for (int k = 0; k < kPerLane; ++k) r.o[k] *= alpha;
     r.m = s;
   }
   const float p = __expf(s - r.m);
   r.l += p;
   const int64_t D = a.layout.head_dim;
 #pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
+  for (int k = 0; k < kPerLane; ++k) {
     const int64_t d = lane + 32 * k;
     if (d < D) r.o[k] += p * v_at(d);
   }
@@ -197,20 +207,20 @@ __device__ __forceinline__ TaskRow task_row(const AttentionArgs& a, const Attent
 }
 
 /// Sets up row `r` of task `t` (numbered as in AttentionTask) for this warp.
-__device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t r, int lane, Row& row) {
+template <int kPerLane>
+__device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t r, int lane, Row<kPerLane>& row) {
   const int64_t D = a.layout.head_dim;
   const TaskRow place = task_row(a, t, r);
   row.valid = place.valid;
-  row.pos = place.pos;
-  row.lo = place.lo;
-  row.out_row = place.out_row;  // used when the task writes the final output
+  row.pos = static_cast<int32_t>(place.pos);
+  row.lo = static_cast<int32_t>(place.lo);
   row.m = -INFINITY;
   row.l = 0.f;
 #pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = row.o[k] = 0.f;
+  for (int k = 0; k < kPerLane; ++k) row.q[k] = row.o[k] = 0.f;
   if (!row.valid) return;
 #pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
+  for (int k = 0; k < kPerLane; ++k) {
     const int64_t d = lane + 32 * k;
     if (d < D) row.q[k] = load_any(a.query, place.q_at + d * a.q_strides[2], a.q_dtype);
   }
@@ -218,31 +228,33 @@ __device__ void init_row(const AttentionArgs& a, const AttentionTask& t, int64_t
     warp_rotate(row.q, D, lane);
     const float s = quant::rot_query_scale(D);
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) row.q[k] *= s;
+    for (int k = 0; k < kPerLane; ++k) row.q[k] *= s;
   }
 #pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) row.q[k] = lane + 32 * k < D ? row.q[k] * a.scale : 0.f;
+  for (int k = 0; k < kPerLane; ++k) row.q[k] = lane + 32 * k < D ? row.q[k] * a.scale : 0.f;
 }
 
 /// Normalizes a finished row and writes it: the output and lse, or the task's partial state.
+template <int kPerLane>
 __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial,
-                           Row& row, int64_t r, int lane) {
+                           Row<kPerLane>& row, int64_t r, int lane) {
   if (!row.valid) return;
   const int64_t D = a.layout.head_dim;
   if (a.v_rot) warp_unrotate(row.o, D, lane);  // values stored rotated; the state is linear in V
   const float inv = row.l > 0.f ? 1.f / row.l : 0.f;
   const float lse = row.l > 0.f ? row.m + logf(row.l) : -INFINITY;
   if (t.partial < 0) {
+    const int64_t out_row = task_row(a, t, r).out_row;
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
+    for (int k = 0; k < kPerLane; ++k) {
       const int64_t d = lane + 32 * k;
-      if (d < D) store_any(a.out, row.out_row * D + d, a.q_dtype, row.o[k] * inv);
+      if (d < D) store_any(a.out, out_row * D + d, a.q_dtype, row.o[k] * inv);
     }
-    if (a.lse != nullptr && lane == 0) a.lse[row.out_row] = lse;
+    if (a.lse != nullptr && lane == 0) a.lse[out_row] = lse;
   } else {
     const int64_t slot_row = t.partial * partial.rows_per_slot + r;
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
+    for (int k = 0; k < kPerLane; ++k) {
       const int64_t d = lane + 32 * k;
       if (d < D) partial.o[slot_row * D + d] = row.o[k] * inv;
     }
@@ -343,80 +355,239 @@ __device__ __forceinline__ void stage_rows(const AttentionArgs& a, const T* pool
   }
 }
 
-/// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys.
-/// Rows are dealt to the warps in turn (row i * kWarps + warp of the pass), so that a decode step of a
-/// GQA group of 4 keeps all four warps busy.
+/// The decode pipeline of attention_kernel<KT, VT> (head_dim <= kPipeMaxDim, rows of whole 16-byte units):
+/// a ring of kStages tiles of kTile keys whose K and V rows are copied with cp.async in their storage type,
+/// kStages - 1 tiles in flight while the CTA works on the oldest. A full-precision side is read from the
+/// ring as it is; a quantized side is decoded once per tile into an fp32 tile (kTile x head_dim) that every
+/// warp then reads. Sizes at head_dim 128; a smaller head_dim fills less of each stage.
 template <typename KT, typename VT>
-__global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, const AttentionTask* tasks,
+struct DecodePipe {
+  static constexpr bool kKeyFull = KvType<KT>::kind == KVKind::kFull;
+  static constexpr bool kValueFull = KvType<VT>::kind == KVKind::kFull;
+  static constexpr int64_t kKeyRow = code_row_bytes(KvType<KT>::kind, kPipeMaxDim, KvType<KT>::dtype);
+  static constexpr int64_t kValueRow = code_row_bytes(KvType<VT>::kind, kPipeMaxDim, KvType<VT>::dtype);
+  static constexpr int64_t kStageBytes = kTile * (kKeyRow + kValueRow);
+  static constexpr int64_t kDecodedBytes = (kKeyFull ? 0 : 1) * kTile * kPipeMaxDim * 4 + (kValueFull ? 0 : 1) * kTile * kPipeMaxDim * 4;
+  static constexpr int64_t kRowsBytes = kTile * 8;  // a stage's pool rows (int64)
+  // Enough stages that kPipeInFlight bytes are in flight, as many as fit beside the decoded tiles.
+  static constexpr int64_t kWanted = 1 + (kPipeInFlight + kStageBytes - 1) / kStageBytes;
+  static constexpr int64_t kFit = (kSmemBytes - kDecodedBytes) / (kStageBytes + kRowsBytes);
+  static constexpr int kStages = static_cast<int>(kWanted < kFit ? kWanted : kFit);
+  static_assert(kStages >= 2, "the decode pipeline needs two stages of shared memory");
+  static constexpr int64_t kBytes = kDecodedBytes + kStages * (kStageBytes + kRowsBytes);
+};
+
+/// The scale a unit of pool row `row` of head h is decoded with: per row for int8, per head for fp8, else 1.
+__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
+  return kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
+}
+
+/// Starts the copies of keys [t0, t0 + kTile) of K and V into a stage (keys at or past `end` are not
+/// copied) and writes the keys' pool rows (-1 past `end`) for the decode. One cp.async per 16-byte unit.
+__device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_t* table, int64_t h, int64_t t0,
+                                            int64_t end, unsigned k_units, unsigned v_units, char* k_stage,
+                                            char* v_stage, int64_t* rows) {
+  const PagedLayout& L = a.layout;
+  const unsigned units = k_units + v_units;  // 32-bit: a unit index is < kTile x 2 x 64
+  const char* kc = static_cast<const char*>(a.k_cache);
+  const char* vc = static_cast<const char*>(a.v_cache);
+  for (unsigned i = threadIdx.x; i < kTile * units; i += kThreads) {
+    const unsigned jj = i / units, u = i % units;
+    const int64_t key = t0 + jj;
+    if (key >= end) {
+      if (u == 0) rows[jj] = -1;
+      continue;
+    }
+    const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
+    if (u == 0) rows[jj] = row;
+    if (u < k_units) {
+      cp_async_16(k_stage + (jj * k_units + u) * 16, kc + (row * k_units + u) * 16);
+    } else {
+      const unsigned w = u - k_units;
+      cp_async_16(v_stage + (jj * v_units + w) * 16, vc + (row * v_units + w) * 16);
+    }
+  }
+}
+
+/// Decodes one side of a landed stage (rows of `units` 16-byte units of T) into `out` (kTile rows of D
+/// floats), with the same values as kv_at x token_scale. Keys past the end (row -1) are left alone: no
+/// warp reads them.
+template <typename T>
+__device__ __forceinline__ void decode_stage(const AttentionArgs& a, const float* scales, bool key, int64_t h,
+                                             const char* stage, const int64_t* rows, unsigned units, float* out) {
+  constexpr KVKind kind = KvType<T>::kind;
+  constexpr unsigned kDims = static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype));
+  const PagedLayout& L = a.layout;
+  const unsigned D = static_cast<unsigned>(L.head_dim);
+  for (unsigned i = threadIdx.x; i < kTile * units; i += kThreads) {
+    const unsigned jj = i / units, u = i % units;
+    const int64_t row = rows[jj];
+    if (row < 0) continue;
+    const uint4 w = reinterpret_cast<const uint4*>(stage)[i];
+    float* dst = out + jj * D + u * kDims;
+    dequantize_unit(w, row, int64_t(u) * kDims, kDims, kind, KvType<T>::dtype, row_scale(kind, scales, row, h),
+                    scales, L, key, [&](unsigned d, float v) { dst[d] = v; });
+  }
+}
+
+/// Every row of this warp takes keys [t0, min(t0 + kTile, end)) of a tile: key jj's dim d is k_at(jj, d),
+/// its value's v_at(jj, d).
+template <int kPerLane, int kRows, class KAt, class VAt>
+__device__ __forceinline__ void absorb_tile(const AttentionArgs& a, Row<kPerLane> (&rw)[kRows], int64_t t0, int64_t end,
+                                            int lane, KAt k_at, VAt v_at) {
+  const int64_t D = a.layout.head_dim;
+  for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
+    const int32_t key = static_cast<int32_t>(t0 + jj);  // < kv_len, an int32
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      Row<kPerLane>& row = rw[i];
+      if (!row.valid || !key_visible(a, row, key)) continue;  // uniform across the warp
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int d = lane + 32 * k;
+        if (d < D) s += row.q[k] * k_at(jj, d);
+      }
+      s = warp_sum(s);
+      absorb<kPerLane>(a, row, s, lane, [&](int d) { return v_at(jj, d); });
+    }
+  }
+}
+
+/// One task (one KV head): K/V tiles staged in shared memory, kRowsPerCta rows per pass over the keys
+/// (half as many at head_dim > 128).
+/// Rows are dealt to the warps in turn (row i * kWarps + warp of the pass), so that a decode step of a
+/// GQA group of 4 keeps all four warps busy. Every warp walks the same tiles (the union of the task's
+/// keys) so that __syncthreads() is uniform. With head_dim <= kPipeMaxDim and rows of whole 16-byte units
+/// the tiles stream through DecodePipe's cp.async ring; otherwise each tile is loaded and dequantized into
+/// fp32 tiles of kTile x 256 before the warps read it.
+template <typename KT, typename VT>
+__global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm) attention_kernel(AttentionArgs a, const AttentionTask* tasks,
                                                              PartialStates partial) {
-  KVC_SHARED(float, ks, [kTile][kMaxPerLane * 32]);
-  KVC_SHARED(float, vs, [kTile][kMaxPerLane * 32]);
+  using Pipe = DecodePipe<KT, VT>;
+  constexpr int64_t kStagedBytes = 2 * kTile * kMaxPerLane * 32 * 4;  // the fp32 tiles of the other path
+  KVC_SHARED(uint4, smem, [(Pipe::kBytes > kStagedBytes ? Pipe::kBytes : kStagedBytes) / 16]);
   const AttentionTask t = tasks[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const PagedLayout L = a.layout;
   const int64_t D = L.head_dim;
   const int64_t h = t.head_begin;
-  const KT* kc = static_cast<const KT*>(a.k_cache);
-  const VT* vc = static_cast<const VT*>(a.v_cache);
-  const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
-  const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
   const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
   const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
-  const bool units = units_ok<KT, VT>(a);  // 128-bit staging loads, else one value per load
+  const bool units = units_ok<KT, VT>(a);  // 128-bit loads, else one value per load
+  const bool pipe = units && D <= kPipeMaxDim;
+  // the pipeline's shared memory: [decoded K][decoded V][stage rows][stages]
+  float* k_dec = reinterpret_cast<float*>(smem);
+  float* v_dec = k_dec + (Pipe::kKeyFull ? 0 : kTile * kPipeMaxDim);
+  int64_t* stage_rows_at = reinterpret_cast<int64_t*>(v_dec + (Pipe::kValueFull ? 0 : kTile * kPipeMaxDim));
+  char* ring = reinterpret_cast<char*>(stage_rows_at + Pipe::kStages * kTile);
+  const unsigned k_units = static_cast<unsigned>(stored_row_bytes<KT>(D) / 16);
+  const unsigned v_units = static_cast<unsigned>(stored_row_bytes<VT>(D) / 16);
+  const int64_t stage_bytes = kTile * int64_t(k_units + v_units) * 16;
+  // the staged path's fp32 tiles
+  auto ks = reinterpret_cast<float(*)[kMaxPerLane * 32]>(smem);
+  auto vs = ks + kTile;
 
-  for (int64_t first = 0; first < rows; first += kRowsPerCta) {
-    Row rw[kRowsPerWarp];
+  // kPerLane dims per lane, kRows rows per warp and pass: 4 x 4 at head_dim <= 128, 8 x 2 above
+  const auto passes = [&](auto per_lane) {
+  constexpr int kPerLane = decltype(per_lane)::value, kRows = kLaneFloats / kPerLane;
+  for (int64_t first = 0; first < rows; first += kWarps * kRows) {
+    Row<kPerLane> rw[kRows];
     int64_t last = -1;  // the last key any row of this warp sees
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       init_row(a, t, first + i * kWarps + warp, lane, rw[i]);
-      last = max(last, rw[i].pos);
+      last = max(last, int64_t(rw[i].pos));
     }
-    // Every warp walks the same tiles (the union of the task's keys) so that __syncthreads() is uniform.
     const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
     const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
-    for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
-      __syncthreads();  // the previous tile is no longer read
-      if (units) {
-        stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
-        stage_units<kTile>(a, vc, a.v_scale, false, table, h, t0, end, vs);
-      } else {
-        for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
-          const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
-          const int64_t key = t0 + jj;
-          float kv = 0.f, vv = 0.f;
-          if (key < end) {  // staged dequantized: scales applied here, once per element
-            const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
-            const int64_t row = L.row_index(block, h, pos);
-            kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-            vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-          }
-          ks[jj][d] = kv;
-          vs[jj][d] = vv;
+    if (kPerLane * 32 == kPipeMaxDim && pipe) {
+      const auto stage = [&](int64_t n) { return ring + (n % Pipe::kStages) * stage_bytes; };
+      const auto stage_rows = [&](int64_t n) { return stage_rows_at + (n % Pipe::kStages) * kTile; };
+      const int64_t tiles = (max(end - t.kv_begin, int64_t(0)) + kTile - 1) / kTile;
+      __syncthreads();  // the previous pass no longer reads the ring
+#pragma unroll
+      for (int n = 0; n < Pipe::kStages - 1; ++n) {  // the first kStages - 1 tiles in flight
+        if (n < tiles) {
+          issue_stage(a, table, h, t.kv_begin + n * kTile, end, k_units, v_units, stage(n),
+                      stage(n) + kTile * k_units * 16, stage_rows(n));
         }
+        cp_async_commit();  // one group per stage, empty or not, so that the wait below counts stages
       }
-      __syncthreads();
-      if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
-      for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
-        const int64_t key = t0 + jj;
-#pragma unroll
-        for (int i = 0; i < kRowsPerWarp; ++i) {
-          Row& row = rw[i];
-          if (!row.valid || !key_visible(a, row, key)) continue;  // uniform across the warp
-          float s = 0.f;
-#pragma unroll
-          for (int k = 0; k < kMaxPerLane; ++k) {
-            const int64_t d = lane + 32 * k;
-            if (d < D) s += row.q[k] * ks[jj][d];
-          }
-          s = warp_sum(s);
-          absorb(a, row, s, lane, [&](int64_t d) { return vs[jj][d]; });
+      for (int64_t n = 0; n < tiles; ++n) {
+        const int64_t t0 = t.kv_begin + n * kTile;
+        cp_async_wait<Pipe::kStages - 2>();  // this thread's copies of tile n have landed
+        __syncthreads();  // ... and every thread's; tile n - 1 is no longer read, so its stage is free
+        if (n + Pipe::kStages - 1 < tiles) {
+          const int64_t next = n + Pipe::kStages - 1;
+          issue_stage(a, table, h, t.kv_begin + next * kTile, end, k_units, v_units, stage(next),
+                      stage(next) + kTile * k_units * 16, stage_rows(next));
         }
+        cp_async_commit();
+        const char* ks_raw = stage(n);
+        const char* vs_raw = ks_raw + kTile * k_units * 16;
+        if constexpr (!Pipe::kKeyFull || !Pipe::kValueFull) {
+          if constexpr (!Pipe::kKeyFull) decode_stage<KT>(a, a.k_scale, true, h, ks_raw, stage_rows(n), k_units, k_dec);
+          if constexpr (!Pipe::kValueFull) {
+            decode_stage<VT>(a, a.v_scale, false, h, vs_raw, stage_rows(n), v_units, v_dec);
+          }
+          __syncthreads();
+        }
+        if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
+        const KT* kf = reinterpret_cast<const KT*>(ks_raw);
+        const VT* vf = reinterpret_cast<const VT*>(vs_raw);
+        absorb_tile(
+            a, rw, t0, end, lane,
+            [&](int jj, int d) {
+              if constexpr (Pipe::kKeyFull) return to_float(kf[jj * D + d]);
+              else return k_dec[jj * D + d];
+            },
+            [&](int jj, int d) {
+              if constexpr (Pipe::kValueFull) return to_float(vf[jj * D + d]);
+              else return v_dec[jj * D + d];
+            });
+      }
+      cp_async_wait<0>();  // no copy outlives the pass (the empty groups of the last tiles)
+    } else {
+      const KT* kc = static_cast<const KT*>(a.k_cache);
+      const VT* vc = static_cast<const VT*>(a.v_cache);
+      const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
+      const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
+      for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
+        __syncthreads();  // the previous tile is no longer read
+        if (units) {
+          stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
+          stage_units<kTile>(a, vc, a.v_scale, false, table, h, t0, end, vs);
+        } else {
+          for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
+            const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
+            const int64_t key = t0 + jj;
+            float kv = 0.f, vv = 0.f;
+            if (key < end) {  // staged dequantized: scales applied here, once per element
+              const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
+              const int64_t row = L.row_index(block, h, pos);
+              kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+              vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+            }
+            ks[jj][d] = kv;
+            vs[jj][d] = vv;
+          }
+        }
+        __syncthreads();
+        if (t0 > last) continue;
+        absorb_tile(
+            a, rw, t0, end, lane, [&](int jj, int d) { return ks[jj][d]; }, [&](int jj, int d) { return vs[jj][d]; });
       }
     }
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
+    for (int i = 0; i < kRows; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
+  }
+  };
+  if (D <= kPipeMaxDim) {
+    passes(std::integral_constant<int, kPipeMaxDim / 32>{});
+  } else {
+    passes(std::integral_constant<int, kMaxPerLane>{});
   }
 }
 
