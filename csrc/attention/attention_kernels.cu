@@ -400,12 +400,12 @@ __device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_
     }
     const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
     if (u == 0) rows[jj] = row;
-    if (u < k_units) {
-      cp_async_16(k_stage + (jj * k_units + u) * 16, kc + (row * k_units + u) * 16);
-    } else {
-      const unsigned w = u - k_units;
-      cp_async_16(v_stage + (jj * v_units + w) * 16, vc + (row * v_units + w) * 16);
-    }
+    // one copy instruction for K and V units alike (selected addresses, not two branches): a warp's 32 lanes
+    // copy 512 bytes together
+    const bool k_side = u < k_units;
+    const unsigned w = k_side ? u : u - k_units, side_units = k_side ? k_units : v_units;
+    char* dst = (k_side ? k_stage : v_stage) + (jj * side_units + w) * 16;
+    cp_async_16(dst, (k_side ? kc : vc) + (row * side_units + w) * 16);
   }
 }
 

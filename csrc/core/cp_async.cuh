@@ -14,14 +14,22 @@
 
 namespace kvcache::cuda {
 
-/// Starts copying 16 bytes from global `src` to shared `dst`, both 16-byte aligned.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+// The caller's line, for the emulator's global-load log (emu::log_global_load): a load's call site.
+#if defined(__CUDACC__)
+#define KVC_CALL_SITE 0
+#else
+#define KVC_CALL_SITE __builtin_LINE()
+#endif
+
+/// Starts copying 16 bytes from global `src` to shared `dst`, both 16-byte aligned. `site`: leave it.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, [[maybe_unused]] int site = KVC_CALL_SITE) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned smem = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(src) : "memory");
 #elif defined(__CUDA_ARCH__)
   *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#else
+#elif !defined(__CUDACC__)  // the emulator (nvcc's host pass never runs a __device__ function)
+  ::kvcache::emu::log_global_load(site, src, 16);
   std::memcpy(dst, src, 16);
 #endif
 }

@@ -12,6 +12,7 @@
 #include "cache/cache_prepare.h"
 #include "core/check.h"
 #include "core/host_reads.h"
+#include "cuda_emulation/emulator.h"
 #include "mla/mla_cuda_launch.h"
 #include "mla/mla_prepare.h"
 #include "op_schemas.h"
@@ -162,8 +163,19 @@ void mla_attention(const at::Tensor& q_latent, const at::Tensor& q_rope, const a
   check_launch(cuda::launch_mla_attention(a, nullptr), "mla_attention");
 }
 
+// The emulator's global-load log around a few ops (tests/test_cuda_access_log.py): start, run, stop.
+void access_log_start() { emu::start_access_log(); }
+
+/// [warp-wide loads, bytes, sector bytes, fewest bytes of a warp-wide load, bytes read again]
+std::vector<int64_t> access_log_stop() {
+  const emu::AccessSummary s = emu::stop_access_log();
+  return {s.warp_loads, s.bytes, s.sector_bytes, s.min_warp_bytes, s.bytes_read_again};
+}
+
 TORCH_LIBRARY(kvcache_cuda_emulation, m) {
   for (const char* schema : kOpSchemas) m.def(schema);
+  m.def("access_log_start() -> ()", &access_log_start);
+  m.def("access_log_stop() -> int[]", &access_log_stop);
 }
 
 TORCH_LIBRARY_IMPL(kvcache_cuda_emulation, CPU, m) {

@@ -11,9 +11,13 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -103,6 +107,21 @@ struct Grid {
 };
 
 thread_local Grid* active = nullptr;
+
+/// The open global-load log: every load, grouped by the warp-wide instruction it belongs to.
+struct AccessLog {
+  std::mutex mutex;  // ops may launch from several Python threads
+  std::atomic<bool> open{false};
+  uint64_t launches = 0;
+  // (launch, block, warp, site, n-th execution) -> (address, bytes) of each lane
+  std::map<std::tuple<uint64_t, uint64_t, int, int, uint32_t>, std::vector<std::pair<uintptr_t, unsigned>>> loads;
+  std::map<std::tuple<uint64_t, uint64_t, int64_t, int>, uint32_t> executions;  // (launch, block, thread, site)
+};
+AccessLog& access_log() {
+  static AccessLog log;
+  return log;
+}
+thread_local uint64_t launch_number = 0;  // of the current launch in the open log
 
 std::vector<std::pair<void*, size_t>>& shared_arrays() {
   static std::vector<std::pair<void*, size_t>> arrays;
@@ -301,6 +320,10 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
     f.warp = static_cast<int>(i / kWarp);
     f.lane = static_cast<int>(i % kWarp);
   }
+  if (access_log().open) {
+    std::lock_guard<std::mutex> lock(access_log().mutex);
+    launch_number = ++access_log().launches;
+  }
   active = &L;
   for (unsigned z = 0; z < grid.z && L.error.empty(); ++z) {
     for (unsigned y = 0; y < grid.y && L.error.empty(); ++y) {
@@ -488,6 +511,57 @@ void mma_m16n8k16(MmaInput type, const uint32_t* a, const uint32_t* b, const flo
     for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
     d[i] = acc;
   }
+}
+
+void log_global_load(int site, const void* address, unsigned bytes) {
+  AccessLog& log = access_log();
+  if (!log.open || active == nullptr) return;
+  const Fiber& f = self();
+  const uint64_t block = (uint64_t{active->bid.z} * active->grid.y + active->bid.y) * active->grid.x + active->bid.x;
+  const int64_t thread = &f - active->fibers.data();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  const uint32_t n = log.executions[{launch_number, block, thread, site}]++;
+  log.loads[{launch_number, block, f.warp, site, n}].emplace_back(reinterpret_cast<uintptr_t>(address), bytes);
+}
+
+void start_access_log() {
+  AccessLog& log = access_log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.loads.clear();
+  log.executions.clear();
+  log.launches = 0;
+  log.open = true;
+}
+
+AccessSummary stop_access_log() {
+  AccessLog& log = access_log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.open = false;
+  AccessSummary s;
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) of every load
+  for (const auto& [key, lanes] : log.loads) {
+    int64_t bytes = 0;
+    std::set<uintptr_t> sectors;
+    for (const auto& [address, n] : lanes) {
+      bytes += n;
+      for (uintptr_t sector = address / 32; sector <= (address + n - 1) / 32; ++sector) sectors.insert(sector);
+      ranges.emplace_back(address, address + n);
+    }
+    s.warp_loads += 1;
+    s.bytes += bytes;
+    s.sector_bytes += 32 * static_cast<int64_t>(sectors.size());
+    s.min_warp_bytes = s.warp_loads == 1 ? bytes : std::min(s.min_warp_bytes, bytes);
+  }
+  // bytes read again: sweep the ranges in address order, counting what lies below the furthest end so far
+  std::sort(ranges.begin(), ranges.end());
+  uintptr_t reach = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin < reach) s.bytes_read_again += static_cast<int64_t>(std::min(end, reach) - begin);
+    reach = std::max(reach, end);
+  }
+  log.loads.clear();
+  log.executions.clear();
+  return s;
 }
 
 bool poison_per_block(void* array, size_t bytes) {

@@ -76,6 +76,24 @@ enum class ThreadOrder { kForward, kReverse };
 void set_thread_order(ThreadOrder order);
 ThreadOrder thread_order();
 
+/// Global-load log (issue #23, check 4): kernels report their KV loads here (core/cp_async.cuh's
+/// cp_async_16 does). While a log is open, each load is kept with its call site and the number of times the
+/// calling thread has executed that site in this launch, so that the loads a warp issues together as one
+/// instruction (same site, same n-th execution, lanes of one warp) are grouped alike in either thread order.
+void log_global_load(int site, const void* address, unsigned bytes);
+/// What the loads logged since start_access_log() add up to.
+struct AccessSummary {
+  int64_t warp_loads = 0;        // warp-wide load instructions: (launch, block, warp, site, n-th execution)
+  int64_t bytes = 0;             // bytes the lanes asked for
+  int64_t sector_bytes = 0;      // 32 x the 32-byte sectors those instructions touch (each counted per instruction)
+  int64_t min_warp_bytes = 0;    // the fewest bytes one warp-wide load moved
+  int64_t bytes_read_again = 0;  // bytes at an address some earlier logged load already read
+};
+/// Opens the log (dropping any previous one); loads are logged from every launch until it is closed.
+void start_access_log();
+/// Closes the log and sums it up.
+AccessSummary stop_access_log();
+
 /// Registers a shared array (KVC_SHARED) to be filled with 0xff bytes before every block; fills it now.
 bool poison_per_block(void* array, size_t bytes);
 

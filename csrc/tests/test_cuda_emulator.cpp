@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cp_async.cuh"
 #include "cuda_emulation/emulator.h"
 
 namespace {
@@ -133,6 +134,63 @@ TEST(CudaEmulator, ReversedThreadOrderExposesAnUnsynchronizedRead) {
     EXPECT_EQ(forward_sync[i], i - 1.f) << i;
     EXPECT_EQ(reverse_sync[i], i - 1.f) << i;  // with the barrier, both orders agree
   }
+}
+
+// Lane l of each warp copies 16 bytes at src + stride * (32 * warp + l), `times` times; lanes >= active skip.
+// With `split`, odd lanes copy from a second call site (two instructions, each of half a warp).
+__global__ void copy_units(const char* src, int stride, int times, int active, bool split) {
+  KVC_SHARED(uint4, dst, [64]);
+  const int lane = threadIdx.x % 32;
+  if (lane >= active) return;
+  const char* p = src + stride * threadIdx.x;
+  for (int n = 0; n < times; ++n) {
+    if (split && lane % 2 == 1) {
+      kvcache::cuda::cp_async_16(&dst[threadIdx.x], p);
+    } else {
+      kvcache::cuda::cp_async_16(&dst[threadIdx.x], p);
+    }
+    __syncthreads();  // the fibers interleave: the log must still group a warp's n-th copies together
+  }
+  kvcache::cuda::cp_async_commit();
+  kvcache::cuda::cp_async_wait<0>();
+}
+
+TEST(CudaEmulator, AccessLogGroupsWarpLoadsInEitherThreadOrder) {
+  using kvcache::emu::ThreadOrder;
+  std::vector<char> src(64 * 64);
+  const auto log = [&](ThreadOrder order, int stride, int times, int active, bool split) {
+    kvcache::emu::set_thread_order(order);
+    kvcache::emu::start_access_log();
+    KVC_LAUNCH(1, 64, nullptr, copy_units)(src.data(), stride, times, active, split);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    return kvcache::emu::stop_access_log();
+  };
+  const ThreadOrder before = kvcache::emu::thread_order();
+  for (ThreadOrder order : {ThreadOrder::kForward, ThreadOrder::kReverse}) {
+    // contiguous 16-byte units: 2 warps x 3 trips, 512 B each, every sector whole, the same bytes 3 times
+    auto s = log(order, 16, 3, 32, false);
+    EXPECT_EQ(s.warp_loads, 6);
+    EXPECT_EQ(s.bytes, 6 * 512);
+    EXPECT_EQ(s.sector_bytes, s.bytes);
+    EXPECT_EQ(s.min_warp_bytes, 512);
+    EXPECT_EQ(s.bytes_read_again, 2 * 64 * 16);
+    // a 64-byte stride: each unit alone in its 32-byte sector -> half of every fetched sector unused
+    s = log(order, 64, 1, 32, false);
+    EXPECT_EQ(s.warp_loads, 2);
+    EXPECT_EQ(s.sector_bytes, 2 * s.bytes);
+    EXPECT_EQ(s.bytes_read_again, 0);
+    // two call sites: 4 warp loads of 16 lanes
+    s = log(order, 16, 1, 32, true);
+    EXPECT_EQ(s.warp_loads, 4);
+    EXPECT_EQ(s.min_warp_bytes, 256);
+    // 20 active lanes of each warp
+    s = log(order, 16, 1, 20, false);
+    EXPECT_EQ(s.min_warp_bytes, 20 * 16);
+  }
+  kvcache::emu::set_thread_order(before);
+  // nothing is logged once the log is closed
+  KVC_LAUNCH(1, 64, nullptr, copy_units)(src.data(), 16, 1, 32, false);
+  EXPECT_EQ(kvcache::emu::stop_access_log().warp_loads, 0);
 }
 
 __global__ void divergent_barrier() {

@@ -1,0 +1,86 @@
+"""Check 4 of issue #23 on the emulated CUDA kernels: the global loads of KV pages in a decode step, as the
+emulator logs them (emu::log_global_load; a warp-wide load is one call site's n-th execution by the lanes of a
+warp, whatever the order the emulator runs them in). The decode kernel copies its K / V tiles with cp.async;
+every copy is logged. On whole 16-key tiles (lengths a multiple of 16):
+
+- each warp-wide load moves >= 512 bytes (32 lanes x 16);
+- >= 95% of every 32-byte sector it touches is bytes it asked for;
+- each KV byte of the step's pages is read once: the bytes read are exactly the sequences' K and V rows,
+  and no address is read twice (a GQA group of up to 16 query heads is one pass over the keys)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from conftest import CUDA_EMULATED, HAS_CUDA_EMULATION, ops_backend
+from test_quantized import filled_pool
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="the CUDA emulation library is not built")
+
+
+def whole_page_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int):
+    """A pool holding `lens` tokens (multiples of `page`) per sequence on shuffled pages, each sequence appended
+    at once."""
+    g = torch.Generator().manual_seed(7)
+    pages = [n // page for n in lens]
+    pool = kvcache.KVPool.allocate(sum(pages) + 1, page, heads, dim, fmt)
+    perm = torch.randperm(pool.num_blocks, generator=g).to(torch.int32)
+    table = torch.full((len(lens), max(pages)), -1, dtype=torch.int32)
+    start = 0
+    for b, (n, p) in enumerate(zip(lens, pages)):
+        table[b, :p] = perm[start:start + p]
+        start += p
+        k, v = (torch.randn(1, heads, n, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+        pool.append(k, v, pool.layout.token_slots(table[b], torch.arange(n)).view(1, n))
+    return pool, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def row_bytes(codes: torch.Tensor, page: int) -> int:
+    """Bytes of one (block, head, position) row of a code pool [blocks, heads, page, ...]."""
+    return codes[0, 0].numel() * codes.element_size() // page
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "int8", "fp8_e4m3", "int4", "k=int8,v=int4", "kivi2",
+                                 "kivi4"])
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 8), (128, 16)])
+def test_decode_reads_each_kv_byte_once_in_full_sectors(fmt, head_dim, group):
+    heads, page, lens = 2, 16, [256, 512, 48]
+    in_dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(fmt, torch.bfloat16)
+    if fmt.startswith("kivi"):  # KIVI keys are written whole pages at a time: one append per sequence
+        pool, table, seq_lens = whole_page_pool(fmt, lens, page, heads, head_dim)
+    else:
+        pool, table, seq_lens, _, _ = filled_pool(fmt, lens, page, heads, head_dim, in_dtype, seed=5)
+    q = torch.randn(len(lens), heads * group, head_dim).to(in_dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
+        finally:
+            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()
+    kv_row = row_bytes(pool.k, page) + row_bytes(pool.v, page)
+    assert warp_loads > 0
+    assert loaded == sum(lens) * heads * kv_row  # every K and V row of the step, codes only
+    assert read_again == 0
+    assert min_warp_bytes >= 512, (min_warp_bytes, kv_row)
+    assert loaded / sector_bytes >= 0.95
+
+
+def test_the_log_sees_a_read_twice_and_a_partial_warp():
+    """The summary is not vacuous: a GQA group wider than a CTA's pass (32 query heads per KV head) reads the
+    keys twice, and a sequence that ends inside a tile leaves lanes idle in its last copies (int8 at head_dim
+    128: a warp copies two keys' rows at once; the 41st key is alone)."""
+    pool, table, seq_lens, _, _ = filled_pool("int8", [41], 16, 1, 128, torch.bfloat16, seed=6)
+    q = torch.randn(1, 32, 128).to(torch.bfloat16)
+    cu = torch.arange(2, dtype=torch.int32)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        pool.attention(q, table, seq_lens, cu, 128 ** -0.5)
+        _, loaded, _, min_warp_bytes, read_again = ops.access_log_stop()
+    kv_row = row_bytes(pool.k, 16) + row_bytes(pool.v, 16)
+    assert loaded == 2 * 41 * kv_row and read_again == 41 * kv_row
+    assert min_warp_bytes < 512
