@@ -9,8 +9,9 @@
 // of query rows, all their keys). attention_kernel serves decode tasks, and the prefill tasks that
 // prefill_mma_kernel (tensor cores, below) does not take: the CTA stages tiles of kTile keys of its KV
 // head in shared memory (through a cp.async ring of several tiles in flight: DecodePipe), and every warp
-// reuses them for its rows, so each page is read once per KV head and task, not once per query head. A task holds at most kRowsPerCta rows per
-// pass; a wider GQA group (e.g. MQA with 32 query heads) takes several passes over the keys.
+// reuses them for its rows, so each page is read once per KV head and task, not once per query head. A task
+// holds at most kRowsPerCta rows per pass; a wider GQA group (e.g. MQA with 32 query heads) takes several
+// passes over the keys.
 // Split tasks write partial states that merge_partials_kernel folds into the output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -367,7 +368,8 @@ struct DecodePipe {
   static constexpr int64_t kKeyRow = code_row_bytes(KvType<KT>::kind, kPipeMaxDim, KvType<KT>::dtype);
   static constexpr int64_t kValueRow = code_row_bytes(KvType<VT>::kind, kPipeMaxDim, KvType<VT>::dtype);
   static constexpr int64_t kStageBytes = kTile * (kKeyRow + kValueRow);
-  static constexpr int64_t kDecodedBytes = (kKeyFull ? 0 : 1) * kTile * kPipeMaxDim * 4 + (kValueFull ? 0 : 1) * kTile * kPipeMaxDim * 4;
+  static constexpr int64_t kDecodedTile = kTile * kPipeMaxDim * 4;  // one side's fp32 tile
+  static constexpr int64_t kDecodedBytes = (kKeyFull ? 0 : kDecodedTile) + (kValueFull ? 0 : kDecodedTile);
   static constexpr int64_t kRowsBytes = kTile * 8;  // a stage's pool rows (int64)
   // Enough stages that kPipeInFlight bytes are in flight, as many as fit beside the decoded tiles.
   static constexpr int64_t kWanted = 1 + (kPipeInFlight + kStageBytes - 1) / kStageBytes;
@@ -462,8 +464,8 @@ __device__ __forceinline__ void absorb_tile(const AttentionArgs& a, Row<kPerLane
 /// the tiles stream through DecodePipe's cp.async ring; otherwise each tile is loaded and dequantized into
 /// fp32 tiles of kTile x 256 before the warps read it.
 template <typename KT, typename VT>
-__global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm) attention_kernel(AttentionArgs a, const AttentionTask* tasks,
-                                                             PartialStates partial) {
+__global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
+    attention_kernel(AttentionArgs a, const AttentionTask* tasks, PartialStates partial) {
   using Pipe = DecodePipe<KT, VT>;
   constexpr int64_t kStagedBytes = 2 * kTile * kMaxPerLane * 32 * 4;  // the fp32 tiles of the other path
   KVC_SHARED(uint4, smem, [(Pipe::kBytes > kStagedBytes ? Pipe::kBytes : kStagedBytes) / 16]);
@@ -491,98 +493,100 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm) attention_kernel(A
 
   // kPerLane dims per lane, kRows rows per warp and pass: 4 x 4 at head_dim <= 128, 8 x 2 above
   const auto passes = [&](auto per_lane) {
-  constexpr int kPerLane = decltype(per_lane)::value, kRows = kLaneFloats / kPerLane;
-  for (int64_t first = 0; first < rows; first += kWarps * kRows) {
-    Row<kPerLane> rw[kRows];
-    int64_t last = -1;  // the last key any row of this warp sees
+    constexpr int kPerLane = decltype(per_lane)::value, kRows = kLaneFloats / kPerLane;
+    for (int64_t first = 0; first < rows; first += kWarps * kRows) {
+      Row<kPerLane> rw[kRows];
+      int64_t last = -1;  // the last key any row of this warp sees
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      init_row(a, t, first + i * kWarps + warp, lane, rw[i]);
-      last = max(last, int64_t(rw[i].pos));
-    }
-    const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
-    const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
-    if (kPerLane * 32 == kPipeMaxDim && pipe) {
-      const auto stage = [&](int64_t n) { return ring + (n % Pipe::kStages) * stage_bytes; };
-      const auto stage_rows = [&](int64_t n) { return stage_rows_at + (n % Pipe::kStages) * kTile; };
-      const int64_t tiles = (max(end - t.kv_begin, int64_t(0)) + kTile - 1) / kTile;
-      __syncthreads();  // the previous pass no longer reads the ring
-#pragma unroll
-      for (int n = 0; n < Pipe::kStages - 1; ++n) {  // the first kStages - 1 tiles in flight
-        if (n < tiles) {
-          issue_stage(a, table, h, t.kv_begin + n * kTile, end, k_units, v_units, stage(n),
-                      stage(n) + kTile * k_units * 16, stage_rows(n));
-        }
-        cp_async_commit();  // one group per stage, empty or not, so that the wait below counts stages
+      for (int i = 0; i < kRows; ++i) {
+        init_row(a, t, first + i * kWarps + warp, lane, rw[i]);
+        last = max(last, int64_t(rw[i].pos));
       }
-      for (int64_t n = 0; n < tiles; ++n) {
-        const int64_t t0 = t.kv_begin + n * kTile;
-        cp_async_wait<Pipe::kStages - 2>();  // this thread's copies of tile n have landed
-        __syncthreads();  // ... and every thread's; tile n - 1 is no longer read, so its stage is free
-        if (n + Pipe::kStages - 1 < tiles) {
-          const int64_t next = n + Pipe::kStages - 1;
-          issue_stage(a, table, h, t.kv_begin + next * kTile, end, k_units, v_units, stage(next),
-                      stage(next) + kTile * k_units * 16, stage_rows(next));
+      const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
+      const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
+      if (kPerLane * 32 == kPipeMaxDim && pipe) {
+        const auto stage = [&](int64_t n) { return ring + (n % Pipe::kStages) * stage_bytes; };
+        const auto stage_rows = [&](int64_t n) { return stage_rows_at + (n % Pipe::kStages) * kTile; };
+        const int64_t tiles = (max(end - t.kv_begin, int64_t(0)) + kTile - 1) / kTile;
+        __syncthreads();  // the previous pass no longer reads the ring
+#pragma unroll
+        for (int n = 0; n < Pipe::kStages - 1; ++n) {  // the first kStages - 1 tiles in flight
+          if (n < tiles) {
+            issue_stage(a, table, h, t.kv_begin + n * kTile, end, k_units, v_units, stage(n),
+                        stage(n) + kTile * k_units * 16, stage_rows(n));
+          }
+          cp_async_commit();  // one group per stage, empty or not, so that the wait below counts stages
         }
-        cp_async_commit();
-        const char* ks_raw = stage(n);
-        const char* vs_raw = ks_raw + kTile * k_units * 16;
-        if constexpr (!Pipe::kKeyFull || !Pipe::kValueFull) {
-          if constexpr (!Pipe::kKeyFull) decode_stage<KT>(a, a.k_scale, true, h, ks_raw, stage_rows(n), k_units, k_dec);
-          if constexpr (!Pipe::kValueFull) {
-            decode_stage<VT>(a, a.v_scale, false, h, vs_raw, stage_rows(n), v_units, v_dec);
+        for (int64_t n = 0; n < tiles; ++n) {
+          const int64_t t0 = t.kv_begin + n * kTile;
+          cp_async_wait<Pipe::kStages - 2>();  // this thread's copies of tile n have landed
+          __syncthreads();  // ... and every thread's; tile n - 1 is no longer read, so its stage is free
+          if (n + Pipe::kStages - 1 < tiles) {
+            const int64_t next = n + Pipe::kStages - 1;
+            issue_stage(a, table, h, t.kv_begin + next * kTile, end, k_units, v_units, stage(next),
+                        stage(next) + kTile * k_units * 16, stage_rows(next));
+          }
+          cp_async_commit();
+          const char* ks_raw = stage(n);
+          const char* vs_raw = ks_raw + kTile * k_units * 16;
+          if constexpr (!Pipe::kKeyFull || !Pipe::kValueFull) {
+            if constexpr (!Pipe::kKeyFull) {
+              decode_stage<KT>(a, a.k_scale, true, h, ks_raw, stage_rows(n), k_units, k_dec);
+            }
+            if constexpr (!Pipe::kValueFull) {
+              decode_stage<VT>(a, a.v_scale, false, h, vs_raw, stage_rows(n), v_units, v_dec);
+            }
+            __syncthreads();
+          }
+          if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
+          const KT* kf = reinterpret_cast<const KT*>(ks_raw);
+          const VT* vf = reinterpret_cast<const VT*>(vs_raw);
+          absorb_tile(
+              a, rw, t0, end, lane,
+              [&](int jj, int d) {
+                if constexpr (Pipe::kKeyFull) return to_float(kf[jj * D + d]);
+                else return k_dec[jj * D + d];
+              },
+              [&](int jj, int d) {
+                if constexpr (Pipe::kValueFull) return to_float(vf[jj * D + d]);
+                else return v_dec[jj * D + d];
+              });
+        }
+        cp_async_wait<0>();  // no copy outlives the pass (the empty groups of the last tiles)
+      } else {
+        const KT* kc = static_cast<const KT*>(a.k_cache);
+        const VT* vc = static_cast<const VT*>(a.v_cache);
+        const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
+        const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
+        for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
+          __syncthreads();  // the previous tile is no longer read
+          if (units) {
+            stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
+            stage_units<kTile>(a, vc, a.v_scale, false, table, h, t0, end, vs);
+          } else {
+            for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
+              const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
+              const int64_t key = t0 + jj;
+              float kv = 0.f, vv = 0.f;
+              if (key < end) {  // staged dequantized: scales applied here, once per element
+                const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
+                const int64_t row = L.row_index(block, h, pos);
+                kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
+                vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
+              }
+              ks[jj][d] = kv;
+              vs[jj][d] = vv;
+            }
           }
           __syncthreads();
+          if (t0 > last) continue;
+          absorb_tile(
+              a, rw, t0, end, lane, [&](int jj, int d) { return ks[jj][d]; }, [&](int jj, int d) { return vs[jj][d]; });
         }
-        if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
-        const KT* kf = reinterpret_cast<const KT*>(ks_raw);
-        const VT* vf = reinterpret_cast<const VT*>(vs_raw);
-        absorb_tile(
-            a, rw, t0, end, lane,
-            [&](int jj, int d) {
-              if constexpr (Pipe::kKeyFull) return to_float(kf[jj * D + d]);
-              else return k_dec[jj * D + d];
-            },
-            [&](int jj, int d) {
-              if constexpr (Pipe::kValueFull) return to_float(vf[jj * D + d]);
-              else return v_dec[jj * D + d];
-            });
       }
-      cp_async_wait<0>();  // no copy outlives the pass (the empty groups of the last tiles)
-    } else {
-      const KT* kc = static_cast<const KT*>(a.k_cache);
-      const VT* vc = static_cast<const VT*>(a.v_cache);
-      const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
-      const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
-      for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
-        __syncthreads();  // the previous tile is no longer read
-        if (units) {
-          stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
-          stage_units<kTile>(a, vc, a.v_scale, false, table, h, t0, end, vs);
-        } else {
-          for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
-            const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
-            const int64_t key = t0 + jj;
-            float kv = 0.f, vv = 0.f;
-            if (key < end) {  // staged dequantized: scales applied here, once per element
-              const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);
-              const int64_t row = L.row_index(block, h, pos);
-              kv = kv_at(kc, k_meta, L, row, d) * token_scale(a.k_kind, a.k_scale, L, block, h, pos);
-              vv = kv_at(vc, v_meta, L, row, d) * token_scale(a.v_kind, a.v_scale, L, block, h, pos);
-            }
-            ks[jj][d] = kv;
-            vs[jj][d] = vv;
-          }
-        }
-        __syncthreads();
-        if (t0 > last) continue;
-        absorb_tile(
-            a, rw, t0, end, lane, [&](int jj, int d) { return ks[jj][d]; }, [&](int jj, int d) { return vs[jj][d]; });
-      }
-    }
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
-  }
+      for (int i = 0; i < kRows; ++i) finish_row(a, t, partial, rw[i], first + i * kWarps + warp, lane);
+    }
   };
   if (D <= kPipeMaxDim) {
     passes(std::integral_constant<int, kPipeMaxDim / 32>{});
