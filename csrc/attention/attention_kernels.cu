@@ -121,6 +121,11 @@ struct KvType<Kivi<kBits, kKey>> {
   static constexpr DType dtype = DType::kFloat32;
 };
 
+/// The scale a unit of pool row `row` of head h is decoded with: per row for int8, per head for fp8, else 1.
+__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
+  return kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
+}
+
 /// Bytes of one stored row of element type T (codes only: scales and metadata live apart).
 template <typename T>
 __device__ __forceinline__ int64_t stored_row_bytes(int64_t D) {
@@ -349,8 +354,8 @@ __device__ __forceinline__ void stage_rows(const AttentionArgs& a, const T* pool
     if constexpr (std::is_same_v<T, Out>) {
       *reinterpret_cast<uint4*>(out) = w;
     } else {
-      const float scale = kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
-      dequantize_unit(w, row, int64_t(u) * kDims, kDims, kind, KvType<T>::dtype, scale, scales, L, key,
+      dequantize_unit(w, row, int64_t(u) * kDims, kDims, kind, KvType<T>::dtype, row_scale(kind, scales, row, h),
+                      scales, L, key,
                       [&](unsigned d, float v) { out[d] = from_float<Out>(v); });
     }
   }
@@ -378,11 +383,6 @@ struct DecodePipe {
   static_assert(kStages >= 2, "the decode pipeline needs two stages of shared memory");
   static constexpr int64_t kBytes = kDecodedBytes + kStages * (kStageBytes + kRowsBytes);
 };
-
-/// The scale a unit of pool row `row` of head h is decoded with: per row for int8, per head for fp8, else 1.
-__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
-  return kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
-}
 
 /// Starts the copies of keys [t0, t0 + kTile) of K and V into a stage (keys at or past `end` are not
 /// copied) and writes the keys' pool rows (-1 past `end`) for the decode. One cp.async per 16-byte unit.
