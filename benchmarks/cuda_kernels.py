@@ -332,13 +332,19 @@ def sass_counts(instructions: list[Instruction], call_names: dict[int, str]) -> 
     return counts
 
 
-def innermost_loops(instructions: list[Instruction]) -> list[tuple[int, int]]:
-    """(first, last) addresses of the innermost loops: a backward branch's range that holds no other."""
-    loop_ends: dict[int, int] = {}  # loop head -> its last backward branch
+def loop_ranges(instructions: list[Instruction]) -> dict[int, int]:
+    """Every loop of the SASS: its head (a backward branch's target) -> the address of its last backward branch."""
+    loop_ends: dict[int, int] = {}
     for ins in instructions:
         if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
             head = int(t.group(1), 16)
             loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    return loop_ends
+
+
+def innermost_loops(instructions: list[Instruction]) -> list[tuple[int, int]]:
+    """(first, last) addresses of the innermost loops: a backward branch's range that holds no other."""
+    loop_ends = loop_ranges(instructions)
     return [(s, e) for s, e in loop_ends.items() if not any(s < s2 <= e and e2 <= e for s2, e2 in loop_ends.items()
                                                            if (s2, e2) != (s, e))]
 
@@ -364,11 +370,7 @@ def mma_loop(instructions: list[Instruction], inner_trips: float = 1.0) -> dict:
     pass, each loop inside it (staging the tile) counted `inner_trips` times, and its MMAs. Empty when no
     loop holds them all."""
     total_mma = sum(1 for ins in instructions if ins.base in MMA_OPCODES)
-    loop_ends: dict[int, int] = {}
-    for ins in instructions:
-        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
-            head = int(t.group(1), 16)
-            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    loop_ends = loop_ranges(instructions)
     for start, end in sorted(loop_ends.items(), key=lambda se: se[1] - se[0]):
         body = [ins for ins in instructions if start <= ins.address <= end]
         mma = sum(1 for ins in body if ins.base in MMA_OPCODES)
@@ -387,11 +389,7 @@ def async_groups_in_flight(instructions: list[Instruction]) -> int:
     `DEPBAR.LE SB0, N` (cp.async.wait_group N) inside a loop of a kernel that has LDGSTS; 0 without LDGSTS."""
     if not any(ins.base == "LDGSTS" for ins in instructions):
         return 0
-    loop_ends: dict[int, int] = {}
-    for ins in instructions:
-        if ins.base == "BRA" and (t := re.search(r"0x([0-9a-f]+)", ins.operands)) and int(t.group(1), 16) < ins.address:
-            head = int(t.group(1), 16)
-            loop_ends[head] = max(loop_ends.get(head, 0), ins.address)
+    loop_ends = loop_ranges(instructions)
     best = 0
     for ins in instructions:
         m = re.match(r"SB0,\s*0x([0-9a-f]+)", ins.operands) if ins.opcode.startswith("DEPBAR.LE") else None

@@ -309,9 +309,14 @@ __device__ __forceinline__ void stage_units(const AttentionArgs& a, const T* poo
     if constexpr (std::is_same_v<T, Out>) {
       *reinterpret_cast<uint4*>(out) = w;  // full precision in the tile's own type: nothing to decode
     } else {
-      dequantize_unit(w, row, int64_t(i % units) * kDims, kDims, kind, KvType<T>::dtype,
-                      token_scale(kind, scales, L, block, h, pos), scales, L, key,
-                      [&](unsigned d, float v) { out[d] = from_float<Out>(v); });
+      // 4 values at a time, in a loop kept rolled: unrolled, ptxas hoisted a KIVI-2 unit's 128 metadata loads
+      // ahead of its 64 values and the head_dim-256 instances spilled on sm_90a
+      const float s = token_scale(kind, scales, L, block, h, pos);
+#pragma unroll 1
+      for (unsigned part = 0; part < kDims; part += 4) {
+        dequantize_part(w, row, int64_t(i % units) * kDims, part, 4, kind, KvType<T>::dtype, s, scales, L, key,
+                        [&](unsigned d, float v) { out[part + d] = from_float<Out>(v); });
+      }
     }
   }
 }
@@ -386,8 +391,8 @@ struct DecodePipe {
 
 /// Starts the copies of keys [t0, t0 + kTile) of K and V into a stage (keys at or past `end` are not
 /// copied) and writes the keys' pool rows (-1 past `end`) for the decode. One cp.async per 16-byte unit.
-__device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_t* table, int64_t h, int64_t t0,
-                                            int64_t end, unsigned k_units, unsigned v_units, char* k_stage,
+__device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_t* table, int64_t h, int32_t t0,
+                                            int32_t end, unsigned k_units, unsigned v_units, char* k_stage,
                                             char* v_stage, int64_t* rows) {
   const PagedLayout& L = a.layout;
   const unsigned units = k_units + v_units;  // 32-bit: a unit index is < kTile x 2 x 64
@@ -395,7 +400,7 @@ __device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_
   const char* vc = static_cast<const char*>(a.v_cache);
   for (unsigned i = threadIdx.x; i < kTile * units; i += kThreads) {
     const unsigned jj = i / units, u = i % units;
-    const int64_t key = t0 + jj;
+    const int32_t key = t0 + static_cast<int32_t>(jj);
     if (key >= end) {
       if (u == 0) rows[jj] = -1;
       continue;
@@ -413,33 +418,43 @@ __device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_
 
 /// Decodes one side of a landed stage (rows of `units` 16-byte units of T) into `out` (kTile rows of D
 /// floats), with the same values as kv_at x token_scale. Keys past the end (row -1) are left alone: no
-/// warp reads them.
+/// warp reads them. A thread decodes 4 values of a unit at a time and stores them as one float4: all 128
+/// threads share the tile's work (a unit per thread left 96 of them idle for KIVI-2 and took the mixed
+/// KIVI instances to spills on sm_90a), and consecutive lanes write consecutive 16 bytes (no bank conflict).
 template <typename T>
 __device__ __forceinline__ void decode_stage(const AttentionArgs& a, const float* scales, bool key, int64_t h,
                                              const char* stage, const int64_t* rows, unsigned units, float* out) {
   constexpr KVKind kind = KvType<T>::kind;
   constexpr unsigned kDims = static_cast<unsigned>(16 * 32 / code_row_bytes(kind, 32, KvType<T>::dtype));
+  constexpr unsigned kParts = kDims / 4;  // 4 (int8 / fp8), 8 (int4 / KIVI-4) or 16 (KIVI-2): a shift below
   const PagedLayout& L = a.layout;
   const unsigned D = static_cast<unsigned>(L.head_dim);
-  for (unsigned i = threadIdx.x; i < kTile * units; i += kThreads) {
-    const unsigned jj = i / units, u = i % units;
+  for (unsigned i = threadIdx.x; i < kTile * units * kParts; i += kThreads) {
+    const unsigned unit = i / kParts, part = i % kParts;
+    const unsigned jj = unit / units, u = unit % units;
     const int64_t row = rows[jj];
     if (row < 0) continue;
-    const uint4 w = reinterpret_cast<const uint4*>(stage)[i];
-    float* dst = out + jj * D + u * kDims;
-    dequantize_unit(w, row, int64_t(u) * kDims, kDims, kind, KvType<T>::dtype, row_scale(kind, scales, row, h),
-                    scales, L, key, [&](unsigned d, float v) { dst[d] = v; });
+    const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];  // the lanes of a unit read it together
+    float4 v;
+    dequantize_part(w, row, int64_t(u) * kDims, part * 4, 4, kind, KvType<T>::dtype, row_scale(kind, scales, row, h),
+                    scales, L, key, [&](unsigned d, float x) {
+                      if (d == 0) v.x = x;
+                      else if (d == 1) v.y = x;
+                      else if (d == 2) v.z = x;
+                      else v.w = x;
+                    });
+    *reinterpret_cast<float4*>(out + jj * D + u * kDims + part * 4) = v;
   }
 }
 
 /// Every row of this warp takes keys [t0, min(t0 + kTile, end)) of a tile: key jj's dim d is k_at(jj, d),
 /// its value's v_at(jj, d).
 template <int kPerLane, int kRows, class KAt, class VAt>
-__device__ __forceinline__ void absorb_tile(const AttentionArgs& a, Row<kPerLane> (&rw)[kRows], int64_t t0, int64_t end,
+__device__ __forceinline__ void absorb_tile(const AttentionArgs& a, Row<kPerLane> (&rw)[kRows], int32_t t0, int32_t end,
                                             int lane, KAt k_at, VAt v_at) {
   const int64_t D = a.layout.head_dim;
   for (int jj = 0; jj < kTile && t0 + jj < end; ++jj) {
-    const int32_t key = static_cast<int32_t>(t0 + jj);  // < kv_len, an int32
+    const int32_t key = t0 + jj;  // < kv_len, an int32
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       Row<kPerLane>& row = rw[i];
@@ -475,8 +490,11 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
   const int64_t D = L.head_dim;
   const int64_t h = t.head_begin;
   const int32_t* table = a.block_tables + t.seq * a.table_stride;
-  const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group * (t.head_end - t.head_begin);
-  const int64_t q_len = a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq];
+  // task-level counts in 32 bits (key indices are < kv_len, an int32; rows < total_q x q_heads): each int64
+  // held across the passes is two registers, and at 168 the KIVI instances spilled such values on sm_90a
+  const int32_t rows = (t.tok_end - t.tok_begin) * static_cast<int32_t>(a.group) * (t.head_end - t.head_begin);
+  // the task's keys end at its last query's position + 1
+  const int32_t end = min(t.kv_end, a.kv_lens[t.seq] - (a.cu_q_lens[t.seq + 1] - a.cu_q_lens[t.seq]) + t.tok_end);
   const bool units = units_ok<KT, VT>(a);  // 128-bit loads, else one value per load
   const bool pipe = units && D <= kPipeMaxDim;
   // the pipeline's shared memory: [decoded K][decoded V][stage rows][stages]
@@ -494,20 +512,18 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
   // kPerLane dims per lane, kRows rows per warp and pass: 4 x 4 at head_dim <= 128, 8 x 2 above
   const auto passes = [&](auto per_lane) {
     constexpr int kPerLane = decltype(per_lane)::value, kRows = kLaneFloats / kPerLane;
-    for (int64_t first = 0; first < rows; first += kWarps * kRows) {
+    for (int32_t first = 0; first < rows; first += kWarps * kRows) {
       Row<kPerLane> rw[kRows];
-      int64_t last = -1;  // the last key any row of this warp sees
+      int32_t last = -1;  // the last key any row of this warp sees
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         init_row(a, t, first + i * kWarps + warp, lane, rw[i]);
-        last = max(last, int64_t(rw[i].pos));
+        last = max(last, rw[i].pos);
       }
-      const int64_t cta_last = a.kv_lens[t.seq] - q_len + t.tok_end - 1;
-      const int64_t end = min(int64_t(t.kv_end), cta_last + 1);
       if (kPerLane * 32 == kPipeMaxDim && pipe) {
-        const auto stage = [&](int64_t n) { return ring + (n % Pipe::kStages) * stage_bytes; };
-        const auto stage_rows = [&](int64_t n) { return stage_rows_at + (n % Pipe::kStages) * kTile; };
-        const int64_t tiles = (max(end - t.kv_begin, int64_t(0)) + kTile - 1) / kTile;
+        const auto stage = [&](int32_t n) { return ring + (n % Pipe::kStages) * stage_bytes; };
+        const auto stage_rows = [&](int32_t n) { return stage_rows_at + (n % Pipe::kStages) * kTile; };
+        const int32_t tiles = (max(end - t.kv_begin, 0) + kTile - 1) / kTile;
         __syncthreads();  // the previous pass no longer reads the ring
 #pragma unroll
         for (int n = 0; n < Pipe::kStages - 1; ++n) {  // the first kStages - 1 tiles in flight
@@ -517,12 +533,12 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
           }
           cp_async_commit();  // one group per stage, empty or not, so that the wait below counts stages
         }
-        for (int64_t n = 0; n < tiles; ++n) {
-          const int64_t t0 = t.kv_begin + n * kTile;
+        for (int32_t n = 0; n < tiles; ++n) {
+          const int32_t t0 = t.kv_begin + n * kTile;
           cp_async_wait<Pipe::kStages - 2>();  // this thread's copies of tile n have landed
           __syncthreads();  // ... and every thread's; tile n - 1 is no longer read, so its stage is free
           if (n + Pipe::kStages - 1 < tiles) {
-            const int64_t next = n + Pipe::kStages - 1;
+            const int32_t next = n + Pipe::kStages - 1;
             issue_stage(a, table, h, t.kv_begin + next * kTile, end, k_units, v_units, stage(next),
                         stage(next) + kTile * k_units * 16, stage_rows(next));
           }
@@ -558,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
         const VT* vc = static_cast<const VT*>(a.v_cache);
         const uint16_t* k_meta = reinterpret_cast<const uint16_t*>(a.k_scale);  // read only for int4 / kivi
         const uint16_t* v_meta = reinterpret_cast<const uint16_t*>(a.v_scale);
-        for (int64_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
+        for (int32_t t0 = t.kv_begin; t0 < end; t0 += kTile) {
           __syncthreads();  // the previous tile is no longer read
           if (units) {
             stage_units<kTile>(a, kc, a.k_scale, true, table, h, t0, end, ks);
@@ -566,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
           } else {
             for (unsigned idx = threadIdx.x; idx < kTile * D; idx += kThreads) {  // 32-bit: < kTile x 256
               const unsigned jj = idx / static_cast<unsigned>(D), d = idx % static_cast<unsigned>(D);
-              const int64_t key = t0 + jj;
+              const int32_t key = t0 + static_cast<int32_t>(jj);
               float kv = 0.f, vv = 0.f;
               if (key < end) {  // staged dequantized: scales applied here, once per element
                 const int64_t block = table[key >> L.page_shift], pos = key & (L.page_size - 1);

@@ -64,20 +64,21 @@ __device__ __forceinline__ uint8_t byte_at(const uint4& w, unsigned j) {
   return static_cast<uint8_t>(word_at(w, j / 4) >> (8 * (j % 4)));
 }
 
-/// Dims [d0, d0 + dims) of pool row `row`, whose codes are the 16 bytes `w` (a unit: for int4 and KIVI it
-/// starts a 32-dim chunk), dequantized: out(k, value of dim d0 + k) for k < dims. `full_dtype`: a
-/// full-precision side's dtype; `s`: the row's int8 or the head's fp8 scale; `scales`: the int4 / KIVI
-/// metadata; `key`: K side (KIVI keys: per-channel page metadata). The same arithmetic as dequantize().
+/// Values [first, first + count) of a 16-byte unit of codes `w` of pool row `row` whose first dim is d0 (for
+/// int4 and KIVI a unit starts a 32-dim chunk), dequantized: out(k, value of dim d0 + first + k) for
+/// k < count. `full_dtype`: a full-precision side's dtype; `s`: the row's int8 or the head's fp8 scale;
+/// `scales`: the int4 / KIVI metadata; `key`: K side (KIVI keys: per-channel page metadata). The same
+/// arithmetic as dequantize().
 template <class Out>
-__device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,
-                                                DType full_dtype, float s, const float* scales, const PagedLayout& L,
-                                                bool key, Out out) {
+__device__ __forceinline__ void dequantize_part(const uint4& w, int64_t row, int64_t d0, unsigned first, unsigned count,
+                                                KVKind kind, DType full_dtype, float s, const float* scales,
+                                                const PagedLayout& L, bool key, Out out) {
   const uint16_t* meta = reinterpret_cast<const uint16_t*>(scales);
   const int64_t D = L.head_dim;
   const auto half = [](uint16_t x) { return __half2float(__ushort_as_half(x)); };
   const auto emit = [&](auto value) {
 #pragma unroll
-    for (unsigned k = 0; k < dims; ++k) out(k, value(k));
+    for (unsigned k = 0; k < count; ++k) out(k, value(first + k));
   };
   switch (kind) {
     case KVKind::kFull:
@@ -117,6 +118,14 @@ __device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int
       });
     }
   }
+}
+
+/// The whole unit: dims [d0, d0 + dims) (dequantize_part's values 0 .. dims).
+template <class Out>
+__device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,
+                                                DType full_dtype, float s, const float* scales, const PagedLayout& L,
+                                                bool key, Out out) {
+  dequantize_part(w, row, d0, 0, dims, kind, full_dtype, s, scales, L, key, out);
 }
 
 }  // namespace kvcache::cuda

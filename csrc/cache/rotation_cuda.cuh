@@ -41,10 +41,21 @@ __device__ __forceinline__ void warp_fwht(float (&x)[N], int64_t D, int lane) {
   for (int64_t h = 32; h < D; h <<= 1) register_butterflies(x, static_cast<int>(h / 32));
 }
 
+/// `lane`, opaque to the compiler: the signs computed from it are recomputed at each call instead of hoisted
+/// out of the caller's loops. (Hoisted out of attention_kernel's passes, the 8 signs of a 256-dim row were held
+/// across the whole pass, and at 168 registers ptxas spilled them: KIVI instances on sm_90a.)
+__device__ __forceinline__ int opaque_lane(int lane) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(lane));
+#endif
+  return lane;
+}
+
 template <int N>
 __device__ __forceinline__ void warp_rotate(float (&x)[N], int64_t D, int lane) {
+  const int l = opaque_lane(lane);
 #pragma unroll
-  for (int k = 0; k < N; ++k) x[k] *= quant::rot_sign(lane + 32 * k);
+  for (int k = 0; k < N; ++k) x[k] *= quant::rot_sign(l + 32 * k);
   warp_fwht(x, D, lane);
   const float c = quant::rot_forward_scale(D);
 #pragma unroll
@@ -55,8 +66,9 @@ template <int N>
 __device__ __forceinline__ void warp_unrotate(float (&x)[N], int64_t D, int lane) {
   warp_fwht(x, D, lane);
   const float inv = quant::rot_inverse_scale(D);
+  const int l = opaque_lane(lane);
 #pragma unroll
-  for (int k = 0; k < N; ++k) x[k] *= inv * quant::rot_sign(lane + 32 * k);
+  for (int k = 0; k < N; ++k) x[k] *= inv * quant::rot_sign(l + 32 * k);
 }
 
 }  // namespace kvcache::cuda

@@ -32,6 +32,9 @@ struct dim3 {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(16) float4 {  // CUDA's float4 is 16-byte aligned (one 128-bit access)
+  float x, y, z, w;
+};
 
 using cudaError_t = int;
 constexpr cudaError_t cudaSuccess = 0;
