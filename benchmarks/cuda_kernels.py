@@ -70,9 +70,13 @@ KERNEL_BUDGETS: dict[str, KernelBudget] = {
         "kThreads", 64, why="streams partial states once: 64 regs keeps 32 warps/SM for latency hiding"),
     "merge_states_kernel": KernelBudget(
         "kMergeThreads", 32, why="one CTA per row: 32 regs is full occupancy (64 warps/SM)"),
+    # mla_attention_kernel<latent, rope, MlaShape<...>>: its cp.async stages copy the shape's keys (8 at
+    # DeepSeek-V3's 512 / 64, 4 up to 1024 / 256) of latent + rope rows; async_group_bytes reads the instance's.
     "mla_attention_kernel": KernelBudget(
-        "kThreads", 128, decode=True, prefill=True,
-        why="decode attention over latent rows: same reasoning as attention_kernel (16+ warps/SM at 128 regs)"),
+        "kThreads", 168, decode=True, prefill=True, async_group_keys=8,
+        why="__launch_bounds__(128, 3): 168 regs keeps 3 CTAs (12 warps) per SM, with 2 query heads per warp "
+            "(latent and rope dims in pairs per lane: 74 floats). The cp.async ring holds the bytes in flight: "
+            "16-18 KB per CTA at 512 / 64, about 50 KB per SM"),
     "append_kernel": KernelBudget("kThreads", 32, why="a copy: full occupancy (64 warps/SM) needs <= 32 regs"),
     "gather_padded_kernel": KernelBudget(
         128, 32, why="a copy: full occupancy needs <= 32 regs",
@@ -500,6 +504,7 @@ MODEL_ASSUMPTIONS = [
 ]
 
 KV_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2, "signed char": 1, "Fp8E4M3": 1, "Fp8E5M2": 1,
+                    "Coded": 1,
                     "Int4": 0.5, "Kivi<4, true>": 0.5, "Kivi<4, false>": 0.5, "Kivi<2, true>": 0.25,
                     "Kivi<2, false>": 0.25}
 GQA_GROUP = 4
@@ -513,6 +518,20 @@ def kv_element_bytes(name: str) -> float:
     args = [a.strip() for a in re.split(r",\s*(?![^<]*>)", m.group(1))]
     sizes = [KV_ELEMENT_BYTES[a] for a in args if a in KV_ELEMENT_BYTES]
     return sum(sizes) / len(sizes) if sizes else 2.0
+
+
+def async_group_bytes(name: str, budget: KernelBudget) -> float:
+    """Bytes one cp.async group (a pipeline stage) of a kernel instance copies: keys x (K row + V row). An MLA
+    instance (MlaShape<latent, rope, keys, rows>) copies `keys` latent + rope rows at the shape's widths (a
+    Coded side at 1 byte per value: int8 / fp8, the widest code); attention_kernel its budget's keys x K + V rows
+    at head_dim 128."""
+    shape = re.search(r"MlaShape<(\d+), (\d+), (\d+), \d+>", name)
+    if shape:
+        latent, rope, keys = (int(x) for x in shape.groups())
+        args = [a.strip() for a in re.split(r",\s*(?![^<]*>)", re.search(r"<(.*)>$", name).group(1))][:2]
+        sizes = [KV_ELEMENT_BYTES.get(a, 4.0) for a in args]
+        return keys * (latent * sizes[0] + rope * sizes[1])
+    return budget.async_group_keys * kv_row_bytes(name)
 
 
 def kv_row_bytes(name: str, head_dim: int = 128) -> float:
@@ -530,7 +549,7 @@ def in_flight_model(row: dict, lim: SmLimits, arch: str, budget: KernelBudget | 
     groups = sass.get("async_groups_in_flight", 0)
     async_per_thread = 0.0
     if groups and budget and budget.async_group_keys:
-        async_per_thread = groups * budget.async_group_keys * kv_row_bytes(row["name"]) / row["occupancy"]["block"]
+        async_per_thread = groups * async_group_bytes(row["name"], budget) / row["occupancy"]["block"]
     per_thread = max(per_thread, async_per_thread)
     warps = row["occupancy"]["warps_per_sm"]
     per_sm = warps * 32 * per_thread

@@ -6,7 +6,9 @@ every copy is logged. On whole 16-key tiles (lengths a multiple of 16):
 - each warp-wide load moves >= 512 bytes (32 lanes x 16);
 - >= 95% of every 32-byte sector it touches is bytes it asked for;
 - each KV byte of the step's pages is read once: the bytes read are exactly the sequences' K and V rows,
-  and no address is read twice (a GQA group of up to 16 query heads is one pass over the keys)."""
+  and no address is read twice (a GQA group of up to 16 query heads is one pass over the keys).
+
+The MLA kernel copies its latent and rope rows the same way (a CTA per tile of 8 query heads)."""
 
 from __future__ import annotations
 
@@ -84,3 +86,36 @@ def test_the_log_sees_a_read_twice_and_a_partial_warp():
     kv_row = row_bytes(pool.k, 16) + row_bytes(pool.v, 16)
     assert loaded == 2 * 41 * kv_row and read_again == 41 * kv_row
     assert min_warp_bytes < 512
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16, torch.float32, "int8", "fp8_e4m3", "int4", "kivi4"])
+@pytest.mark.parametrize("q_heads", [8, 1])
+def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
+    """The MLA kernel at DeepSeek-V3's widths (latent 512, rope 64): a CTA takes up to 8 query heads of a kv head, so
+    a decode step of 8 heads reads every latent and rope row once. A stage copies 8 keys' rows: every warp-wide
+    copy moves 512 bytes when a stage's 16-byte units are a multiple of 32 (bf16, fp16, fp32, int8, fp8); int4 and
+    KIVI rows (18 and 9 units per key at these widths) leave half a warp in a stage's last copy."""
+    from test_mla_attention import cu_from, mla_pool
+
+    lens = [64, 128, 16]
+    g = torch.Generator().manual_seed(11)
+    pool, table, seq_lens, _, _ = mla_pool(lens, fmt, 512, 64, page=16, generator=g)
+    dtype = fmt if isinstance(fmt, torch.dtype) else torch.bfloat16
+    q_latent = torch.randn(len(lens), q_heads, 512, generator=g).to(dtype)
+    q_rope = torch.randn(len(lens), q_heads, 64, generator=g).to(dtype)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from([1] * len(lens)), 0.1)
+        finally:
+            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()
+    units = (row_bytes(pool.k, 16) + row_bytes(pool.v, 16)) // 16
+    assert warp_loads > 0
+    assert loaded == sum(lens) * 16 * units  # every latent and rope row of the step, codes only
+    assert read_again == 0
+    assert loaded / sector_bytes >= 0.95
+    if 8 * units % 32 == 0:
+        assert min_warp_bytes >= 512, (min_warp_bytes, units)
+    else:
+        assert min_warp_bytes >= 256, (min_warp_bytes, units)

@@ -142,6 +142,18 @@ def test_async_pipeline_groups_in_flight():
     assert report.in_flight_model(row, lim, "sm_90a")["bytes_per_thread"] == 16
 
 
+def test_mla_async_group_bytes_from_the_instance_shape():
+    """An MLA instance's stage is its MlaShape's keys x (latent + rope row), each side at its type's bytes (a
+    Coded side at 1 byte per value); an attention instance's, its budget's keys x K + V rows at head_dim 128."""
+    mla = report.KERNEL_BUDGETS["mla_attention_kernel"]
+    narrow = "mla_attention_kernel<__nv_bfloat16, __nv_bfloat16, MlaShape<512, 64, 8, 2> >"
+    assert report.async_group_bytes(narrow, mla) == 8 * (512 * 2 + 64 * 2)
+    assert report.async_group_bytes("mla_attention_kernel<Coded, float, MlaShape<1024, 256, 4, 1> >", mla) == \
+        4 * (1024 * 1 + 256 * 4)
+    attn = report.KERNEL_BUDGETS["attention_kernel"]
+    assert report.async_group_bytes("attention_kernel<float, Int4>", attn) == 16 * 128 * (4 + 0.5)
+
+
 def test_demangled_short_names():
     assert report.short_name("void kvcache::cuda::(anonymous namespace)::append_kernel<unsigned short>"
                              "(kvcache::AppendArgs)") == "append_kernel<unsigned short>"

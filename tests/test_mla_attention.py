@@ -8,7 +8,7 @@ import torch
 
 import kvcache
 from kvcache import reference as ref
-from conftest import CUDA_EMULATED, HAS_CUDA_EMULATION
+from conftest import HAS_CUDA_EMULATION
 
 # (format, latent width, rope width): DeepSeek-V3's is 512 / 64 (test_mla_attention_at_deepseek_v3_widths)
 FORMATS = [
@@ -113,8 +113,6 @@ def test_long_decode_is_split_over_keys_and_merged(isa):
 
 
 def test_long_chunked_prefill(isa):
-    if isa == CUDA_EMULATED:
-        pytest.skip("a CTA per (token, head) under the emulator: the short cases cover the CUDA kernel")
     g = torch.Generator().manual_seed(4)
     pool, table, lens, dk, dv = mla_pool([300, 257], torch.float32, 64, 16, generator=g)
     check(pool, table, lens, [140, 257], dk, dv, q_heads=4, dtype=torch.float32, generator=g)
@@ -131,12 +129,22 @@ def test_strided_queries_empty_sequences_and_empty_batch(isa):
 
 def test_deepseek_v3_widths(isa):
     # kv_lora_rank 512, qk_rope_head_dim 64, 16 of the 128 heads: the shapes the absorbed path runs in the model
-    if isa == CUDA_EMULATED:
-        pytest.skip("covered at small widths; 512-wide rows cost minutes under the emulator")
     g = torch.Generator().manual_seed(6)
     for fmt in (torch.bfloat16, "int8"):
         pool, table, lens, dk, dv = mla_pool([300], fmt, 512, 64, page=64, generator=g)
         check(pool, table, lens, [1], dk, dv, q_heads=16, dtype=torch.bfloat16, scale=192 ** -0.5, generator=g)
+
+
+@pytest.mark.parametrize("fmt,latent,rope", [(torch.bfloat16, 576, 72), ("int8", 640, 96), (torch.float32, 33, 7),
+                                              ("int8", 40, 8), ("fp8_e5m2", 520, 24)])
+def test_wide_and_odd_rows(isa, fmt, latent, rope):
+    """Rows wider than DeepSeek-V3's 512 / 64 (the CUDA kernel's wide shape: 1 head per warp, 4 keys per stage),
+    odd widths and rows that are not whole 16-byte units (the CUDA kernel stages them value by value, padded to an
+    even width), with more query heads than a CTA takes (12: a tile of 8 and a tile of 4)."""
+    g = torch.Generator().manual_seed(9)
+    pool, table, lens, dk, dv = mla_pool([21, 40], fmt, latent, rope, generator=g)
+    dtype = fmt if isinstance(fmt, torch.dtype) else torch.bfloat16
+    check(pool, table, lens, [1, 3], dk, dv, q_heads=12, dtype=dtype, generator=g)
 
 
 def test_equals_the_expanded_attention_of_the_model():

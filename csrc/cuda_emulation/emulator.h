@@ -32,6 +32,9 @@ struct dim3 {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) float2 {  // CUDA's float2 is 8-byte aligned (one 64-bit access)
+  float x, y;
+};
 struct alignas(16) float4 {  // CUDA's float4 is 16-byte aligned (one 128-bit access)
   float x, y, z, w;
 };

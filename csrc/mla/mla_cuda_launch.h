@@ -11,7 +11,7 @@ namespace kvcache::cuda {
 constexpr int64_t kMlaMaxLatentDim = 1024;
 constexpr int64_t kMlaMaxRopeDim = 256;
 
-/// Absorbed MLA attention: one CTA per (query token, query head).
+/// Absorbed MLA attention: one CTA per (query token, kv head, tile of query heads) (mla_kernels.cu).
 cudaError_t launch_mla_attention(const MlaArgs& a, cudaStream_t stream);
 
 }  // namespace kvcache::cuda

@@ -1,17 +1,24 @@
 // The CUDA kernel of absorbed MLA attention (semantics: mla/mla_args.h). No GPU runs it where this is
-// developed: the test suite runs it on the CPU under csrc/cuda_emulation. It is written plainly, for
-// correctness first: one CTA per (query token, query head); per tile of 128 keys each thread scores one key
-// against the query held in shared memory, the CTA reduces the tile's max and sum once (one rescale per
-// tile), then each thread accumulates its own output dims (d = tid + 128 k) over the tile's keys, reading
-// the latent rows coalesced. Quantized rows are dequantized in registers (cache/dequant_cuda.cuh).
-// NOTE: a CTA per query head re-reads the latent rows for every head of the group; the GQA-shared,
-// tensor-core version is the CUDA kernels' own issue (split-K and tiles of heads).
+// developed: the test suite runs it on the CPU under csrc/cuda_emulation.
+//
+// One CTA per (query token, kv head, tile of up to kHeads query heads of its group): every warp holds kRows
+// query heads (latent and rope dims in pairs per lane), so the latent rows of a key are read once for all the
+// heads of a tile (DeepSeek-V3's 128 heads per kv head: 8 tiles, not 128 CTAs each reading every latent row).
+// Keys stream through a ring of stages of kKeys latent + rope rows copied with cp.async in their storage type
+// (issue #23's decode pipeline, as attention_kernel's): kStages - 1 stages in flight while the CTA works on the
+// oldest. A full-precision side is read from the ring as it is; a quantized side (Coded) is decoded once per
+// stage into an fp32 tile. Rows that are not whole 16-byte units (or pools off 16 bytes) are staged value by
+// value into the fp32 tiles instead.
+// NOTE: scores and P.V run on the CUDA cores, also for prefill tokens: an MMA version (heads as the M
+// dimension, as FlashMLA) is issue #23's remaining MLA item.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cache/dequant_cuda.cuh"
+#include "core/cp_async.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
 #include "mla/mla_cuda_launch.h"
@@ -19,59 +26,134 @@
 namespace kvcache::cuda {
 namespace {
 
-constexpr int kThreads = 128;  // = keys per tile
+constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxPerThread = static_cast<int>(kMlaMaxLatentDim / kThreads);
+constexpr int kCtasPerSm = 3;               // __launch_bounds__: 168 registers, 3 x 48 KB of shared memory
+constexpr int64_t kSmemBytes = 48 * 1024;   // static shared memory of a CTA (the limit without opting in)
+constexpr int64_t kInFlight = 16 * 1024;    // bytes a CTA's ring keeps in flight: 48 KB per SM at 3 CTAs
 
-/// Max (kMax) or sum of x over the CTA; every thread gets the result.
-template <bool kMax>
-__device__ __forceinline__ float cta_reduce(float x, float* warp_vals) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = kMax ? fmaxf(x, y) : x + y;
-  }
-  if (threadIdx.x % 32 == 0) warp_vals[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = warp_vals[0];
-  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, warp_vals[w]) : r + warp_vals[w];
-  __syncthreads();  // every thread has read warp_vals before the next reduction writes it
-  return r;
-}
+/// Rows up to kLatent latent and kRope rope dims, kKeys keys per stage, kRows query heads per warp.
+template <int kLatent, int kRope, int kKeys_, int kRows_>
+struct MlaShape {
+  static constexpr int kMaxLatent = kLatent, kMaxRope = kRope, kKeys = kKeys_, kRows = kRows_;
+  static constexpr int kLatPairs = kLatent / 64, kRopePairs = kRope / 64;  // dim pairs per lane
+  static constexpr int kHeads = kWarps * kRows;                            // query heads per CTA
+};
+using Narrow = MlaShape<512, 64, 8, 2>;   // DeepSeek-V2 / V3, Kimi K2 (512 / 64), MiniCPM3 (256 / 32)
+using Wide = MlaShape<1024, 256, 4, 1>;   // up to kMlaMaxLatentDim / kMlaMaxRopeDim
 
-/// q[0 .. D) . row `row` of a pool (kind, dtype, scale s, scales: dequantize's arguments), summed in dim order:
-/// by 16-byte units when `units` (the same values as dequantize, the same order, so the same sum), else one
-/// value per load.
-__device__ __forceinline__ float row_dot(const float* q, const char* pool, int64_t row, const PagedLayout& L,
-                                         KVKind kind, DType dtype, float s, const float* scales, bool key, bool units) {
-  float dot = 0.f;
-  const int64_t D = L.head_dim;
-  if (units) {
-    const int64_t row_bytes = code_row_bytes(kind, D, dtype);
-    const unsigned n = static_cast<unsigned>(row_bytes / 16), dims = static_cast<unsigned>(D) / n;
-    const uint4* src = reinterpret_cast<const uint4*>(pool + row * row_bytes);
-    for (unsigned u = 0; u < n; ++u) {
-      const uint4 w = src[u];  // a copy: one 128-bit load (a reference into global memory loaded word by word)
-      const float* qu = q + u * dims;
-      dequantize_unit(w, row, int64_t(u) * dims, dims, kind, dtype, s, scales, L, key,
-                      [&](unsigned k, float v) { dot += qu[k] * v; });
+/// A quantized side: copied as codes, decoded once per stage into an fp32 tile.
+struct Coded {};
+template <class T>
+constexpr bool kCoded = std::is_same_v<T, Coded>;
+template <class T>
+constexpr int64_t kElemBytes = kCoded<T> ? 1 : static_cast<int64_t>(sizeof(T));  // Coded: int8 / fp8, the widest
+
+/// Shared memory of mla_attention_kernel<LT, RT, S>: [fp32 latent tile][fp32 rope tile][stage rows][ring].
+/// The ring holds kStages stages of kKeys latent + rope rows at the shape's widths; value-by-value staging
+/// (rows not whole units) uses both fp32 tiles and no ring.
+template <class LT, class RT, class S>
+struct MlaPipe {
+  static constexpr int64_t kLatRow = S::kMaxLatent * kElemBytes<LT>, kRopeRow = S::kMaxRope * kElemBytes<RT>;
+  static constexpr int64_t kStageBytes = S::kKeys * (kLatRow + kRopeRow);
+  static constexpr int64_t kLatTile = S::kKeys * S::kMaxLatent * 4, kRopeTile = S::kKeys * S::kMaxRope * 4;
+  static constexpr int64_t kDecoded = (kCoded<LT> ? kLatTile : 0) + (kCoded<RT> ? kRopeTile : 0);
+  static constexpr int64_t kRowsBytes = S::kKeys * 8;
+  static constexpr int64_t kWanted = 1 + (kInFlight + kStageBytes - 1) / kStageBytes;
+  static constexpr int64_t kFit = (kSmemBytes - kDecoded) / (kStageBytes + kRowsBytes);
+  static constexpr int kStages = static_cast<int>(kWanted < kFit ? kWanted : kFit);
+  static_assert(kStages >= 2, "the MLA pipeline needs two stages of shared memory");
+  static constexpr int64_t kRingBytes = kDecoded + kStages * (kStageBytes + kRowsBytes);
+  static constexpr int64_t kStagedBytes = kLatTile + kRopeTile;
+  static constexpr int64_t kBytes = kRingBytes > kStagedBytes ? kRingBytes : kStagedBytes;
+};
+
+/// Values d and d + 1 of row jj of a tile of rows of row_bytes bytes of T (fp32 for a decoded side).
+template <class T>
+__device__ __forceinline__ void pair_at(const char* tile, int64_t row_bytes, int jj, int d, float& x, float& y) {
+  const char* p = tile + jj * row_bytes;
+  if constexpr (kCoded<T> || std::is_same_v<T, float>) {
+    const float2 v = *reinterpret_cast<const float2*>(p + d * 4);
+    x = v.x;
+    y = v.y;
+  } else {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p + d * 2);  // two 16-bit values, the first low
+    const auto lo = static_cast<unsigned short>(w & 0xffffu), hi = static_cast<unsigned short>(w >> 16);
+    if constexpr (std::is_same_v<T, __half>) {
+      x = __half2float(__ushort_as_half(lo));
+      y = __half2float(__ushort_as_half(hi));
+    } else {
+      x = __bfloat162float(__ushort_as_bfloat16(lo));
+      y = __bfloat162float(__ushort_as_bfloat16(hi));
     }
-    return dot;
   }
-  for (int64_t d = 0; d < D; ++d) dot += q[d] * dequantize(pool, row, d, kind, s, dtype, scales, L, key);
-  return dot;
 }
 
-/// A stored row's scale argument of `dequantize`: the row's int8 scale or the head's fp8 scale.
-__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, const PagedLayout& L, int64_t block,
-                                           int64_t h, int64_t pos) {
-  if (kind == KVKind::kInt8) return scales[L.row_index(block, h, pos)];
+/// A stored row's scale argument of dequantize: the row's int8 scale or the head's fp8 scale.
+__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
+  if (kind == KVKind::kInt8) return scales[row];
   if (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2) return scales[h];
   return 1.f;
 }
 
-__global__ void mla_attention_kernel(MlaArgs a) {
-  const int64_t tok = blockIdx.x, hq = blockIdx.y;
-  const int tid = threadIdx.x;
+/// One side of the MLA pools: codes, kind, dtype of a full-precision pool, scales, layout, K side or not.
+struct MlaSide {
+  const char* pool;
+  KVKind kind;
+  DType dtype;
+  const float* scales;
+  PagedLayout L;
+  bool key;
+  int64_t row_bytes;  // code bytes of a row
+};
+
+/// Decodes one side of a landed stage (rows of `units` 16-byte units) into an fp32 tile of rows of D values,
+/// 4 values per thread and step (one float4 store; consecutive lanes write consecutive 16 bytes). Keys past
+/// the end (row -1) are left alone: nothing reads them.
+template <int kKeys>
+__device__ __forceinline__ void decode_side(const MlaSide& s, int64_t h, const char* stage, const int64_t* rows,
+                                            float* out) {
+  const unsigned units = static_cast<unsigned>(s.row_bytes / 16), D = static_cast<unsigned>(s.L.head_dim);
+  const unsigned dims = static_cast<unsigned>(16 * 32 / code_row_bytes(s.kind, 32, s.dtype));  // per unit
+  const unsigned parts = dims / 4;
+  for (unsigned i = threadIdx.x; i < kKeys * units * parts; i += kThreads) {
+    const unsigned unit = i / parts, part = i % parts, jj = unit / units, u = unit % units;
+    const int64_t row = rows[jj];
+    if (row < 0) continue;
+    const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];
+    float4 v;
+    dequantize_part(w, row, int64_t(u) * dims, part * 4, 4, s.kind, s.dtype, row_scale(s.kind, s.scales, row, h),
+                    s.scales, s.L, s.key, [&](unsigned d, float x) {
+                      if (d == 0) v.x = x;
+                      else if (d == 1) v.y = x;
+                      else if (d == 2) v.z = x;
+                      else v.w = x;
+                    });
+    *reinterpret_cast<float4*>(out + jj * D + u * dims + part * 4) = v;
+  }
+}
+
+/// A query head held by a warp: its query (pre-scaled) and output in dim pairs 64 k + 2 lane + {0, 1}.
+template <class S>
+struct MlaRow {
+  float ql[2 * S::kLatPairs], qr[2 * S::kRopePairs], o[2 * S::kLatPairs];
+  float m, l;
+  bool valid;
+};
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+template <class LT, class RT, class S>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(MlaArgs a) {
+  using Pipe = MlaPipe<LT, RT, S>;
+  KVC_SHARED(uint4, smem, [Pipe::kBytes / 16]);
+  const int64_t tok = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned head_tiles = (static_cast<unsigned>(a.group) + S::kHeads - 1) / S::kHeads;
+  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
   // the token's sequence: the last b with cu_q_lens[b] <= tok
   int64_t lo = 0, hi = a.batch;
   while (hi - lo > 1) {
@@ -83,75 +165,254 @@ __global__ void mla_attention_kernel(MlaArgs a) {
     }
   }
   const int64_t b = lo, q_start = a.cu_q_lens[b], q_len = a.cu_q_lens[b + 1] - q_start;
-  const int64_t pos = a.kv_lens[b] - q_len + (tok - q_start);  // keys 0..pos are visible
-  const int64_t h = static_cast<unsigned>(hq) / static_cast<unsigned>(a.group);  // 32-bit: no 64-bit division call
-  const PagedLayout Ll = a.layout.side(false), Lr = a.layout.side(true);
-  const int64_t Dl = Ll.head_dim, Dr = Lr.head_dim;
-  const char* latent = static_cast<const char*>(a.latent_cache);
-  const char* rope = static_cast<const char*>(a.rope_cache);
+  const int32_t pos = static_cast<int32_t>(a.kv_lens[b] - q_len + (tok - q_start));  // keys 0..pos are visible
+  const int Dl = static_cast<int>(a.layout.head_dim), Dr = static_cast<int>(a.layout.v_head_dim);
+  const int64_t lat_bytes = code_row_bytes(a.latent_kind, Dl, a.latent_dtype);
+  const int64_t rope_bytes = code_row_bytes(a.rope_kind, Dr, a.rope_dtype);
+  const MlaSide lat{static_cast<const char*>(a.latent_cache), a.latent_kind, a.latent_dtype, a.latent_scale,
+                    a.layout.side(false), true, lat_bytes};
+  const MlaSide rope{static_cast<const char*>(a.rope_cache), a.rope_kind, a.rope_dtype, a.rope_scale,
+                     a.layout.side(true), false, rope_bytes};
   const int32_t* table = a.block_tables + b * a.table_stride;
-  const bool latent_units = whole_units(latent, a.latent_kind, Ll.head_dim, a.latent_dtype);
-  const bool rope_units = Dr > 0 && whole_units(rope, a.rope_kind, Lr.head_dim, a.rope_dtype);
+  // the ring takes rows of whole 16-byte units on 16-byte pools that fit its stages
+  const bool ring = whole_units(lat.pool, lat.kind, Dl, lat.dtype) &&
+                    (Dr == 0 || whole_units(rope.pool, rope.kind, Dr, rope.dtype)) && lat_bytes <= Pipe::kLatRow &&
+                    rope_bytes <= Pipe::kRopeRow;
 
-  KVC_SHARED(float, q, [kMlaMaxLatentDim + kMlaMaxRopeDim]);
-  KVC_SHARED(float, p, [kThreads]);
-  KVC_SHARED(float, warp_vals, [kWarps]);
-  for (int64_t d = tid; d < Dl + Dr; d += kThreads) {
-    q[d] = a.scale * (d < Dl ? load_any(a.q_latent, tok * a.ql_strides[0] + hq * a.ql_strides[1] + d * a.ql_strides[2], a.q_dtype)
-                             : load_any(a.q_rope, tok * a.qr_strides[0] + hq * a.qr_strides[1] + (d - Dl) * a.qr_strides[2], a.q_dtype));
-  }
-  __syncthreads();
-
-  float acc[kMaxPerThread];
-  for (int k = 0; k < kMaxPerThread; ++k) acc[k] = 0.f;
-  float m = -INFINITY, l = 0.f;
-  for (int64_t j0 = 0; j0 <= pos; j0 += kThreads) {
-    const int64_t j = j0 + tid;
-    float s = -INFINITY;
-    if (j <= pos) {  // this thread's key: its score
-      const int64_t block = table[j >> Ll.page_shift], pp = j & (Ll.page_size - 1);
-      const int64_t row = Ll.row_index(block, h, pp);  // the same row of both pools (only their widths differ)
-      const float sl = row_scale(a.latent_kind, a.latent_scale, Ll, block, h, pp);
-      const float sr = row_scale(a.rope_kind, a.rope_scale, Lr, block, h, pp);
-      s = row_dot(q, latent, row, Ll, a.latent_kind, a.latent_dtype, sl, a.latent_scale, true, latent_units) +
-          row_dot(q + Dl, rope, row, Lr, a.rope_kind, a.rope_dtype, sr, a.rope_scale, false, rope_units);
+  MlaRow<S> rw[S::kRows];
+#pragma unroll
+  for (int i = 0; i < S::kRows; ++i) {
+    const int64_t g = tile * S::kHeads + i * kWarps + warp;  // the head within the group
+    MlaRow<S>& r = rw[i];
+    r.valid = g < a.group;
+    r.m = -INFINITY;
+    r.l = 0.f;
+    const int64_t hq = h * a.group + g;
+#pragma unroll
+    for (int k = 0; k < 2 * S::kLatPairs; ++k) {
+      const int d = 64 * (k / 2) + 2 * lane + k % 2;
+      r.o[k] = 0.f;
+      r.ql[k] = r.valid && d < Dl
+                    ? a.scale * load_any(a.q_latent, tok * a.ql_strides[0] + hq * a.ql_strides[1] + d * a.ql_strides[2],
+                                         a.q_dtype)
+                    : 0.f;
     }
-    const float m_new = fmaxf(m, cta_reduce<true>(s, warp_vals));
-    const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
-    const float pj = j <= pos ? expf(s - m_new) : 0.f;
-    l = l * alpha + cta_reduce<false>(pj, warp_vals);
-    m = m_new;
-    p[tid] = pj;
-    __syncthreads();
-    for (int k = 0; k < kMaxPerThread; ++k) acc[k] *= alpha;
-    const int64_t nk = pos + 1 - j0 < kThreads ? pos + 1 - j0 : kThreads;
-    for (int64_t t = 0; t < nk; ++t) {  // each thread its dims of sum_t p_t c_t
-      const int64_t key = j0 + t, block = table[key >> Ll.page_shift], pp = key & (Ll.page_size - 1);
-      const int64_t row = Ll.row_index(block, h, pp);
-      const float sl = row_scale(a.latent_kind, a.latent_scale, Ll, block, h, pp);
-      const float pt = p[t];
-      for (int k = 0; k < kMaxPerThread; ++k) {
-        const int64_t d = tid + int64_t(k) * kThreads;
-        if (d < Dl) acc[k] += pt * dequantize(latent, row, d, a.latent_kind, sl, a.latent_dtype, a.latent_scale, Ll, true);
+#pragma unroll
+    for (int k = 0; k < 2 * S::kRopePairs; ++k) {
+      const int d = 64 * (k / 2) + 2 * lane + k % 2;
+      r.qr[k] = r.valid && d < Dr
+                    ? a.scale * load_any(a.q_rope, tok * a.qr_strides[0] + hq * a.qr_strides[1] + d * a.qr_strides[2],
+                                         a.q_dtype)
+                    : 0.f;
+    }
+  }
+
+  // Every warp's rows take keys [t0, t0 + n) of a tile: key jj's latent pair at d is lat_at(jj, d, x, y), its
+  // rope pair rope_at(jj, d, x, y). A key's values are read once for all the warp's rows.
+  const auto absorb_tile = [&](int n, auto lat_at, auto rope_at) {
+    for (int jj = 0; jj < n; ++jj) {
+      float c[2 * S::kLatPairs], kr[2 * S::kRopePairs];
+#pragma unroll
+      for (int k = 0; k < S::kLatPairs; ++k) {
+        const int d = 64 * k + 2 * lane;
+        c[2 * k] = c[2 * k + 1] = 0.f;
+        if (d < Dl) lat_at(jj, d, c[2 * k], c[2 * k + 1]);
+      }
+#pragma unroll
+      for (int k = 0; k < S::kRopePairs; ++k) {
+        const int d = 64 * k + 2 * lane;
+        kr[2 * k] = kr[2 * k + 1] = 0.f;
+        if (d < Dr) rope_at(jj, d, kr[2 * k], kr[2 * k + 1]);
+      }
+#pragma unroll
+      for (int i = 0; i < S::kRows; ++i) {
+        MlaRow<S>& r = rw[i];
+        if (!r.valid) continue;  // uniform across the warp
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2 * S::kLatPairs; ++k) s += r.ql[k] * c[k];
+#pragma unroll
+        for (int k = 0; k < 2 * S::kRopePairs; ++k) s += r.qr[k] * kr[k];
+        s = warp_sum(s);
+        if (s > r.m) {
+          const float alpha = __expf(r.m - s);  // 0 when m was -inf
+          r.l *= alpha;
+#pragma unroll
+          for (int k = 0; k < 2 * S::kLatPairs; ++k) r.o[k] *= alpha;
+          r.m = s;
+        }
+        const float p = __expf(s - r.m);
+        r.l += p;
+#pragma unroll
+        for (int k = 0; k < 2 * S::kLatPairs; ++k) r.o[k] += p * c[k];
       }
     }
-    __syncthreads();  // p is rewritten by the next tile
+  };
+
+  const int32_t tiles = pos >= 0 ? pos / S::kKeys + 1 : 0;
+  const auto keys_in = [&](int32_t n) { return min(S::kKeys, pos + 1 - n * S::kKeys); };
+  float* lat_dec = reinterpret_cast<float*>(smem);
+  if (ring) {
+    // [decoded latent][decoded rope][stage rows][stages]
+    float* rope_dec = lat_dec + (kCoded<LT> ? S::kKeys * S::kMaxLatent : 0);
+    int64_t* rows_at = reinterpret_cast<int64_t*>(rope_dec + (kCoded<RT> ? S::kKeys * S::kMaxRope : 0));
+    char* ring_at = reinterpret_cast<char*>(rows_at + Pipe::kStages * S::kKeys);
+    const unsigned lat_units = static_cast<unsigned>(lat_bytes / 16), rope_units = static_cast<unsigned>(rope_bytes / 16);
+    const unsigned units = lat_units + rope_units;
+    const int64_t stage_bytes = S::kKeys * (lat_bytes + rope_bytes);
+    const auto stage = [&](int32_t n) { return ring_at + (n % Pipe::kStages) * stage_bytes; };
+    const auto stage_rows = [&](int32_t n) { return rows_at + (n % Pipe::kStages) * S::kKeys; };
+    // the copies of tile n's latent and rope rows (one cp.async per 16-byte unit; rows -1 past pos)
+    const auto issue = [&](int32_t n) {
+      char* dst = stage(n);
+      int64_t* rows = stage_rows(n);
+      for (unsigned i = threadIdx.x; i < S::kKeys * units; i += kThreads) {  // 32-bit: < kKeys x 2 x 64
+        const unsigned jj = i / units, u = i % units;
+        const int32_t key = n * S::kKeys + static_cast<int32_t>(jj);
+        if (key > pos) {
+          if (u == 0) rows[jj] = -1;
+          continue;
+        }
+        const int64_t row = lat.L.row_index(table[key >> lat.L.page_shift], h, key & (lat.L.page_size - 1));
+        if (u == 0) rows[jj] = row;
+        // one copy instruction for latent and rope units alike (selected addresses): 512 bytes per warp
+        const bool is_lat = u < lat_units;
+        const unsigned w = is_lat ? u : u - lat_units;
+        const int64_t side_bytes = is_lat ? lat_bytes : rope_bytes;
+        cp_async_16(dst + (is_lat ? 0 : S::kKeys * lat_bytes) + jj * side_bytes + w * 16,
+                    (is_lat ? lat.pool : rope.pool) + row * side_bytes + w * 16);
+      }
+    };
+#pragma unroll
+    for (int n = 0; n < Pipe::kStages - 1; ++n) {  // the first kStages - 1 tiles in flight
+      if (n < tiles) issue(n);
+      cp_async_commit();  // one group per stage, empty or not, so that the wait below counts stages
+    }
+    for (int32_t n = 0; n < tiles; ++n) {
+      cp_async_wait<Pipe::kStages - 2>();  // this thread's copies of tile n have landed
+      __syncthreads();  // ... and every thread's; tile n - 1 is no longer read, so its stage is free
+      if (n + Pipe::kStages - 1 < tiles) issue(n + Pipe::kStages - 1);
+      cp_async_commit();
+      const char* lat_raw = stage(n);
+      const char* rope_raw = lat_raw + S::kKeys * lat_bytes;
+      if constexpr (kCoded<LT> || kCoded<RT>) {
+        if constexpr (kCoded<LT>) decode_side<S::kKeys>(lat, h, lat_raw, stage_rows(n), lat_dec);
+        if constexpr (kCoded<RT>) {
+          if (Dr > 0) decode_side<S::kKeys>(rope, h, rope_raw, stage_rows(n), rope_dec);
+        }
+        __syncthreads();
+      }
+      absorb_tile(
+          keys_in(n),
+          [&](int jj, int d, float& x, float& y) {
+            if constexpr (kCoded<LT>) pair_at<float>(reinterpret_cast<const char*>(lat_dec), Dl * 4, jj, d, x, y);
+            else pair_at<LT>(lat_raw, lat_bytes, jj, d, x, y);
+          },
+          [&](int jj, int d, float& x, float& y) {
+            if constexpr (kCoded<RT>) pair_at<float>(reinterpret_cast<const char*>(rope_dec), Dr * 4, jj, d, x, y);
+            else pair_at<RT>(rope_raw, rope_bytes, jj, d, x, y);
+          });
+    }
+    cp_async_wait<0>();  // no copy outlives the kernel's reads (the empty groups of the last tiles)
+  } else {
+    // value by value into both fp32 tiles, rows padded to an even width (pairs are read as one 8-byte load;
+    // the pad is 0, as the query beyond the row)
+    const int Dlp = Dl + (Dl & 1), Drp = Dr + (Dr & 1);
+    float* rope_dec = lat_dec + S::kKeys * S::kMaxLatent;
+    const unsigned width = static_cast<unsigned>(Dlp + Drp);
+    for (int32_t n = 0; n < tiles; ++n) {
+      __syncthreads();  // the previous tile is no longer read
+      const int nk = keys_in(n);
+      for (unsigned i = threadIdx.x; i < static_cast<unsigned>(nk) * width; i += kThreads) {  // 32-bit
+        const unsigned jj = i / width, d = i % width;
+        const int32_t key = n * S::kKeys + static_cast<int32_t>(jj);
+        const int64_t block = table[key >> lat.L.page_shift], pp = key & (lat.L.page_size - 1);
+        const int64_t row = lat.L.row_index(block, h, pp);  // the same row of both pools (only their widths differ)
+        if (d < static_cast<unsigned>(Dlp)) {
+          lat_dec[jj * Dlp + d] = d < static_cast<unsigned>(Dl)
+                                      ? dequantize(lat.pool, row, d, lat.kind, row_scale(lat.kind, lat.scales, row, h),
+                                                   lat.dtype, lat.scales, lat.L, true)
+                                      : 0.f;
+        } else {
+          const unsigned dd = d - Dlp;
+          rope_dec[jj * Drp + dd] = dd < static_cast<unsigned>(Dr)
+                                        ? dequantize(rope.pool, row, dd, rope.kind,
+                                                     row_scale(rope.kind, rope.scales, row, h), rope.dtype, rope.scales,
+                                                     rope.L, false)
+                                        : 0.f;
+        }
+      }
+      __syncthreads();
+      absorb_tile(
+          nk,
+          [&](int jj, int d, float& x, float& y) {
+            pair_at<float>(reinterpret_cast<const char*>(lat_dec), Dlp * 4, jj, d, x, y);
+          },
+          [&](int jj, int d, float& x, float& y) {
+            pair_at<float>(reinterpret_cast<const char*>(rope_dec), Drp * 4, jj, d, x, y);
+          });
+    }
   }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  const int64_t row = tok * a.q_heads + hq;
-  for (int k = 0; k < kMaxPerThread; ++k) {
-    const int64_t d = tid + int64_t(k) * kThreads;
-    if (d < Dl) store_any(a.out, row * Dl + d, a.q_dtype, acc[k] * inv);
+
+#pragma unroll
+  for (int i = 0; i < S::kRows; ++i) {
+    const MlaRow<S>& r = rw[i];
+    if (!r.valid) continue;
+    const int64_t hq = h * a.group + tile * S::kHeads + i * kWarps + warp;
+    const int64_t out_row = tok * a.q_heads + hq;
+    const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+#pragma unroll
+    for (int k = 0; k < 2 * S::kLatPairs; ++k) {
+      const int d = 64 * (k / 2) + 2 * lane + k % 2;
+      if (d < Dl) store_any(a.out, out_row * Dl + d, a.q_dtype, r.o[k] * inv);
+    }
+    if (lane == 0 && a.lse != nullptr) a.lse[out_row] = r.l > 0.f ? r.m + logf(r.l) : -INFINITY;
   }
-  if (tid == 0 && a.lse != nullptr) a.lse[row] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+template <class LT, class RT, class S>
+void launch_instance(const MlaArgs& a, cudaStream_t stream) {
+  const unsigned head_tiles = static_cast<unsigned>((a.group + S::kHeads - 1) / S::kHeads);
+  const dim3 grid(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads / a.group) * head_tiles);
+  KVC_LAUNCH(grid, kThreads, stream, mla_attention_kernel<LT, RT, S>)(a);
+}
+
+/// A side's instance type: its full-precision dtype, or Coded.
+template <class F>
+void with_side(KVKind kind, DType dtype, F f) {
+  if (kind != KVKind::kFull) return f(Coded{});
+  switch (dtype) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat16: return f(__half{});
+    default: return f(__nv_bfloat16{});
+  }
+}
+
+template <class S>
+void launch_shape(const MlaArgs& a, cudaStream_t stream) {
+  with_side(a.latent_kind, a.latent_dtype, [&](auto l) {
+    with_side(a.rope_kind, a.rope_dtype, [&](auto r) {
+      using LT = decltype(l);
+      using RT = decltype(r);
+      // full sides of two dtypes (not a pool the library makes): the Coded instance decodes either
+      if constexpr (!kCoded<LT> && !kCoded<RT> && !std::is_same_v<LT, RT>) {
+        launch_instance<Coded, Coded, S>(a, stream);
+      } else {
+        launch_instance<LT, RT, S>(a, stream);
+      }
+    });
+  });
 }
 
 }  // namespace
 
 cudaError_t launch_mla_attention(const MlaArgs& a, cudaStream_t stream) {
   if (a.total_q == 0 || a.q_heads == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads));
-  KVC_LAUNCH(grid, kThreads, stream, mla_attention_kernel)(a);
+  if (a.latent_dim() <= Narrow::kMaxLatent && a.rope_dim() <= Narrow::kMaxRope) {
+    launch_shape<Narrow>(a, stream);
+  } else {
+    launch_shape<Wide>(a, stream);
+  }
   return cudaGetLastError();
 }
 
