@@ -398,8 +398,16 @@ __device__ __forceinline__ void issue_stage(const AttentionArgs& a, const int32_
   const unsigned units = k_units + v_units;  // 32-bit: a unit index is < kTile x 2 x 64
   const char* kc = static_cast<const char*>(a.k_cache);
   const char* vc = static_cast<const char*>(a.v_cache);
-  for (unsigned i = threadIdx.x; i < kTile * units; i += kThreads) {
-    const unsigned jj = i / units, u = i % units;
+  // a thread's (key, unit) pairs are threadIdx.x + k kThreads; stepped without a division per unit
+  // (units <= 64 < kThreads at head_dim <= kPipeMaxDim, so one wrap per step is enough)
+  const unsigned step_key = kThreads / units, step_unit = kThreads % units;
+  unsigned jj = threadIdx.x / units, u = threadIdx.x % units;
+  for (; jj < kTile; jj += step_key, u += step_unit) {
+    if (u >= units) {
+      u -= units;
+      ++jj;
+      if (jj >= kTile) break;
+    }
     const int32_t key = t0 + static_cast<int32_t>(jj);
     if (key >= end) {
       if (u == 0) rows[jj] = -1;
@@ -499,8 +507,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
   const bool pipe = units && D <= kPipeMaxDim;
   // the pipeline's shared memory: [decoded K][decoded V][stage rows][stages]
   float* k_dec = reinterpret_cast<float*>(smem);
-  float* v_dec = k_dec + (Pipe::kKeyFull ? 0 : kTile * kPipeMaxDim);
-  int64_t* stage_rows_at = reinterpret_cast<int64_t*>(v_dec + (Pipe::kValueFull ? 0 : kTile * kPipeMaxDim));
+  float* v_dec = k_dec + (Pipe::kKeyFull ? 0 : Pipe::kDecodedTile / 4);
+  int64_t* stage_rows_at = reinterpret_cast<int64_t*>(v_dec + (Pipe::kValueFull ? 0 : Pipe::kDecodedTile / 4));
   char* ring = reinterpret_cast<char*>(stage_rows_at + Pipe::kStages * kTile);
   const unsigned k_units = static_cast<unsigned>(stored_row_bytes<KT>(D) / 16);
   const unsigned v_units = static_cast<unsigned>(stored_row_bytes<VT>(D) / 16);
