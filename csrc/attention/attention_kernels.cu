@@ -121,11 +121,6 @@ struct KvType<Kivi<kBits, kKey>> {
   static constexpr DType dtype = DType::kFloat32;
 };
 
-/// The scale a unit of pool row `row` of head h is decoded with: per row for int8, per head for fp8, else 1.
-__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
-  return kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
-}
-
 /// Bytes of one stored row of element type T (codes only: scales and metadata live apart).
 template <typename T>
 __device__ __forceinline__ int64_t stored_row_bytes(int64_t D) {
@@ -443,15 +438,9 @@ __device__ __forceinline__ void decode_stage(const AttentionArgs& a, const float
     const int64_t row = rows[jj];
     if (row < 0) continue;
     const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];  // the lanes of a unit read it together
-    float4 v;
-    dequantize_part(w, row, int64_t(u) * kDims, part * 4, 4, kind, KvType<T>::dtype, row_scale(kind, scales, row, h),
-                    scales, L, key, [&](unsigned d, float x) {
-                      if (d == 0) v.x = x;
-                      else if (d == 1) v.y = x;
-                      else if (d == 2) v.z = x;
-                      else v.w = x;
-                    });
-    *reinterpret_cast<float4*>(out + jj * D + u * kDims + part * 4) = v;
+    *reinterpret_cast<float4*>(out + jj * D + u * kDims + part * 4) =
+        dequantize_float4(w, row, int64_t(u) * kDims, part * 4, kind, KvType<T>::dtype,
+                          row_scale(kind, scales, row, h), scales, L, key);
   }
 }
 

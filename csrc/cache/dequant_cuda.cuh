@@ -120,6 +120,25 @@ __device__ __forceinline__ void dequantize_part(const uint4& w, int64_t row, int
   }
 }
 
+/// Values [first, first + 4) of a unit (dequantize_part) as one float4, for a single 16-byte shared store.
+__device__ __forceinline__ float4 dequantize_float4(const uint4& w, int64_t row, int64_t d0, unsigned first,
+                                                    KVKind kind, DType full_dtype, float s, const float* scales,
+                                                    const PagedLayout& L, bool key) {
+  float4 v;
+  dequantize_part(w, row, d0, first, 4, kind, full_dtype, s, scales, L, key, [&](unsigned d, float x) {
+    if (d == 0) v.x = x;
+    else if (d == 1) v.y = x;
+    else if (d == 2) v.z = x;
+    else v.w = x;
+  });
+  return v;
+}
+
+/// The scale a unit of pool row `row` of head h is decoded with: per row for int8, per head for fp8, else 1.
+__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
+  return kind == KVKind::kInt8 ? scales[row] : (has_head_scales(kind) ? scales[h] : 1.f);
+}
+
 /// The whole unit: dims [d0, d0 + dims) (dequantize_part's values 0 .. dims).
 template <class Out>
 __device__ __forceinline__ void dequantize_unit(const uint4& w, int64_t row, int64_t d0, unsigned dims, KVKind kind,

@@ -89,13 +89,6 @@ __device__ __forceinline__ void pair_at(const char* tile, int64_t row_bytes, int
   }
 }
 
-/// A stored row's scale argument of dequantize: the row's int8 scale or the head's fp8 scale.
-__device__ __forceinline__ float row_scale(KVKind kind, const float* scales, int64_t row, int64_t h) {
-  if (kind == KVKind::kInt8) return scales[row];
-  if (kind == KVKind::kFp8E4M3 || kind == KVKind::kFp8E5M2) return scales[h];
-  return 1.f;
-}
-
 /// One side of the MLA pools: codes, kind, dtype of a full-precision pool, scales, layout, K side or not.
 struct MlaSide {
   const char* pool;
@@ -121,15 +114,9 @@ __device__ __forceinline__ void decode_side(const MlaSide& s, int64_t h, const c
     const int64_t row = rows[jj];
     if (row < 0) continue;
     const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];
-    float4 v;
-    dequantize_part(w, row, int64_t(u) * dims, part * 4, 4, s.kind, s.dtype, row_scale(s.kind, s.scales, row, h),
-                    s.scales, s.L, s.key, [&](unsigned d, float x) {
-                      if (d == 0) v.x = x;
-                      else if (d == 1) v.y = x;
-                      else if (d == 2) v.z = x;
-                      else v.w = x;
-                    });
-    *reinterpret_cast<float4*>(out + jj * D + u * dims + part * 4) = v;
+    *reinterpret_cast<float4*>(out + jj * D + u * dims + part * 4) =
+        dequantize_float4(w, row, int64_t(u) * dims, part * 4, s.kind, s.dtype, row_scale(s.kind, s.scales, row, h),
+                          s.scales, s.L, s.key);
   }
 }
 
