@@ -26,6 +26,7 @@
 #include "core/cp_async.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
+#include "core/warp_reduce.cuh"
 #include "core/quant.h"
 #include "core/softmax_state.h"
 #include "core/warp_mma.cuh"
@@ -137,11 +138,6 @@ __device__ __forceinline__ float token_scale(KVKind kind, const float* scales, c
     case KVKind::kFp8E5M2: return scales[h];
     default: return 1.f;
   }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
 }
 
 /// One query row held by a warp: its query (pre-scaled) and output dims d = lane + 32 k, k < kPerLane.

@@ -12,6 +12,7 @@
 #include "cache/cache_cuda_launch.h"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
+#include "core/warp_reduce.cuh"
 #include "cache/dequant_cuda.cuh"
 #include "cache/rotation_cuda.cuh"
 #include "core/quant.h"
@@ -111,11 +112,6 @@ __global__ void copy_blocks_kernel(BlockCopyArgs a) {
   U* vd = reinterpret_cast<U*>(a.v_dst + dst * a.v_block_bytes);
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) kd[j] = ks[j];
   for (int64_t j = threadIdx.x; j < nv; j += blockDim.x) vd[j] = vs[j];
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
 }
 
 /// Min / max over the warp of an asymmetric group's finite values (lane i: quant::uint_low / uint_high of its

@@ -21,6 +21,7 @@
 #include "core/cp_async.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
+#include "core/warp_reduce.cuh"
 #include "mla/mla_cuda_launch.h"
 
 namespace kvcache::cuda {
@@ -127,11 +128,6 @@ struct MlaRow {
   float m, l;
   bool valid;
 };
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
 
 template <class LT, class RT, class S>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(MlaArgs a) {
