@@ -259,16 +259,6 @@ __device__ void finish_row(const AttentionArgs& a, const AttentionTask& t, const
   }
 }
 
-/// A float as element type Out of a shared-memory tile.
-template <typename Out>
-__device__ __forceinline__ Out from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
 /// Stages keys [t0, t0 + kKeys) of one side (K or V) of head h into `tile` (rows of kCols elements of Out),
 /// dequantized with their scales, from 16-byte units of codes: one LDG.E.128 per unit (4 fp32, 8 bf16 / fp16,
 /// 16 int8 / fp8, 32 int4 / kivi4 or 64 kivi2 values), decoded in registers; a full-precision unit already
@@ -641,14 +631,6 @@ KVC_HOST_DEVICE bool mma_prefill(const AttentionArgs& a) {
   return (a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16) && fits(a.k_kind) && fits(a.v_kind) &&
          mma_prefill_shape(a) && whole_units(a.k_cache, a.k_kind, D, a.kv_dtype) &&
          whole_units(a.v_cache, a.v_kind, D, a.kv_dtype);
-}
-
-/// Two values as one mma fragment register of In, the first in the low 16 bits (as in memory).
-__device__ __forceinline__ uint32_t pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-  return uint32_t{__bfloat16_as_ushort(lo)} | (uint32_t{__bfloat16_as_ushort(hi)} << 16);
-}
-__device__ __forceinline__ uint32_t pack_pair(__half lo, __half hi) {
-  return uint32_t{__half_as_ushort(lo)} | (uint32_t{__half_as_ushort(hi)} << 16);
 }
 
 /// Prefill tasks of one KV head (t.head_begin == t.head_end - 1, as the planner makes them) on tensor cores.

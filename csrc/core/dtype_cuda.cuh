@@ -27,4 +27,14 @@ __device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float v) 
   }
 }
 
+/// A float as element type Out (of a shared-memory tile, an mma fragment), rounded to nearest even.
+template <typename Out>
+__device__ __forceinline__ Out from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
 }  // namespace kvcache::cuda

@@ -60,6 +60,14 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
 #endif
 }
 
+/// Two values as one mma fragment register, the first in the low 16 bits (as in memory).
+__device__ __forceinline__ uint32_t pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return uint32_t{__bfloat16_as_ushort(lo)} | (uint32_t{__bfloat16_as_ushort(hi)} << 16);
+}
+__device__ __forceinline__ uint32_t pack_pair(__half lo, __half hi) {
+  return uint32_t{__half_as_ushort(lo)} | (uint32_t{__half_as_ushort(hi)} << 16);
+}
+
 namespace detail {
 
 // The asm template must be a string literal per variant: one macro spells the six.
