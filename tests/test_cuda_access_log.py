@@ -8,7 +8,10 @@ every copy is logged. On whole 16-key tiles (lengths a multiple of 16):
 - each KV byte of the step's pages is read once: the bytes read are exactly the sequences' K and V rows,
   and no address is read twice (a GQA group of up to 16 query heads is one pass over the keys).
 
-The MLA kernel copies its latent and rope rows the same way (a CTA per tile of 8 query heads)."""
+The MLA kernel copies its latent and rope rows the same way (a CTA per tile of 8 query heads).
+
+The log also counts the tensor-core instructions (mma, ldmatrix) and the shared-memory wavefronts an ldmatrix takes
+beyond one per matrix: the bank conflicts of the tiles, which must be none."""
 
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ def test_decode_reads_each_kv_byte_once_in_full_sectors(fmt, head_dim, group):
         try:
             pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
         finally:
-            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()
+            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()[:5]
     kv_row = row_bytes(pool.k, page) + row_bytes(pool.v, page)
     assert warp_loads > 0
     assert loaded == sum(lens) * heads * kv_row  # every K and V row of the step, codes only
@@ -82,7 +85,7 @@ def test_the_log_sees_a_read_twice_and_a_partial_warp():
     with ops_backend(CUDA_EMULATED):
         ops.access_log_start()
         pool.attention(q, table, seq_lens, cu, 128 ** -0.5)
-        _, loaded, _, min_warp_bytes, read_again = ops.access_log_stop()
+        _, loaded, _, min_warp_bytes, read_again = ops.access_log_stop()[:5]
     kv_row = row_bytes(pool.k, 16) + row_bytes(pool.v, 16)
     assert loaded == 2 * 41 * kv_row and read_again == 41 * kv_row
     assert min_warp_bytes < 512
@@ -109,7 +112,7 @@ def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
         try:
             pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from([1] * len(lens)), 0.1)
         finally:
-            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()
+            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()[:5]
     units = (row_bytes(pool.k, 16) + row_bytes(pool.v, 16)) // 16
     assert warp_loads > 0
     assert loaded == sum(lens) * 16 * units  # every latent and rope row of the step, codes only
@@ -119,3 +122,23 @@ def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
         assert min_warp_bytes >= 512, (min_warp_bytes, units)
     else:
         assert min_warp_bytes >= 256, (min_warp_bytes, units)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64), ("int8", 128)])
+def test_prefill_tiles_have_no_bank_conflicts(dtype, head_dim):
+    """prefill_mma_kernel's K / V tiles (rows padded by 16 bytes) take one wavefront per ldmatrix matrix."""
+    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)
+    in_dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+    pool, table, seq_lens, _, _ = filled_pool(fmt, [96, 130], 16, 2, head_dim, in_dtype, seed=8)
+    q = torch.randn(96 + 130, 2 * 4, head_dim).to(in_dtype)
+    cu = torch.tensor([0, 96, 96 + 130], dtype=torch.int32)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
+        finally:
+            summary = ops.access_log_stop()
+    mma, ldmatrix, extra = summary[5:]
+    assert mma > 0 and ldmatrix > 0
+    assert extra == 0

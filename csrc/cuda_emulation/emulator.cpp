@@ -116,6 +116,7 @@ struct AccessLog {
   // (launch, block, warp, site, n-th execution) -> (address, bytes) of each lane
   std::map<std::tuple<uint64_t, uint64_t, int, int, uint32_t>, std::vector<std::pair<uintptr_t, unsigned>>> loads;
   std::map<std::tuple<uint64_t, uint64_t, int64_t, int>, uint32_t> executions;  // (launch, block, thread, site)
+  int64_t mma = 0, ldmatrix = 0, ldmatrix_extra_wavefronts = 0;  // warp-wide instructions (lane 0 counts)
 };
 AccessLog& access_log() {
   static AccessLog log;
@@ -401,6 +402,35 @@ float element(MmaInput type, uint32_t reg, int half) {
   return type == MmaInput::kBF16 ? bf16_to_float(bits) : fp16_to_float(bits);
 }
 
+/// Shared-memory bank conflicts of one warp-wide ldmatrix (issue #23, check 4): the hardware reads one 8 x 16-byte
+/// matrix per wavefront when its 8 rows touch each of the 32 4-byte banks once; a bank holding n distinct words
+/// of the matrix takes n wavefronts. Counts the wavefronts beyond one per matrix.
+void log_ldmatrix(int matrices, const uint64_t* rows) {
+  AccessLog& log = access_log();
+  if (!log.open) return;
+  int64_t extra = 0;
+  for (int m = 0; m < matrices; ++m) {
+    std::set<uint64_t> words[32];
+    for (int r = 0; r < 8; ++r) {
+      const uint64_t first = rows[(8 * m + r) * kSlotWords] / 4;
+      for (uint64_t w = first; w < first + 4; ++w) words[w % 32].insert(w);
+    }
+    size_t wavefronts = 1;
+    for (const auto& bank : words) wavefronts = std::max(wavefronts, bank.size());
+    extra += static_cast<int64_t>(wavefronts) - 1;
+  }
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.ldmatrix += 1;
+  log.ldmatrix_extra_wavefronts += extra;
+}
+
+void log_mma() {
+  AccessLog& log = access_log();
+  if (!log.open) return;
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.mma += 1;
+}
+
 }  // namespace
 
 void sync_warp(unsigned mask) { wait_at_warp_barrier(mask, "__syncwarp", false); }
@@ -450,6 +480,7 @@ void ldmatrix_b16(int matrices, bool trans, const void* row, uint32_t* out) {
   }
   const uint64_t mine = reinterpret_cast<uintptr_t>(row);
   const uint64_t* rows = exchange(&mine, 1, 0xffffffffu, op, true);
+  if (f.lane == 0) log_ldmatrix(matrices, rows);
   const auto element_at = [&](int m, int r, int c) {  // element c of the 16 bytes lane 8m + r addressed
     uint16_t e;
     std::memcpy(&e, reinterpret_cast<const char*>(rows[(8 * m + r) * kSlotWords]) + 2 * c, 2);
@@ -487,6 +518,7 @@ void mma_m16n8k16(MmaInput type, const uint32_t* a, const uint32_t* b, const flo
   require_full_warp(op);
   const uint64_t mine[3] = {a[0] | uint64_t{a[1]} << 32, a[2] | uint64_t{a[3]} << 32, b[0] | uint64_t{b[1]} << 32};
   const uint64_t* slots = exchange(mine, 3, 0xffffffffu, op, true);
+  if (self().lane == 0) log_mma();
   float A[16][16], B[16][8];
   for (int lane = 0; lane < kWarp; ++lane) {
     const int group = lane >> 2, in_group = lane % 4;
@@ -530,6 +562,7 @@ void start_access_log() {
   log.loads.clear();
   log.executions.clear();
   log.launches = 0;
+  log.mma = log.ldmatrix = log.ldmatrix_extra_wavefronts = 0;
   log.open = true;
 }
 
@@ -559,6 +592,9 @@ AccessSummary stop_access_log() {
     if (begin < reach) s.bytes_read_again += static_cast<int64_t>(std::min(end, reach) - begin);
     reach = std::max(reach, end);
   }
+  s.mma = log.mma;
+  s.ldmatrix = log.ldmatrix;
+  s.ldmatrix_extra_wavefronts = log.ldmatrix_extra_wavefronts;
   log.loads.clear();
   log.executions.clear();
   return s;

@@ -87,13 +87,19 @@ ThreadOrder thread_order();
 /// calling thread has executed that site in this launch, so that the loads a warp issues together as one
 /// instruction (same site, same n-th execution, lanes of one warp) are grouped alike in either thread order.
 void log_global_load(int site, const void* address, unsigned bytes);
-/// What the loads logged since start_access_log() add up to.
+/// What the loads logged since start_access_log() add up to (and the tensor-core instructions: ldmatrix and mma
+/// report themselves).
 struct AccessSummary {
   int64_t warp_loads = 0;        // warp-wide load instructions: (launch, block, warp, site, n-th execution)
   int64_t bytes = 0;             // bytes the lanes asked for
   int64_t sector_bytes = 0;      // 32 x the 32-byte sectors those instructions touch (each counted per instruction)
   int64_t min_warp_bytes = 0;    // the fewest bytes one warp-wide load moved
   int64_t bytes_read_again = 0;  // bytes at an address some earlier logged load already read
+  // tensor-core instructions, warp-wide: mma.m16n8k16 and ldmatrix executions, and the shared-memory
+  // wavefronts the ldmatrix took beyond one per 8 x 16-byte matrix (bank conflicts)
+  int64_t mma = 0;
+  int64_t ldmatrix = 0;
+  int64_t ldmatrix_extra_wavefronts = 0;
 };
 /// Opens the log (dropping any previous one); loads are logged from every launch until it is closed.
 void start_access_log();

@@ -317,4 +317,41 @@ TEST(WarpMma, MisuseFailsTheLaunch) {
   expect_failure(outside, "is not inside a shared array");
 }
 
+// ---- bank conflicts (the access log's count, issue #23 check 4) ---------------------------------------
+
+// An x4 ldmatrix over 16 rows of a tile whose rows are `stride` bytes apart (8 columns each for the matrices'
+// two halves), and an mma, under the access log.
+__global__ void ldmatrix_rows_apart(int stride, uint32_t* out) {
+  KVC_SHARED(uint4, tile, [16 * 1040 / 16]);  // 16 rows up to 1,040 bytes apart
+  const int lane = static_cast<int>(threadIdx.x);
+  const char* base = reinterpret_cast<const char*>(tile);
+  uint32_t r[4];
+  ldmatrix(r, base + (lane % 16) * stride + 16 * (lane / 16));
+  const uint32_t b[2] = {r[0], r[1]};
+  float d[4] = {};
+  mma_m16n8k16<__nv_bfloat16>(d, r, b, d);
+  out[lane] = r[0];
+}
+
+TEST(WarpMma, AccessLogCountsBankConflictsOfLdmatrix) {
+  std::vector<uint32_t> out(32);
+  const auto extra_wavefronts = [&](int stride) {
+    kvcache::emu::start_access_log();
+    KVC_LAUNCH(1, 32, nullptr, ldmatrix_rows_apart)(stride, out.data());
+    EXPECT_EQ(launch_error(), "");
+    const kvcache::emu::AccessSummary s = kvcache::emu::stop_access_log();
+    EXPECT_EQ(s.ldmatrix, 1);
+    EXPECT_EQ(s.mma, 1);
+    return s.ldmatrix_extra_wavefronts;
+  };
+  // rows 1,024 bytes apart (a 512-dim bf16 row): the 8 rows of a matrix share banks 0-3 (4 matrices x 7)
+  EXPECT_EQ(extra_wavefronts(1024), 28);
+  // padded by 16 bytes (the MLA stage's rows): 8 rows, 8 bank quads
+  EXPECT_EQ(extra_wavefronts(1040), 0);
+  // 32 bytes (one row's two halves are its matrices 0 and 2): rows r and r + 4 share banks
+  EXPECT_EQ(extra_wavefronts(32), 4);
+  // 16 bytes: one contiguous 128-byte matrix per 8 rows
+  EXPECT_EQ(extra_wavefronts(16), 0);
+}
+
 }  // namespace
