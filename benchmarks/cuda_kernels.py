@@ -70,13 +70,22 @@ KERNEL_BUDGETS: dict[str, KernelBudget] = {
         "kThreads", 64, why="streams partial states once: 64 regs keeps 32 warps/SM for latency hiding"),
     "merge_states_kernel": KernelBudget(
         "kMergeThreads", 32, why="one CTA per row: 32 regs is full occupancy (64 warps/SM)"),
-    # mla_attention_kernel<latent, rope, MlaShape<...>>: its cp.async stages copy the shape's keys (8 at
-    # DeepSeek-V3's 512 / 64, 4 up to 1024 / 256) of latent + rope rows; async_group_bytes reads the instance's.
+    # mla_attention_kernel<latent, rope, MlaShape<...>>: the MLA calls mla_mma_kernel does not take (mla_kernels.cu:
+    # mla_mma): fp32 or quantized pools, a query of another dtype than the pools', widths off its grid. Its
+    # cp.async stages copy the shape's keys (8 at DeepSeek-V3's 512 / 64, 4 up to 1024 / 256) of latent + rope
+    # rows; async_group_bytes reads the instance's.
     "mla_attention_kernel": KernelBudget(
-        "kThreads", 168, decode=True, prefill=True, async_group_keys=8,
+        "kThreads", 168, decode=True, async_group_keys=8,
         why="__launch_bounds__(128, 3): 168 regs keeps 3 CTAs (12 warps) per SM, with 2 query heads per warp "
             "(latent and rope dims in pairs per lane: 74 floats). The cp.async ring holds the bytes in flight: "
             "16-18 KB per CTA at 512 / 64, about 50 KB per SM"),
+    # mla_mma_kernel<T>: MLA decode and prefill over bf16 / fp16 pools on tensor cores, 16 query heads as mma's M
+    # (as FlashMLA); stages of 16 keys' latent + rope rows, double-buffered.
+    "mla_mma_kernel": KernelBudget(
+        "kThreads", 168, decode=True, prefill=True, async_group_keys=16,
+        why="__launch_bounds__(128, 3): 168 regs keeps 3 CTAs per SM. Per lane: a quarter of O at 512 latent dims "
+            "(64 fp32), Q's A fragments (36), S (8). Two 18.5 KB stages per CTA: one in flight while the other "
+            "is read, 55 KB per SM at 3 CTAs"),
     "append_kernel": KernelBudget("kThreads", 32, why="a copy: full occupancy (64 warps/SM) needs <= 32 regs"),
     "gather_padded_kernel": KernelBudget(
         128, 32, why="a copy: full occupancy needs <= 32 regs",
@@ -497,10 +506,11 @@ MODEL_ASSUMPTIONS = [
     "reductions outside them are not counted); compute = the peak of the units the SASS uses (tensor cores when it has an MMA "
     "instruction, else the FP32 CUDA cores) / flops per byte. Efficiency = the least bound / the DRAM peak.",
     "Prefill: prefill_mma_kernel takes the prefill tasks of bf16 / fp16 queries on tensor cores (its compute "
-    "roof: the dense bf16 / fp16 tensor-core peak, 312 TFLOP/s A100, 989 H100). The shapes it does not take "
-    "(attention_kernel: fp32 queries, head_dim > 128 or not a multiple of 16, rotated pages, an fp16 query over "
-    "quantized pages) and MLA prefill (mla_attention_kernel) run on the FP32 CUDA cores, whose roof is "
-    "19.5 / 312 = 6.3% (A100) and 66.9 / 989 = 6.8% (H100) of the tensor cores'.",
+    "roof: the dense bf16 / fp16 tensor-core peak, 312 TFLOP/s A100, 989 H100), and mla_mma_kernel MLA decode "
+    "and prefill over bf16 / fp16 pools of the query's dtype (16 query heads as mma's M). The shapes they do not "
+    "take (attention_kernel: fp32 queries, head_dim > 128 or not a multiple of 16, rotated pages, an fp16 query "
+    "over quantized pages; mla_attention_kernel: fp32 or quantized MLA pools, other widths) run on the FP32 CUDA "
+    "cores, whose roof is 19.5 / 312 = 6.3% (A100) and 66.9 / 989 = 6.8% (H100) of the tensor cores'.",
 ]
 
 KV_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2, "signed char": 1, "Fp8E4M3": 1, "Fp8E5M2": 1,
@@ -520,11 +530,16 @@ def kv_element_bytes(name: str) -> float:
     return sum(sizes) / len(sizes) if sizes else 2.0
 
 
+MLA_MMA_MAX_WIDTHS = (512, 64)  # mla_kernels.cu: kMmaMaxLatent, kMmaMaxRope
+
+
 def async_group_bytes(name: str, budget: KernelBudget) -> float:
     """Bytes one cp.async group (a pipeline stage) of a kernel instance copies: keys x (K row + V row). An MLA
     instance (MlaShape<latent, rope, keys, rows>) copies `keys` latent + rope rows at the shape's widths (a
     Coded side at 1 byte per value: int8 / fp8, the widest code); attention_kernel its budget's keys x K + V rows
-    at head_dim 128."""
+    at head_dim 128; mla_mma_kernel the budget's keys x its widest latent + rope rows."""
+    if name.startswith("mla_mma_kernel<"):  # a stage of the budget's keys at the kernel's widest rows
+        return budget.async_group_keys * sum(MLA_MMA_MAX_WIDTHS) * kv_element_bytes(name)
     shape = re.search(r"MlaShape<(\d+), (\d+), (\d+), \d+>", name)
     if shape:
         latent, rope, keys = (int(x) for x in shape.groups())

@@ -8,7 +8,8 @@ every copy is logged. On whole 16-key tiles (lengths a multiple of 16):
 - each KV byte of the step's pages is read once: the bytes read are exactly the sequences' K and V rows,
   and no address is read twice (a GQA group of up to 16 query heads is one pass over the keys).
 
-The MLA kernel copies its latent and rope rows the same way (a CTA per tile of 8 query heads).
+The MLA kernels copy their latent and rope rows the same way (a CTA per tile of 8 query heads on the CUDA cores,
+of 16 on tensor cores).
 
 The log also counts the tensor-core instructions (mma, ldmatrix) and the shared-memory wavefronts an ldmatrix takes
 beyond one per matrix: the bank conflicts of the tiles, which must be none."""
@@ -94,10 +95,11 @@ def test_the_log_sees_a_read_twice_and_a_partial_warp():
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16, torch.float32, "int8", "fp8_e4m3", "int4", "kivi4"])
 @pytest.mark.parametrize("q_heads", [8, 1])
 def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
-    """The MLA kernel at DeepSeek-V3's widths (latent 512, rope 64): a CTA takes up to 8 query heads of a kv head, so
-    a decode step of 8 heads reads every latent and rope row once. A stage copies 8 keys' rows: every warp-wide
-    copy moves 512 bytes when a stage's 16-byte units are a multiple of 32 (bf16, fp16, fp32, int8, fp8); int4 and
-    KIVI rows (18 and 9 units per key at these widths) leave half a warp in a stage's last copy."""
+    """The MLA kernels at DeepSeek-V3's widths (latent 512, rope 64): a CTA takes up to 8 query heads of a kv head
+    (16 on tensor cores: bf16 and fp16), so a decode step of 8 heads reads every latent and rope row once. A stage
+    copies 8 keys' rows (16): every warp-wide copy moves 512 bytes when a stage's 16-byte units are a multiple of 32
+    (bf16, fp16, fp32, int8, fp8); int4 and KIVI rows (18 and 9 units per key at these widths) leave half a warp in
+    a stage's last copy."""
     from test_mla_attention import cu_from, mla_pool
 
     lens = [64, 128, 16]
@@ -122,6 +124,54 @@ def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
         assert min_warp_bytes >= 512, (min_warp_bytes, units)
     else:
         assert min_warp_bytes >= 256, (min_warp_bytes, units)
+
+
+def mla_step(dtype, latent: int, rope: int, q_heads: int, lens: list[int], q_lens: list[int]):
+    """One mla_attention call on the emulated kernels under the access log: (its summary, the pool)."""
+    from test_mla_attention import cu_from, mla_pool
+
+    g = torch.Generator().manual_seed(12)
+    pool, table, seq_lens, _, _ = mla_pool(lens, dtype, latent, rope, page=16, generator=g)
+    q_dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+    q_latent = torch.randn(sum(q_lens), q_heads, latent, generator=g).to(q_dtype)
+    q_rope = torch.randn(sum(q_lens), q_heads, rope, generator=g).to(q_dtype)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from(q_lens), 0.1)
+        finally:
+            summary = ops.access_log_stop()
+    return summary, pool
+
+
+@pytest.mark.parametrize("dtype,latent,rope,q_heads", [(torch.bfloat16, 512, 64, 16), (torch.float16, 256, 32, 16),
+                                                       (torch.bfloat16, 192, 48, 12), (torch.float16, 64, 16, 3)])
+def test_mla_runs_on_tensor_cores_without_bank_conflicts(dtype, latent, rope, q_heads):
+    """bf16 / fp16 pools of the query's dtype run in mla_mma_kernel: 16 query heads as mma's M dimension, stages
+    of 16 keys. Per CTA and stage: S = Q [C | K_rope]^T takes (latent + rope) / 16 k-steps x 2 n-tiles of mma and
+    one ldmatrix.x4 per k-step; P C takes latent / 8 n-tiles of mma and one ldmatrix.x4.trans per 16 dims. The
+    stage's rows are padded by 16 bytes, so no ldmatrix conflicts. A decode step still reads every latent and
+    rope byte once, in 512-byte warp copies of full sectors."""
+    lens = [64, 112, 16]  # whole stages: a partial one leaves lanes idle in its copies
+    (warp_loads, loaded, sector_bytes, min_warp_bytes, read_again, mma, ldmatrix, extra), pool = mla_step(
+        dtype, latent, rope, q_heads, lens, [1, 1, 1])
+    stages = sum(-(-n // 16) for n in lens)
+    assert mma == stages * (2 * (latent + rope) // 16 + latent // 8)
+    assert ldmatrix == stages * ((latent + rope) // 16 + latent // 16)
+    assert extra == 0
+    units = (row_bytes(pool.k, 16) + row_bytes(pool.v, 16)) // 16
+    assert loaded == sum(lens) * 16 * units and read_again == 0
+    assert min_warp_bytes >= 512 and loaded / sector_bytes >= 0.95
+
+
+@pytest.mark.parametrize("dtype,latent,rope", [(torch.float32, 512, 64), ("int8", 512, 64), (torch.bfloat16, 576, 72),
+                                               (torch.bfloat16, 96, 16), (torch.float16, 64, 8)])
+def test_mla_off_the_tensor_core_grid_runs_on_cuda_cores(dtype, latent, rope):
+    """fp32 and quantized pools, and widths off mla_mma_kernel's grid (latent a multiple of 64 up to 512, rope of
+    16 up to 64), run on the CUDA cores: no mma."""
+    summary, _ = mla_step(dtype, latent, rope, 8, [40, 9], [1, 3])
+    assert summary[0] > 0 and summary[5] == 0 and summary[6] == 0
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64), ("int8", 128)])

@@ -135,6 +135,19 @@ def test_deepseek_v3_widths(isa):
         check(pool, table, lens, [1], dk, dv, q_heads=16, dtype=torch.bfloat16, scale=192 ** -0.5, generator=g)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("latent,rope,q_heads,kv_heads,strided", [(512, 64, 20, 1, False), (256, 32, 32, 2, True),
+                                                                  (192, 48, 5, 1, False), (64, 16, 16, 1, True)])
+def test_tensor_core_shapes(isa, dtype, latent, rope, q_heads, kv_heads, strided):
+    """The calls the CUDA build runs on tensor cores (mla_mma_kernel: bf16 / fp16 pools of the query's dtype,
+    latent a multiple of 64 up to 512, rope of 16 up to 64): head tiles of 16 (20 heads: a full tile and one of
+    4), decode and chunked prefill, lengths off the 16-key stages, NaN past every sequence's end."""
+    g = torch.Generator().manual_seed(10)
+    pool, table, lens, dk, dv = mla_pool([37, 1, 80, 16], dtype, latent, rope, kv_heads=kv_heads, generator=g)
+    check(pool, table, lens, [1, 1, 24, 16], dk, dv, q_heads=q_heads, dtype=dtype, scale=(latent + rope) ** -0.5,
+          generator=g, strided=strided)
+
+
 @pytest.mark.parametrize("fmt,latent,rope", [(torch.bfloat16, 576, 72), ("int8", 640, 96), (torch.float32, 33, 7),
                                               ("int8", 40, 8), ("fp8_e5m2", 520, 24)])
 def test_wide_and_odd_rows(isa, fmt, latent, rope):

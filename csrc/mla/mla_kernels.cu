@@ -9,8 +9,8 @@
 // oldest. A full-precision side is read from the ring as it is; a quantized side (Coded) is decoded once per
 // stage into an fp32 tile. Rows that are not whole 16-byte units (or pools off 16 bytes) are staged value by
 // value into the fp32 tiles instead.
-// NOTE: scores and P.V run on the CUDA cores, also for prefill tokens: an MMA version (heads as the M
-// dimension, as FlashMLA) is issue #23's remaining MLA item.
+// That kernel runs on the CUDA cores; 16-bit pools of the query's dtype run on tensor cores instead
+// (mla_mma_kernel, below: heads as mma's M dimension, as FlashMLA).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,6 +21,7 @@
 #include "core/cp_async.cuh"
 #include "core/cuda_launch.cuh"
 #include "core/dtype_cuda.cuh"
+#include "core/warp_mma.cuh"
 #include "core/warp_reduce.cuh"
 #include "mla/mla_cuda_launch.h"
 
@@ -129,15 +130,9 @@ struct MlaRow {
   bool valid;
 };
 
-template <class LT, class RT, class S>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(MlaArgs a) {
-  using Pipe = MlaPipe<LT, RT, S>;
-  KVC_SHARED(uint4, smem, [Pipe::kBytes / 16]);
-  const int64_t tok = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned head_tiles = (static_cast<unsigned>(a.group) + S::kHeads - 1) / S::kHeads;
-  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
-  // the token's sequence: the last b with cu_q_lens[b] <= tok
+/// The sequence b of query token tok (the last b with cu_q_lens[b] <= tok) and the token's position: keys
+/// 0..pos are visible to it (pos < 0: none).
+__device__ __forceinline__ int32_t token_position(const MlaArgs& a, int64_t tok, int64_t& b) {
   int64_t lo = 0, hi = a.batch;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
@@ -147,8 +142,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(Mla
       hi = mid;
     }
   }
-  const int64_t b = lo, q_start = a.cu_q_lens[b], q_len = a.cu_q_lens[b + 1] - q_start;
-  const int32_t pos = static_cast<int32_t>(a.kv_lens[b] - q_len + (tok - q_start));  // keys 0..pos are visible
+  b = lo;
+  const int64_t q_start = a.cu_q_lens[b], q_len = a.cu_q_lens[b + 1] - q_start;
+  return static_cast<int32_t>(a.kv_lens[b] - q_len + (tok - q_start));
+}
+
+template <class LT, class RT, class S>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(MlaArgs a) {
+  using Pipe = MlaPipe<LT, RT, S>;
+  KVC_SHARED(uint4, smem, [Pipe::kBytes / 16]);
+  const int64_t tok = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned head_tiles = (static_cast<unsigned>(a.group) + S::kHeads - 1) / S::kHeads;
+  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
+  int64_t b;
+  const int32_t pos = token_position(a, tok, b);  // keys 0..pos are visible
   const int Dl = static_cast<int>(a.layout.head_dim), Dr = static_cast<int>(a.layout.v_head_dim);
   const int64_t lat_bytes = code_row_bytes(a.latent_kind, Dl, a.latent_dtype);
   const int64_t rope_bytes = code_row_bytes(a.rope_kind, Dr, a.rope_dtype);
@@ -353,6 +361,235 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(Mla
   }
 }
 
+// ---- On tensor cores ------------------------------------------------------------------------------------
+// mla_mma_kernel<T> takes the calls mla_mma(a) admits: latent and rope pools of the query's 16-bit dtype T
+// (DeepSeek-V2 / V3, Kimi K2, MiniCPM3 in bf16 or fp16). One CTA per (query token, kv head, tile of 16 query
+// heads): the heads are the M dimension of mma.m16n8k16 (as FlashMLA), so decode is a GEMM too. Stages of
+// kMmaKeys keys' latent + rope rows land in shared memory by cp.async, double-buffered; each row is padded
+// by 16 bytes, so that the 8 rows of an ldmatrix fall in 8 different bank groups. Warp w owns a quarter of
+// the latent dims: its k-steps of S = Q [C | K_rope]^T (and rope k-step w) and the same dims of O. The
+// warps' partial S blocks meet in shared memory; every warp sums them in the same order, takes the online
+// softmax of the whole 16 x 16 block (the same values in every warp; one max / rescale per row and stage)
+// and adds P C to its quarter of O, P in T as FlashAttention-2 does. Scores are scaled in fp32: the query
+// enters the tensor core exactly.
+
+constexpr int kMmaHeads = 16;                     // query heads per CTA: mma's M
+constexpr int kMmaKeys = 16;                      // keys per stage: S's N, P C's K
+constexpr int kMmaMaxLatent = 512, kMmaMaxRope = 64;
+constexpr int kMmaLatSteps = kMmaMaxLatent / 16 / kWarps;  // latent k-steps of S per warp
+constexpr int kMmaOTiles = kMmaMaxLatent / 8 / kWarps;     // n-tiles of O per warp
+constexpr int64_t kMmaStageBytes = kMmaKeys * ((2 * kMmaMaxLatent + 16) + (2 * kMmaMaxRope + 16));
+constexpr int64_t kMmaPartialBytes = kWarps * 2 * 32 * 16;  // a warp's S block: 2 float4 per lane
+static_assert(2 * kMmaStageBytes + kMmaPartialBytes <= kSmemBytes, "two stages and the S blocks fit");
+
+/// Whether call `a` runs in mla_mma_kernel: a 16-bit query over full-precision pools of its dtype, the
+/// latent width a multiple of 64 (16 dims per warp) up to 512, the rope width a multiple of 16 up to 64,
+/// pools 16-byte aligned (cp.async).
+bool mla_mma(const MlaArgs& a) {
+  const int64_t Dl = a.layout.head_dim, Dr = a.layout.v_head_dim;
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return (a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16) && a.latent_kind == KVKind::kFull &&
+         a.rope_kind == KVKind::kFull && a.latent_dtype == a.q_dtype && a.rope_dtype == a.q_dtype && Dl > 0 &&
+         Dl % 64 == 0 && Dl <= kMmaMaxLatent && Dr % 16 == 0 && Dr <= kMmaMaxRope && aligned(a.latent_cache) &&
+         (Dr == 0 || aligned(a.rope_cache));
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a) {
+  KVC_SHARED(uint4, smem, [(2 * kMmaStageBytes + kMmaPartialBytes) / 16]);
+  const int64_t tok = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const unsigned head_tiles = (static_cast<unsigned>(a.group) + kMmaHeads - 1) / kMmaHeads;
+  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
+  int64_t b;
+  const int32_t pos = token_position(a, tok, b);  // keys 0..pos are visible
+  const int Dl = static_cast<int>(a.layout.head_dim), Dr = static_cast<int>(a.layout.v_head_dim);
+  const int lat_stride = 2 * Dl + 16, rope_stride = 2 * Dr + 16;  // padded rows in the stage
+  const unsigned lat_units = static_cast<unsigned>(Dl / 8), units = lat_units + static_cast<unsigned>(Dr / 8);
+  const int stage_bytes = kMmaKeys * (lat_stride + rope_stride);
+  const PagedLayout L = a.layout.side(false);  // the same row of both pools (only their widths differ)
+  const int32_t* table = a.block_tables + b * a.table_stride;
+  const char* lat_pool = static_cast<const char*>(a.latent_cache);
+  const char* rope_pool = static_cast<const char*>(a.rope_cache);
+  char* ring = reinterpret_cast<char*>(smem);
+  float4* partial = reinterpret_cast<float4*>(ring + 2 * kMmaStageBytes);  // [warp][n-tile][lane]
+
+  // this warp's dims: latent [lat0, lat0 + Dl / 4), rope [16 warp, 16 warp + 16) when Dr has them
+  const int lat0 = warp * (Dl / 4), lat_steps = Dl / 64;
+  const bool has_rope = 16 * warp < Dr;
+  // A fragments of Q (rows: heads g and g + 8 of the tile; 0 past the group), loaded in T as they are
+  const auto q_pair = [&](const void* q, const int64_t* st, int row, int d) -> uint32_t {
+    const int64_t head = tile * kMmaHeads + row;
+    if (head >= a.group) return 0u;
+    const auto* p = static_cast<const uint16_t*>(q) + tok * st[0] + (h * a.group + head) * st[1];
+    return uint32_t{p[d * st[2]]} | (uint32_t{p[(d + 1) * st[2]]} << 16);
+  };
+  const auto q_frag = [&](const void* q, const int64_t* st, int d0, uint32_t (&f)[4]) {
+    f[0] = q_pair(q, st, g, d0 + 2 * tq);
+    f[1] = q_pair(q, st, g + 8, d0 + 2 * tq);
+    f[2] = q_pair(q, st, g, d0 + 2 * tq + 8);
+    f[3] = q_pair(q, st, g + 8, d0 + 2 * tq + 8);
+  };
+  uint32_t qa[kMmaLatSteps][4] = {}, qr[4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kMmaLatSteps; ++kk) {
+    if (kk < lat_steps) q_frag(a.q_latent, a.ql_strides, lat0 + 16 * kk, qa[kk]);
+  }
+  if (has_rope) q_frag(a.q_rope, a.qr_strides, 16 * warp, qr);
+
+  // the copies of stage n, one cp.async per 16-byte unit of a visible key's rows; keys past pos get zeros (P is
+  // 0 there, and 0 x a stale NaN of shared memory would not be). Latent rows: 8 threads per key, so a thread
+  // looks its row up once per stage and a warp copies 4 keys x 128 contiguous bytes at a time; rope rows (16
+  // keys x at most 8 units): a unit per thread.
+  static_assert(kThreads == 8 * kMmaKeys, "8 threads per key of a stage");
+  const int32_t stages = pos >= 0 ? pos / kMmaKeys + 1 : 0;
+  const unsigned rope_units = units - lat_units;
+  const auto issue = [&](int32_t n) {
+    char* dst = ring + (n & 1) * stage_bytes;
+    {
+      const int jj = threadIdx.x / 8, u0 = threadIdx.x % 8;
+      const int32_t key = n * kMmaKeys + jj;
+      char* to = dst + jj * lat_stride + u0 * 16;
+      if (key > pos) {
+        for (unsigned u = u0; u < lat_units; u += 8, to += 128) *reinterpret_cast<uint4*>(to) = uint4{0u, 0u, 0u, 0u};
+      } else {
+        const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
+        const char* from = lat_pool + row * (2 * Dl) + u0 * 16;
+        for (unsigned u = u0; u < lat_units; u += 8, to += 128, from += 128) cp_async_16(to, from);
+      }
+    }
+    if (threadIdx.x < kMmaKeys * rope_units) {
+      const unsigned jj = threadIdx.x / rope_units, u = threadIdx.x % rope_units;  // 32-bit
+      const int32_t key = n * kMmaKeys + static_cast<int32_t>(jj);
+      char* to = dst + kMmaKeys * lat_stride + int(jj) * rope_stride + int(u) * 16;
+      if (key > pos) {
+        *reinterpret_cast<uint4*>(to) = uint4{0u, 0u, 0u, 0u};
+      } else {
+        const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
+        cp_async_16(to, rope_pool + row * (2 * Dr) + u * 16);
+      }
+    }
+  };
+
+  float o[kMmaOTiles][4] = {};  // C fragments of this warp's O: n-tile n holds dims lat0 + [8 n, 8 n + 8)
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g + 8; l: this lane's partial sum
+  if (stages > 0) issue(0);
+  cp_async_commit();
+  for (int32_t n = 0; n < stages; ++n) {
+    cp_async_wait<0>();  // this thread's copies of stage n have landed
+    __syncthreads();     // ... and every thread's; stage n - 1 and the S blocks are no longer read
+    if (n + 1 < stages) issue(n + 1);
+    cp_async_commit();
+    const char* lat_s = ring + (n & 1) * stage_bytes;
+    const char* rope_s = lat_s + kMmaKeys * lat_stride;
+    // this warp's part of S: matrix lane / 8 of an ldmatrix is keys 8 (lane / 16) + [0, 8), dims
+    // 8 ((lane / 8) % 2) + [0, 8) of the k-step
+    const int key_row = 8 * (lane / 16) + lane % 8, dim_half = 8 * ((lane / 8) % 2);
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kMmaLatSteps; ++kk) {
+      if (kk >= lat_steps) break;
+      uint32_t f[4];
+      ldmatrix(f, lat_s + key_row * lat_stride + (lat0 + 16 * kk + dim_half) * 2);
+      const uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_m16n8k16<T>(s[0], qa[kk], b0, s[0]);
+      mma_m16n8k16<T>(s[1], qa[kk], b1, s[1]);
+    }
+    if (has_rope) {
+      uint32_t f[4];
+      ldmatrix(f, rope_s + key_row * rope_stride + (16 * warp + dim_half) * 2);
+      const uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_m16n8k16<T>(s[0], qr, b0, s[0]);
+      mma_m16n8k16<T>(s[1], qr, b1, s[1]);
+    }
+    // the warps' blocks summed (in warp order: the same S in every warp), scaled and masked
+    partial[(warp * 2 + 0) * 32 + lane] = float4{s[0][0], s[0][1], s[0][2], s[0][3]};
+    partial[(warp * 2 + 1) * 32 + lane] = float4{s[1][0], s[1][1], s[1][2], s[1][3]};
+    __syncthreads();
+    const int last_col = min(pos - n * kMmaKeys, kMmaKeys - 1);  // keys past pos: -inf
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float4 sum = partial[j * 32 + lane];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) {
+        const float4 x = partial[(w * 2 + j) * 32 + lane];
+        sum.x += x.x;
+        sum.y += x.y;
+        sum.z += x.z;
+        sum.w += x.w;
+      }
+      const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int col = 8 * j + 2 * tq + (c & 1);
+        s[j][c] = col <= last_col ? v[c] * a.scale : -INFINITY;
+        tile_max[c / 2] = fmaxf(tile_max[c / 2], s[j][c]);
+      }
+    }
+    float base[2];  // one rescale per row and stage
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      const float m_new = fmaxf(m[i], tile_max[i]);  // finite: key n * kMmaKeys is visible
+      const float alpha = __expf(m[i] - m_new);      // 0 when m was -inf
+      base[i] = m_new;
+      m[i] = m_new;
+      l[i] *= alpha;
+#pragma unroll
+      for (int t = 0; t < kMmaOTiles; ++t) {
+        o[t][2 * i] *= alpha;
+        o[t][2 * i + 1] *= alpha;
+      }
+    }
+    // P in T: S's fragments of n-tiles 0 and 1 are P's A fragment for the stage's 16 keys
+    float p[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        p[j][c] = __expf(s[j][c] - base[c / 2]);
+        l[c / 2] += p[j][c];
+      }
+    }
+    const uint32_t pa[4] = {pack_pair(from_float<T>(p[0][0]), from_float<T>(p[0][1])),
+                            pack_pair(from_float<T>(p[0][2]), from_float<T>(p[0][3])),
+                            pack_pair(from_float<T>(p[1][0]), from_float<T>(p[1][1])),
+                            pack_pair(from_float<T>(p[1][2]), from_float<T>(p[1][3]))};
+    // O += P C over this warp's dims: C's 16 x 16 blocks (keys x dims), transposed
+#pragma unroll
+    for (int t = 0; t < kMmaOTiles; t += 2) {
+      if (8 * t >= Dl / 4) break;
+      uint32_t f[4];
+      ldmatrix_trans(f, lat_s + (lane % 16) * lat_stride + (lat0 + 8 * t + 8 * (lane / 16)) * 2);
+      const uint32_t b0[2] = {f[0], f[1]}, b1[2] = {f[2], f[3]};
+      mma_m16n8k16<T>(o[t], pa, b0, o[t]);
+      mma_m16n8k16<T>(o[t + 1], pa, b1, o[t + 1]);
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the kernel (the last, empty group)
+
+  // l over the quad; rows g and g + 8 normalized, dims lat0 + 8 t + 2 tq + {0, 1}
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const int64_t head = tile * kMmaHeads + g + 8 * i;
+    if (head >= a.group) continue;
+    const int64_t out_row = tok * a.q_heads + h * a.group + head;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+#pragma unroll
+    for (int t = 0; t < kMmaOTiles; ++t) {
+      if (8 * t >= Dl / 4) break;
+      const int64_t d = lat0 + 8 * t + 2 * tq;
+      store_any(a.out, out_row * Dl + d, a.q_dtype, o[t][2 * i] * inv);
+      store_any(a.out, out_row * Dl + d + 1, a.q_dtype, o[t][2 * i + 1] * inv);
+    }
+    if (warp == 0 && tq == 0 && a.lse != nullptr) a.lse[out_row] = l[i] > 0.f ? m[i] + logf(l[i]) : -INFINITY;
+  }
+}
+
 template <class LT, class RT, class S>
 void launch_instance(const MlaArgs& a, cudaStream_t stream) {
   const unsigned head_tiles = static_cast<unsigned>((a.group + S::kHeads - 1) / S::kHeads);
@@ -391,7 +628,15 @@ void launch_shape(const MlaArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_mla_attention(const MlaArgs& a, cudaStream_t stream) {
   if (a.total_q == 0 || a.q_heads == 0) return cudaSuccess;
-  if (a.latent_dim() <= Narrow::kMaxLatent && a.rope_dim() <= Narrow::kMaxRope) {
+  if (mla_mma(a)) {
+    const unsigned head_tiles = static_cast<unsigned>((a.group + kMmaHeads - 1) / kMmaHeads);
+    const dim3 grid(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads / a.group) * head_tiles);
+    if (a.q_dtype == DType::kFloat16) {
+      KVC_LAUNCH(grid, kThreads, stream, mla_mma_kernel<__half>)(a);
+    } else {
+      KVC_LAUNCH(grid, kThreads, stream, mla_mma_kernel<__nv_bfloat16>)(a);
+    }
+  } else if (a.latent_dim() <= Narrow::kMaxLatent && a.rope_dim() <= Narrow::kMaxRope) {
     launch_shape<Narrow>(a, stream);
   } else {
     launch_shape<Wide>(a, stream);
