@@ -28,7 +28,7 @@ export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
-.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan bench bench-prefix-replay bench-decode-attention clean
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan check-cuda-kernels bench bench-prefix-replay bench-decode-attention clean
 
 demo: install
 	$(PY) -m kvcache.demo
@@ -79,6 +79,12 @@ test-cuda-asan: install
 	  LD_PRELOAD="$(ASAN_PRELOAD)" $(PY) -m pytest $(PYTEST_ARGS) -k cuda-emulated tests/test_attention.py \
 	  tests/test_cache_ops.py tests/test_quantized.py tests/test_kivi.py tests/test_bad_input.py tests/test_threads.py \
 	  tests/test_mla_attention.py
+
+# Issue #23's checks 1-3 and 6 on the CUDA kernels as nvcc builds them (registers, stack, spills, SASS, occupancy,
+# bytes in flight, roofline; benchmarks/cuda_kernels.py): exits 1 if any check fails. The report goes to
+# build/cuda-report; the committed one is benchmarks/results/cuda_kernels.md.
+check-cuda-kernels: env
+	$(PY) benchmarks/cuda_kernels.py --check --jobs $(JOBS) --out build/cuda-report
 
 # A researcher's CPU-only environment (CPU build of torch): the same sources build without CUDA,
 # and the test suite passes there too.
