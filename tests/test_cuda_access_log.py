@@ -66,7 +66,10 @@ def test_decode_reads_each_kv_byte_once_in_full_sectors(fmt, head_dim, group):
         try:
             pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
         finally:
-            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()[:5]
+            summary = ops.access_log_stop()
+    warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = summary[:5]
+    shared_loads, shared_extra = summary[8:]
+    assert shared_loads > 0 and shared_extra == 0  # the ring's (or decoded tile's) reads: no bank conflicts
     kv_row = row_bytes(pool.k, page) + row_bytes(pool.v, page)
     assert warp_loads > 0
     assert loaded == sum(lens) * heads * kv_row  # every K and V row of the step, codes only
@@ -114,7 +117,10 @@ def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
         try:
             pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from([1] * len(lens)), 0.1)
         finally:
-            warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = ops.access_log_stop()[:5]
+            summary = ops.access_log_stop()
+    warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = summary[:5]
+    shared_loads, shared_extra = summary[8:]
+    assert shared_loads > 0 and shared_extra == 0  # stage / decoded-tile / S-block reads: no bank conflicts
     units = (row_bytes(pool.k, 16) + row_bytes(pool.v, 16)) // 16
     assert warp_loads > 0
     assert loaded == sum(lens) * 16 * units  # every latent and rope row of the step, codes only
@@ -154,8 +160,9 @@ def test_mla_runs_on_tensor_cores_without_bank_conflicts(dtype, latent, rope, q_
     stage's rows are padded by 16 bytes, so no ldmatrix conflicts. A decode step still reads every latent and
     rope byte once, in 512-byte warp copies of full sectors."""
     lens = [64, 112, 16]  # whole stages: a partial one leaves lanes idle in its copies
-    (warp_loads, loaded, sector_bytes, min_warp_bytes, read_again, mma, ldmatrix, extra), pool = mla_step(
-        dtype, latent, rope, q_heads, lens, [1, 1, 1])
+    summary, pool = mla_step(dtype, latent, rope, q_heads, lens, [1, 1, 1])
+    warp_loads, loaded, sector_bytes, min_warp_bytes, read_again, mma, ldmatrix, extra = summary[:8]
+    assert summary[8] > 0 and summary[9] == 0  # the warps' S blocks, read back: no bank conflicts
     stages = sum(-(-n // 16) for n in lens)
     assert mma == stages * (2 * (latent + rope) // 16 + latent // 8)
     assert ldmatrix == stages * ((latent + rope) // 16 + latent // 16)
@@ -189,6 +196,25 @@ def test_prefill_tiles_have_no_bank_conflicts(dtype, head_dim):
             pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
         finally:
             summary = ops.access_log_stop()
-    mma, ldmatrix, extra = summary[5:]
+    mma, ldmatrix, extra = summary[5:8]
     assert mma > 0 and ldmatrix > 0
     assert extra == 0
+
+
+@pytest.mark.parametrize("fmt,head_dim", [("bf16", 256), ("int4", 256), ("int8", 40), ("fp32", 96)])
+def test_staged_tiles_are_read_without_bank_conflicts(fmt, head_dim):
+    """The decode tiles staged without the ring (head_dim 256: 8 dims per lane; rows that are not whole 16-byte
+    units: value by value) are fp32 tiles whose lanes read consecutive words: no bank conflicts. (A tile read down
+    its columns would conflict: csrc/tests/test_cuda_emulator.cpp checks that the log counts such reads.)"""
+    in_dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    pool, table, seq_lens, _, _ = filled_pool(fmt, [40, 17], 16, 1, head_dim, in_dtype, seed=9)
+    q = torch.randn(2, 4, head_dim).to(in_dtype)
+    cu = torch.arange(3, dtype=torch.int32)
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
+        finally:
+            summary = ops.access_log_stop()
+    assert summary[8] > 0 and summary[9] == 0

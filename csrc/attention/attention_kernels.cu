@@ -423,7 +423,7 @@ __device__ __forceinline__ void decode_stage(const AttentionArgs& a, const float
     const unsigned jj = unit / units, u = unit % units;
     const int64_t row = rows[jj];
     if (row < 0) continue;
-    const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];  // the lanes of a unit read it together
+    const uint4 w = shared_load(reinterpret_cast<const uint4*>(stage) + unit);  // the lanes of a unit read it together
     *reinterpret_cast<float4*>(out + jj * D + u * kDims + part * 4) =
         dequantize_float4(w, row, int64_t(u) * kDims, part * 4, kind, KvType<T>::dtype,
                           row_scale(kind, scales, row, h), scales, L, key);
@@ -543,12 +543,12 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
           absorb_tile(
               a, rw, t0, end, lane,
               [&](int jj, int d) {
-                if constexpr (Pipe::kKeyFull) return to_float(kf[jj * D + d]);
-                else return k_dec[jj * D + d];
+                if constexpr (Pipe::kKeyFull) return to_float(shared_load(kf + jj * D + d));
+                else return shared_load(k_dec + jj * D + d);
               },
               [&](int jj, int d) {
-                if constexpr (Pipe::kValueFull) return to_float(vf[jj * D + d]);
-                else return v_dec[jj * D + d];
+                if constexpr (Pipe::kValueFull) return to_float(shared_load(vf + jj * D + d));
+                else return shared_load(v_dec + jj * D + d);
               });
         }
         cp_async_wait<0>();  // no copy outlives the pass (the empty groups of the last tiles)
@@ -580,7 +580,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
           __syncthreads();
           if (t0 > last) continue;
           absorb_tile(
-              a, rw, t0, end, lane, [&](int jj, int d) { return ks[jj][d]; }, [&](int jj, int d) { return vs[jj][d]; });
+              a, rw, t0, end, lane, [&](int jj, int d) { return shared_load(&ks[jj][d]); },
+              [&](int jj, int d) { return shared_load(&vs[jj][d]); });
         }
       }
 #pragma unroll

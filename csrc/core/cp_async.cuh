@@ -14,13 +14,6 @@
 
 namespace kvcache::cuda {
 
-// The caller's line, for the emulator's global-load log (emu::log_global_load): a load's call site.
-#if defined(__CUDACC__)
-#define KVC_CALL_SITE 0
-#else
-#define KVC_CALL_SITE __builtin_LINE()
-#endif
-
 /// Starts copying 16 bytes from global `src` to shared `dst`, both 16-byte aligned. `site`: leave it.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, [[maybe_unused]] int site = KVC_CALL_SITE) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

@@ -15,3 +15,25 @@ inline int kvc_ctas_per_sm(Kernel kernel, int threads) {
 #else
 #include "cuda_emulation/emulator.h"
 #endif
+
+// The caller's line, for the emulator's access log (emu::log_global_load, emu::log_shared_load): a load's
+// call site.
+#if defined(__CUDACC__)
+#define KVC_CALL_SITE 0
+#else
+#define KVC_CALL_SITE __builtin_LINE()
+#endif
+
+namespace kvcache::cuda {
+
+/// *p, a load from shared memory the emulator's access log sees, for its bank-conflict count (issue #23,
+/// check 4). Under nvcc a plain load. `site`: leave it.
+template <class T>
+__device__ __forceinline__ T shared_load(const T* p, [[maybe_unused]] int site = KVC_CALL_SITE) {
+#if !defined(__CUDACC__)
+  ::kvcache::emu::log_shared_load(site, p, sizeof(T));
+#endif
+  return *p;
+}
+
+}  // namespace kvcache::cuda

@@ -167,11 +167,12 @@ void mla_attention(const at::Tensor& q_latent, const at::Tensor& q_rope, const a
 void access_log_start() { emu::start_access_log(); }
 
 /// [warp-wide loads, bytes, sector bytes, fewest bytes of a warp-wide load, bytes read again, warp-wide mma,
-/// warp-wide ldmatrix, ldmatrix wavefronts beyond one per matrix (bank conflicts)]
+/// warp-wide ldmatrix, ldmatrix wavefronts beyond one per matrix (bank conflicts), warp-wide shared loads logged
+/// by the kernels (shared_load), their wavefronts beyond one per phase (bank conflicts)]
 std::vector<int64_t> access_log_stop() {
   const emu::AccessSummary s = emu::stop_access_log();
-  return {s.warp_loads,     s.bytes, s.sector_bytes, s.min_warp_bytes, s.bytes_read_again,
-          s.mma,            s.ldmatrix, s.ldmatrix_extra_wavefronts};
+  return {s.warp_loads, s.bytes,    s.sector_bytes,  s.min_warp_bytes,           s.bytes_read_again,
+          s.mma,        s.ldmatrix, s.ldmatrix_extra_wavefronts, s.shared_loads, s.shared_extra_wavefronts};
 }
 
 TORCH_LIBRARY(kvcache_cuda_emulation, m) {

@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -117,6 +118,10 @@ struct AccessLog {
   std::map<std::tuple<uint64_t, uint64_t, int, int, uint32_t>, std::vector<std::pair<uintptr_t, unsigned>>> loads;
   std::map<std::tuple<uint64_t, uint64_t, int64_t, int>, uint32_t> executions;  // (launch, block, thread, site)
   int64_t mma = 0, ldmatrix = 0, ldmatrix_extra_wavefronts = 0;  // warp-wide instructions (lane 0 counts)
+  // shared-memory loads: (launch, block, warp, site, n-th execution) -> (lane, address, bytes) of each lane
+  std::map<std::tuple<uint64_t, uint64_t, int, int, uint32_t>, std::vector<std::tuple<int, uintptr_t, unsigned>>>
+      shared;
+  std::map<std::tuple<uint64_t, uint64_t, int64_t, int>, uint32_t> shared_executions;
 };
 AccessLog& access_log() {
   static AccessLog log;
@@ -556,6 +561,17 @@ void log_global_load(int site, const void* address, unsigned bytes) {
   log.loads[{launch_number, block, f.warp, site, n}].emplace_back(reinterpret_cast<uintptr_t>(address), bytes);
 }
 
+void log_shared_load(int site, const void* address, unsigned bytes) {
+  AccessLog& log = access_log();
+  if (!log.open || active == nullptr) return;
+  const Fiber& f = self();
+  const uint64_t block = (uint64_t{active->bid.z} * active->grid.y + active->bid.y) * active->grid.x + active->bid.x;
+  const int64_t thread = &f - active->fibers.data();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  const uint32_t n = log.shared_executions[{launch_number, block, thread, site}]++;
+  log.shared[{launch_number, block, f.warp, site, n}].emplace_back(f.lane, reinterpret_cast<uintptr_t>(address), bytes);
+}
+
 void start_access_log() {
   AccessLog& log = access_log();
   std::lock_guard<std::mutex> lock(log.mutex);
@@ -563,6 +579,8 @@ void start_access_log() {
   log.executions.clear();
   log.launches = 0;
   log.mma = log.ldmatrix = log.ldmatrix_extra_wavefronts = 0;
+  log.shared.clear();
+  log.shared_executions.clear();
   log.open = true;
 }
 
@@ -592,6 +610,26 @@ AccessSummary stop_access_log() {
     if (begin < reach) s.bytes_read_again += static_cast<int64_t>(std::min(end, reach) - begin);
     reach = std::max(reach, end);
   }
+  // shared loads: a warp's request is served in phases of 128 bytes (32 lanes of up to 4 bytes, 16 of 8, 8 of
+  // 16); in a phase, a bank holding n distinct words takes n wavefronts (lanes reading one word share it)
+  for (const auto& [key, lanes] : log.shared) {
+    unsigned bytes = 0;
+    for (const auto& [lane, address, n] : lanes) bytes = std::max(bytes, n);
+    const int phase_lanes = bytes > 8 ? 8 : bytes > 4 ? 16 : 32;
+    std::map<int, std::array<std::set<uintptr_t>, 32>> phases;
+    for (const auto& [lane, address, n] : lanes) {
+      auto& banks = phases[lane / phase_lanes];
+      for (uintptr_t w = address / 4; w <= (address + n - 1) / 4; ++w) banks[w % 32].insert(w);
+    }
+    for (const auto& [phase, banks] : phases) {
+      size_t wavefronts = 1;
+      for (const auto& bank : banks) wavefronts = std::max(wavefronts, bank.size());
+      s.shared_extra_wavefronts += static_cast<int64_t>(wavefronts) - 1;
+    }
+    s.shared_loads += 1;
+  }
+  log.shared.clear();
+  log.shared_executions.clear();
   s.mma = log.mma;
   s.ldmatrix = log.ldmatrix;
   s.ldmatrix_extra_wavefronts = log.ldmatrix_extra_wavefronts;

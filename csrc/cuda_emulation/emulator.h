@@ -87,6 +87,9 @@ ThreadOrder thread_order();
 /// calling thread has executed that site in this launch, so that the loads a warp issues together as one
 /// instruction (same site, same n-th execution, lanes of one warp) are grouped alike in either thread order.
 void log_global_load(int site, const void* address, unsigned bytes);
+/// Shared-memory loads (check 4's bank conflicts), grouped into warp-wide instructions the same way; the
+/// kernels log theirs through core/cuda_launch.cuh's shared_load.
+void log_shared_load(int site, const void* address, unsigned bytes);
 /// What the loads logged since start_access_log() add up to (and the tensor-core instructions: ldmatrix and mma
 /// report themselves).
 struct AccessSummary {
@@ -100,6 +103,10 @@ struct AccessSummary {
   int64_t mma = 0;
   int64_t ldmatrix = 0;
   int64_t ldmatrix_extra_wavefronts = 0;
+  // warp-wide shared-memory loads logged by log_shared_load, and the wavefronts they took beyond one per
+  // phase (a phase: the lanes whose requests fit 128 bytes, i.e. 32 lanes of up to 4 bytes, 16 of 8, 8 of 16)
+  int64_t shared_loads = 0;
+  int64_t shared_extra_wavefronts = 0;
 };
 /// Opens the log (dropping any previous one); loads are logged from every launch until it is closed.
 void start_access_log();

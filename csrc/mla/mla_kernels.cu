@@ -75,11 +75,11 @@ template <class T>
 __device__ __forceinline__ void pair_at(const char* tile, int64_t row_bytes, int jj, int d, float& x, float& y) {
   const char* p = tile + jj * row_bytes;
   if constexpr (kCoded<T> || std::is_same_v<T, float>) {
-    const float2 v = *reinterpret_cast<const float2*>(p + d * 4);
+    const float2 v = shared_load(reinterpret_cast<const float2*>(p + d * 4));
     x = v.x;
     y = v.y;
   } else {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(p + d * 2);  // two 16-bit values, the first low
+    const uint32_t w = shared_load(reinterpret_cast<const uint32_t*>(p + d * 2));  // two 16-bit values, the first low
     const auto lo = static_cast<unsigned short>(w & 0xffffu), hi = static_cast<unsigned short>(w >> 16);
     if constexpr (std::is_same_v<T, __half>) {
       x = __half2float(__ushort_as_half(lo));
@@ -115,7 +115,7 @@ __device__ __forceinline__ void decode_side(const MlaSide& s, int64_t h, const c
     const unsigned unit = i / parts, part = i % parts, jj = unit / units, u = unit % units;
     const int64_t row = rows[jj];
     if (row < 0) continue;
-    const uint4 w = reinterpret_cast<const uint4*>(stage)[unit];
+    const uint4 w = shared_load(reinterpret_cast<const uint4*>(stage) + unit);
     *reinterpret_cast<float4*>(out + jj * D + u * dims + part * 4) =
         dequantize_float4(w, row, int64_t(u) * dims, part * 4, s.kind, s.dtype, row_scale(s.kind, s.scales, row, h),
                           s.scales, s.L, s.key);
@@ -510,10 +510,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float4 sum = partial[j * 32 + lane];
+      float4 sum = shared_load(partial + j * 32 + lane);
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) {
-        const float4 x = partial[(w * 2 + j) * 32 + lane];
+        const float4 x = shared_load(partial + (w * 2 + j) * 32 + lane);
         sum.x += x.x;
         sum.y += x.y;
         sum.z += x.z;

@@ -193,6 +193,38 @@ TEST(CudaEmulator, AccessLogGroupsWarpLoadsInEitherThreadOrder) {
   EXPECT_EQ(kvcache::emu::stop_access_log().warp_loads, 0);
 }
 
+// Lane l of each warp reads `bytes` bytes (4, 8 or 16) of a shared array at element (l * stride) % 64 of that
+// size, through shared_load (the loads the access log counts bank conflicts of).
+__global__ void strided_shared_reads(int bytes, int stride, float* out) {
+  KVC_SHARED(float4, tile, [64 * 4]);
+  const int lane = threadIdx.x % 32, i = (lane * stride) % 64;
+  float x = 0.f;
+  if (bytes == 4) x = kvcache::cuda::shared_load(reinterpret_cast<const float*>(tile) + i);
+  if (bytes == 8) x = kvcache::cuda::shared_load(reinterpret_cast<const float2*>(tile) + i).x;
+  if (bytes == 16) x = kvcache::cuda::shared_load(tile + i).x;
+  out[threadIdx.x] = x;
+}
+
+TEST(CudaEmulator, AccessLogCountsBankConflictsOfSharedLoads) {
+  std::vector<float> out(64);
+  const auto extra = [&](int bytes, int stride) {
+    kvcache::emu::start_access_log();
+    KVC_LAUNCH(1, 64, nullptr, strided_shared_reads)(bytes, stride, out.data());
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    const kvcache::emu::AccessSummary s = kvcache::emu::stop_access_log();
+    EXPECT_EQ(s.shared_loads, 2);  // one per warp
+    return s.shared_extra_wavefronts;
+  };
+  EXPECT_EQ(extra(4, 1), 0);        // consecutive words
+  EXPECT_EQ(extra(4, 0), 0);        // one word for every lane: a broadcast
+  EXPECT_EQ(extra(4, 2), 2 * 1);    // lanes l and l + 16 on one bank, different words: 2 wavefronts per warp
+  EXPECT_EQ(extra(4, 32), 2 * 1);   // elements 0 and 32 (lanes even / odd): 2 words on bank 0
+  EXPECT_EQ(extra(8, 1), 0);        // 16 lanes x 8 bytes per 128-byte phase
+  EXPECT_EQ(extra(8, 2), 2 * 2 * 1);  // every other 8 bytes: each half-warp phase spans 256 bytes, 2 per bank
+  EXPECT_EQ(extra(16, 1), 0);       // 8 lanes x 16 bytes per phase
+  EXPECT_EQ(extra(16, 8), 2 * 4 * 7);  // 128 bytes apart: a phase's 8 lanes on banks 0-3
+}
+
 __global__ void divergent_barrier() {
   if (threadIdx.x == 0) {
     __syncthreads();
