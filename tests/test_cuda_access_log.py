@@ -26,6 +26,18 @@ from test_quantized import filled_pool
 pytestmark = pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="the CUDA emulation library is not built")
 
 
+def logged(run) -> list[int]:
+    """run() on the emulated CUDA kernels under the access log: its summary (access_log_stop)."""
+    ops = torch.ops.kvcache_cuda_emulation
+    with ops_backend(CUDA_EMULATED):
+        ops.access_log_start()
+        try:
+            run()
+        finally:
+            summary = ops.access_log_stop()
+    return summary
+
+
 def whole_page_pool(fmt: str, lens: list[int], page: int, heads: int, dim: int):
     """A pool holding `lens` tokens (multiples of `page`) per sequence on shuffled pages, each sequence appended
     at once."""
@@ -60,13 +72,7 @@ def test_decode_reads_each_kv_byte_once_in_full_sectors(fmt, head_dim, group):
         pool, table, seq_lens, _, _ = filled_pool(fmt, lens, page, heads, head_dim, in_dtype, seed=5)
     q = torch.randn(len(lens), heads * group, head_dim).to(in_dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        try:
-            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
-        finally:
-            summary = ops.access_log_stop()
+    summary = logged(lambda: pool.attention(q, table, seq_lens, cu, head_dim ** -0.5))
     warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = summary[:5]
     shared_loads, shared_extra = summary[8:]
     assert shared_loads > 0 and shared_extra == 0  # the ring's (or decoded tile's) reads: no bank conflicts
@@ -85,11 +91,7 @@ def test_the_log_sees_a_read_twice_and_a_partial_warp():
     pool, table, seq_lens, _, _ = filled_pool("int8", [41], 16, 1, 128, torch.bfloat16, seed=6)
     q = torch.randn(1, 32, 128).to(torch.bfloat16)
     cu = torch.arange(2, dtype=torch.int32)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        pool.attention(q, table, seq_lens, cu, 128 ** -0.5)
-        _, loaded, _, min_warp_bytes, read_again = ops.access_log_stop()[:5]
+    _, loaded, _, min_warp_bytes, read_again = logged(lambda: pool.attention(q, table, seq_lens, cu, 128 ** -0.5))[:5]
     kv_row = row_bytes(pool.k, 16) + row_bytes(pool.v, 16)
     assert loaded == 2 * 41 * kv_row and read_again == 41 * kv_row
     assert min_warp_bytes < 512
@@ -111,13 +113,7 @@ def test_mla_decode_reads_each_latent_byte_once_in_full_sectors(fmt, q_heads):
     dtype = fmt if isinstance(fmt, torch.dtype) else torch.bfloat16
     q_latent = torch.randn(len(lens), q_heads, 512, generator=g).to(dtype)
     q_rope = torch.randn(len(lens), q_heads, 64, generator=g).to(dtype)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        try:
-            pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from([1] * len(lens)), 0.1)
-        finally:
-            summary = ops.access_log_stop()
+    summary = logged(lambda: pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from([1] * len(lens)), 0.1))
     warp_loads, loaded, sector_bytes, min_warp_bytes, read_again = summary[:5]
     shared_loads, shared_extra = summary[8:]
     assert shared_loads > 0 and shared_extra == 0  # stage / decoded-tile / S-block reads: no bank conflicts
@@ -141,13 +137,7 @@ def mla_step(dtype, latent: int, rope: int, q_heads: int, lens: list[int], q_len
     q_dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
     q_latent = torch.randn(sum(q_lens), q_heads, latent, generator=g).to(q_dtype)
     q_rope = torch.randn(sum(q_lens), q_heads, rope, generator=g).to(q_dtype)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        try:
-            pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from(q_lens), 0.1)
-        finally:
-            summary = ops.access_log_stop()
+    summary = logged(lambda: pool.mla_attention(q_latent, q_rope, table, seq_lens, cu_from(q_lens), 0.1))
     return summary, pool
 
 
@@ -189,13 +179,7 @@ def test_prefill_tiles_have_no_bank_conflicts(dtype, head_dim):
     pool, table, seq_lens, _, _ = filled_pool(fmt, [96, 130], 16, 2, head_dim, in_dtype, seed=8)
     q = torch.randn(96 + 130, 2 * 4, head_dim).to(in_dtype)
     cu = torch.tensor([0, 96, 96 + 130], dtype=torch.int32)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        try:
-            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
-        finally:
-            summary = ops.access_log_stop()
+    summary = logged(lambda: pool.attention(q, table, seq_lens, cu, head_dim ** -0.5))
     mma, ldmatrix, extra = summary[5:8]
     assert mma > 0 and ldmatrix > 0
     assert extra == 0
@@ -210,11 +194,5 @@ def test_staged_tiles_are_read_without_bank_conflicts(fmt, head_dim):
     pool, table, seq_lens, _, _ = filled_pool(fmt, [40, 17], 16, 1, head_dim, in_dtype, seed=9)
     q = torch.randn(2, 4, head_dim).to(in_dtype)
     cu = torch.arange(3, dtype=torch.int32)
-    ops = torch.ops.kvcache_cuda_emulation
-    with ops_backend(CUDA_EMULATED):
-        ops.access_log_start()
-        try:
-            pool.attention(q, table, seq_lens, cu, head_dim ** -0.5)
-        finally:
-            summary = ops.access_log_stop()
+    summary = logged(lambda: pool.attention(q, table, seq_lens, cu, head_dim ** -0.5))
     assert summary[8] > 0 and summary[9] == 0

@@ -550,26 +550,34 @@ void mma_m16n8k16(MmaInput type, const uint32_t* a, const uint32_t* b, const flo
   }
 }
 
-void log_global_load(int site, const void* address, unsigned bytes) {
-  AccessLog& log = access_log();
-  if (!log.open || active == nullptr) return;
+namespace {
+
+/// The warp-wide instruction the calling thread's execution of `site` belongs to: (launch, block, warp, site,
+/// n-th execution of the site by this thread), counted in `executions`. Call with the log's mutex held.
+std::tuple<uint64_t, uint64_t, int, int, uint32_t> warp_instruction(
+    std::map<std::tuple<uint64_t, uint64_t, int64_t, int>, uint32_t>& executions, int site) {
   const Fiber& f = self();
   const uint64_t block = (uint64_t{active->bid.z} * active->grid.y + active->bid.y) * active->grid.x + active->bid.x;
   const int64_t thread = &f - active->fibers.data();
+  const uint32_t n = executions[{launch_number, block, thread, site}]++;
+  return {launch_number, block, f.warp, site, n};
+}
+
+}  // namespace
+
+void log_global_load(int site, const void* address, unsigned bytes) {
+  AccessLog& log = access_log();
+  if (!log.open || active == nullptr) return;
   std::lock_guard<std::mutex> lock(log.mutex);
-  const uint32_t n = log.executions[{launch_number, block, thread, site}]++;
-  log.loads[{launch_number, block, f.warp, site, n}].emplace_back(reinterpret_cast<uintptr_t>(address), bytes);
+  log.loads[warp_instruction(log.executions, site)].emplace_back(reinterpret_cast<uintptr_t>(address), bytes);
 }
 
 void log_shared_load(int site, const void* address, unsigned bytes) {
   AccessLog& log = access_log();
   if (!log.open || active == nullptr) return;
-  const Fiber& f = self();
-  const uint64_t block = (uint64_t{active->bid.z} * active->grid.y + active->bid.y) * active->grid.x + active->bid.x;
-  const int64_t thread = &f - active->fibers.data();
   std::lock_guard<std::mutex> lock(log.mutex);
-  const uint32_t n = log.shared_executions[{launch_number, block, thread, site}]++;
-  log.shared[{launch_number, block, f.warp, site, n}].emplace_back(f.lane, reinterpret_cast<uintptr_t>(address), bytes);
+  log.shared[warp_instruction(log.shared_executions, site)].emplace_back(self().lane,
+                                                                         reinterpret_cast<uintptr_t>(address), bytes);
 }
 
 void start_access_log() {

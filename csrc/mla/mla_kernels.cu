@@ -130,6 +130,19 @@ struct MlaRow {
   bool valid;
 };
 
+/// The grid of an MLA kernel whose CTAs take `heads` query heads each: (query token, kv head x head tile).
+dim3 mla_grid(const MlaArgs& a, int heads) {
+  const unsigned head_tiles = static_cast<unsigned>((a.group + heads - 1) / heads);
+  return dim3(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads / a.group) * head_tiles);
+}
+/// This CTA's kv head h and head tile (its query heads tile x heads + [0, heads) of the group), as mla_grid lays
+/// them out (32-bit: no 64-bit division).
+__device__ __forceinline__ void cta_heads(const MlaArgs& a, int heads, int64_t& h, int64_t& tile) {
+  const unsigned head_tiles = (static_cast<unsigned>(a.group) + heads - 1) / heads;
+  h = blockIdx.y / head_tiles;
+  tile = blockIdx.y % head_tiles;
+}
+
 /// The sequence b of query token tok (the last b with cu_q_lens[b] <= tok) and the token's position: keys
 /// 0..pos are visible to it (pos < 0: none).
 __device__ __forceinline__ int32_t token_position(const MlaArgs& a, int64_t tok, int64_t& b) {
@@ -153,8 +166,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_attention_kernel(Mla
   KVC_SHARED(uint4, smem, [Pipe::kBytes / 16]);
   const int64_t tok = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned head_tiles = (static_cast<unsigned>(a.group) + S::kHeads - 1) / S::kHeads;
-  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
+  int64_t h, tile;
+  cta_heads(a, S::kHeads, h, tile);
   int64_t b;
   const int32_t pos = token_position(a, tok, b);  // keys 0..pos are visible
   const int Dl = static_cast<int>(a.layout.head_dim), Dr = static_cast<int>(a.layout.v_head_dim);
@@ -399,8 +412,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
   KVC_SHARED(uint4, smem, [(2 * kMmaStageBytes + kMmaPartialBytes) / 16]);
   const int64_t tok = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const unsigned head_tiles = (static_cast<unsigned>(a.group) + kMmaHeads - 1) / kMmaHeads;
-  const int64_t h = blockIdx.y / head_tiles, tile = blockIdx.y % head_tiles;  // 32-bit: no 64-bit division
+  int64_t h, tile;
+  cta_heads(a, kMmaHeads, h, tile);
   int64_t b;
   const int32_t pos = token_position(a, tok, b);  // keys 0..pos are visible
   const int Dl = static_cast<int>(a.layout.head_dim), Dr = static_cast<int>(a.layout.v_head_dim);
@@ -444,6 +457,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
   static_assert(kThreads == 8 * kMmaKeys, "8 threads per key of a stage");
   const int32_t stages = pos >= 0 ? pos / kMmaKeys + 1 : 0;
   const unsigned rope_units = units - lat_units;
+  const auto row_of = [&](int32_t key) {
+    return L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
+  };
   const auto issue = [&](int32_t n) {
     char* dst = ring + (n & 1) * stage_bytes;
     {
@@ -453,8 +469,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
       if (key > pos) {
         for (unsigned u = u0; u < lat_units; u += 8, to += 128) *reinterpret_cast<uint4*>(to) = uint4{0u, 0u, 0u, 0u};
       } else {
-        const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
-        const char* from = lat_pool + row * (2 * Dl) + u0 * 16;
+        const char* from = lat_pool + row_of(key) * (2 * Dl) + u0 * 16;
         for (unsigned u = u0; u < lat_units; u += 8, to += 128, from += 128) cp_async_16(to, from);
       }
     }
@@ -465,8 +480,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
       if (key > pos) {
         *reinterpret_cast<uint4*>(to) = uint4{0u, 0u, 0u, 0u};
       } else {
-        const int64_t row = L.row_index(table[key >> L.page_shift], h, key & (L.page_size - 1));
-        cp_async_16(to, rope_pool + row * (2 * Dr) + u * 16);
+        cp_async_16(to, rope_pool + row_of(key) * (2 * Dr) + u * 16);
       }
     }
   };
@@ -592,8 +606,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) mla_mma_kernel(MlaArgs a
 
 template <class LT, class RT, class S>
 void launch_instance(const MlaArgs& a, cudaStream_t stream) {
-  const unsigned head_tiles = static_cast<unsigned>((a.group + S::kHeads - 1) / S::kHeads);
-  const dim3 grid(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads / a.group) * head_tiles);
+  const dim3 grid = mla_grid(a, S::kHeads);
   KVC_LAUNCH(grid, kThreads, stream, mla_attention_kernel<LT, RT, S>)(a);
 }
 
@@ -629,8 +642,7 @@ void launch_shape(const MlaArgs& a, cudaStream_t stream) {
 cudaError_t launch_mla_attention(const MlaArgs& a, cudaStream_t stream) {
   if (a.total_q == 0 || a.q_heads == 0) return cudaSuccess;
   if (mla_mma(a)) {
-    const unsigned head_tiles = static_cast<unsigned>((a.group + kMmaHeads - 1) / kMmaHeads);
-    const dim3 grid(static_cast<unsigned>(a.total_q), static_cast<unsigned>(a.q_heads / a.group) * head_tiles);
+    const dim3 grid = mla_grid(a, kMmaHeads);
     if (a.q_dtype == DType::kFloat16) {
       KVC_LAUNCH(grid, kThreads, stream, mla_mma_kernel<__half>)(a);
     } else {
