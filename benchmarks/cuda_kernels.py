@@ -15,6 +15,11 @@ Everything GPU-related is modelled, not measured. Only the standard library is u
 
 cuobjdump is looked for in $KVCACHE_CUOBJDUMP, on PATH, then in a triton or nvidia-* wheel (the project's
 venvs under ~/.cache/kvcache ship triton's); without one the SASS checks say "not run (no cuobjdump)".
+
+nvcc's output (cubin + resource report) is kept in ~/.cache/kvcache/cubins (or $KVCACHE_CUBIN_CACHE), keyed by
+the compilers' versions, the command and the bytes of the .cu file and of every header it includes in quotes
+(transitively): a CI that runs again on the same sources skips the compile (ccache does not take -cubin).
+`--no-cache` compiles anyway.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import datetime as _dt
 import glob
+import hashlib
 import json
 import os
 import re
@@ -673,13 +679,63 @@ def tool_version(tool: str) -> str:
     return lines[-1].strip() if lines else out.strip().splitlines()[-1]
 
 
-def compile_cubin(nvcc: str, source: Path, arch: str, flags: BuildFlags, out_dir: Path) -> tuple[Path, str]:
-    """Compiles one .cu file to a cubin; returns it and ptxas's resource report."""
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def quoted_includes(source: Path, include_dirs: list[Path]) -> list[Path]:
+    """source and every header it includes in quotes, transitively, each found beside its includer or under an
+    include dir (as the preprocessor looks). Every quoted include counts, inside #if or not: a superset is safe
+    for a cache key. Angle-bracket headers (CUDA's, the C++ library's) are covered by the compilers' versions."""
+    seen: set[Path] = set()
+    todo = [source.resolve()]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for name in _QUOTED_INCLUDE.findall(f.read_text()):
+            found = next((d / name for d in (f.parent, *include_dirs) if (d / name).is_file()), None)
+            if found is not None:
+                todo.append(found.resolve())
+    return sorted(seen)
+
+
+def cubin_cache_key(compilers: str, args: list[str], sources: list[Path]) -> str:
+    """What determines nvcc's output: the compilers' versions, the arguments, each source's path and bytes."""
+    h = hashlib.sha256()
+    for part in (compilers, *args):
+        h.update(part.encode() + b"\0")
+    for f in sources:
+        h.update(str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def default_cubin_cache() -> Path:
+    return Path(os.environ.get("KVCACHE_CUBIN_CACHE") or Path.home() / ".cache" / "kvcache" / "cubins")
+
+
+def compile_cubin(nvcc: str, source: Path, arch: str, flags: BuildFlags, out_dir: Path,
+                  cache: Path | None = None, compilers: str = "") -> tuple[Path, str]:
+    """Compiles one .cu file to a cubin; returns it and ptxas's resource report. With a cache directory, a
+    compile of the same sources, arguments and compilers is read from it instead (and a new one is stored)."""
+    args = ["-cubin", "-gencode", gencode(arch), "--resource-usage", *flags.args]
+    if cache is not None:
+        include_dirs = [ROOT / a.removeprefix("-I") for a in flags.args if a.startswith("-I")]
+        key = cubin_cache_key(compilers, args, quoted_includes(source, include_dirs))
+        cached, text = cache / f"{key}.cubin", cache / f"{key}.txt"
+        if cached.is_file() and text.is_file():
+            return cached, text.read_text()
     cubin = out_dir / f"{source.stem}.{arch}.cubin"
-    cmd = [nvcc, "-cubin", "-o", str(cubin), "-gencode", gencode(arch), "--resource-usage", *flags.args, str(source)]
+    cmd = [nvcc, "-o", str(cubin), *args, str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed for {source} ({arch}):\n{proc.stdout}{proc.stderr}")
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        for dst, data in ((text, (proc.stdout + proc.stderr).encode()), (cached, cubin.read_bytes())):
+            part = dst.with_suffix(f".{os.getpid()}.part")  # written whole, then renamed: no half entry is read
+            part.write_bytes(data)
+            os.replace(part, dst)
     return cubin, proc.stdout + proc.stderr
 
 
@@ -700,8 +756,8 @@ def declared_kernels(source: str) -> list[str]:
 
 # ---- the report ---------------------------------------------------------------------------------------------
 def analyse_file(nvcc: str, cuobjdump: str | None, source: Path, arch: str, flags: BuildFlags,
-                 work: Path) -> list[dict]:
-    cubin, ptxas_text = compile_cubin(nvcc, source, arch, flags, work)
+                 work: Path, cache: Path | None = None, compilers: str = "") -> list[dict]:
+    cubin, ptxas_text = compile_cubin(nvcc, source, arch, flags, work, cache, compilers)
     resources = parse_ptxas(ptxas_text)
     names = demangle(list(resources))
     functions, call_names = {}, {}
@@ -866,6 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
     parser.add_argument("--arch", action="append", help="only these architectures (default: CMakeLists.txt's)")
     parser.add_argument("--file", action="append", choices=CU_FILES, help="only these .cu files (default: all)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile every file, even when the cubin cache holds the same compile")
     parser.add_argument("--update", action="store_true",
                         help="with --file: re-analyse only those files and keep every other file's rows from the "
                              "stored cuda_kernels.json (the attention file alone takes most of an hour on 2 cores)")
@@ -881,10 +939,17 @@ def main(argv: list[str] | None = None) -> int:
     flags = cmake_build_flags((ROOT / "CMakeLists.txt").read_text())
     archs = args.arch or flags.archs
     cuobjdump = find_cuobjdump()
+    cache = None if args.no_cache else default_cubin_cache()
+    # nvcc's device compile runs the host compiler's preprocessor too: both versions, and the environment
+    # variables nvcc reads, are in the cache key
+    compilers = "\n".join([os.path.realpath(nvcc)] + [
+        subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+        for tool in (nvcc, os.environ.get("NVCC_CCBIN") or "g++")] + [
+        f"{v}={os.environ.get(v, '')}" for v in ("NVCC_CCBIN", "NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")])
     with tempfile.TemporaryDirectory(prefix="kvcache-cubins-") as tmp:
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             # the attention file takes most of the time: start it first
-            jobs = [pool.submit(analyse_file, nvcc, cuobjdump, ROOT / f, arch, flags, Path(tmp))
+            jobs = [pool.submit(analyse_file, nvcc, cuobjdump, ROOT / f, arch, flags, Path(tmp), cache, compilers)
                     for f in args.file or CU_FILES for arch in archs]
             rows = [row for job in jobs for row in job.result()]
     kept_from = None

@@ -207,3 +207,53 @@ def test_mma_loop_takes_the_loop_holding_every_mma_and_weights_its_inner_loops()
     # 10 instructions, of which the inner loops' 3 + 3 run 4 times: 4 + 4 x 6 = 28
     assert loop["instructions"] == 4 + 4 * 6
     assert report.mma_loop(ins[:3])["mma"] == 0  # no MMA: no loop
+
+
+def _tree(root: Path) -> Path:
+    """a.cu includes "core/b.h" (found under the include dir) and "c.h" (beside it); b.h includes d.h."""
+    (root / "src" / "core").mkdir(parents=True)
+    (root / "src" / "a.cu").write_text('#include "core/b.h"\n#include "c.h"\n#include <cstdint>\n')
+    (root / "src" / "c.h").write_text("int c;\n")
+    (root / "src" / "core" / "b.h").write_text('  #  include "d.h"\n#if 0\n#include "core/missing.h"\n#endif\n')
+    (root / "src" / "core" / "d.h").write_text("int d;\n")
+    (root / "src" / "unrelated.h").write_text("int u;\n")
+    return root / "src" / "a.cu"
+
+
+def test_quoted_includes_are_followed_transitively(tmp_path):
+    source = _tree(tmp_path)
+    found = report.quoted_includes(source, [tmp_path / "src"])
+    src = (tmp_path / "src").resolve()
+    assert found == sorted([src / "a.cu", src / "c.h", src / "core" / "b.h", src / "core" / "d.h"])
+
+
+def test_cubin_cache_reuses_a_compile_until_a_header_it_includes_changes(tmp_path):
+    source = _tree(tmp_path)
+    calls = tmp_path / "calls"
+    nvcc = tmp_path / "nvcc"  # a stand-in: counts its calls, writes the cubin named by -o, prints a report
+    nvcc.write_text('#!/bin/sh\necho x >> "%s"\nwhile [ "$1" != "-o" ]; do shift; done\n'
+                    'echo "cubin $(cat %s | wc -l)" > "$2"\necho "ptxas info : Used 8 registers"\n'
+                    % (calls, calls))
+    nvcc.chmod(0o755)
+    flags = report.BuildFlags(["sm_80"], [f"-I{tmp_path / 'src'}", "-O3"])
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    work.mkdir()
+
+    def compile_once():
+        cubin, text = report.compile_cubin(str(nvcc), source, "sm_80", flags, work, cache, "nvcc 13.0")
+        return cubin.read_text(), text
+
+    first = compile_once()
+    assert first == ("cubin 1\n", "ptxas info : Used 8 registers\n")
+    assert compile_once() == first                     # from the cache: nvcc not run again
+    (tmp_path / "src" / "unrelated.h").write_text("int u2;\n")
+    assert compile_once() == first                     # a header it does not include changes nothing
+    assert calls.read_text().count("x") == 1
+    (tmp_path / "src" / "core" / "d.h").write_text("int d2;\n")
+    assert compile_once() == ("cubin 2\n", first[1])   # a header two includes deep: compiled again
+    report.compile_cubin(str(nvcc), source, "sm_80", flags, work, cache, "nvcc 13.1")
+    report.compile_cubin(str(nvcc), source, "sm_90a", flags, work, cache, "nvcc 13.1")
+    assert calls.read_text().count("x") == 4           # another compiler, another arch: compiled again
+    report.compile_cubin(str(nvcc), source, "sm_80", flags, work, None, "nvcc 13.1")
+    assert calls.read_text().count("x") == 5           # no cache: always compiled
+    assert not list(cache.glob("*.part"))
