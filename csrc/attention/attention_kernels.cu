@@ -538,16 +538,16 @@ __global__ void __launch_bounds__(kThreads, kDecodeCtasPerSm)
             __syncthreads();
           }
           if (t0 > last) continue;  // nothing visible for this warp in this tile (still joins the barriers)
-          const KT* kf = reinterpret_cast<const KT*>(ks_raw);
-          const VT* vf = reinterpret_cast<const VT*>(vs_raw);
           absorb_tile(
               a, rw, t0, end, lane,
               [&](int jj, int d) {
-                if constexpr (Pipe::kKeyFull) return to_float(shared_load(kf + jj * D + d));
+                if constexpr (Pipe::kKeyFull)
+                  return to_float(shared_load(reinterpret_cast<const KT*>(ks_raw) + jj * D + d));
                 else return shared_load(k_dec + jj * D + d);
               },
               [&](int jj, int d) {
-                if constexpr (Pipe::kValueFull) return to_float(shared_load(vf + jj * D + d));
+                if constexpr (Pipe::kValueFull)
+                  return to_float(shared_load(reinterpret_cast<const VT*>(vs_raw) + jj * D + d));
                 else return shared_load(v_dec + jj * D + d);
               });
         }
