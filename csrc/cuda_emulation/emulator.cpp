@@ -6,6 +6,9 @@
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -55,6 +58,10 @@ namespace kvcache::emu {
 namespace {
 
 constexpr size_t kStackBytes = 128 * 1024;
+// Fiber stacks lie kStackStride apart in one allocation. 128 KiB apart, the hot tops of all a block's stacks
+// fell in one set of the L1 and L2 caches (8 ways each), so every switch to a fiber missed them; the extra
+// 1,088 bytes (17 lines) walk the tops through the sets.
+constexpr size_t kStackStride = kStackBytes + 17 * 64;
 constexpr int kWarp = 32;
 // What one lane can hand to the others at a warp barrier: an mma's A and B registers (6 x 32 bits) fit.
 constexpr int kSlotWords = 4;
@@ -80,7 +87,7 @@ void switch_context(Context& from, Context& to) {
 
 struct Fiber {
   Context ctx;
-  std::unique_ptr<char[]> stack;
+  char* stack = nullptr;  // kStackBytes of this OS thread's FiberStacks
   uint3 tid;
   int warp = 0, lane = 0;
   Wait wait = Wait::kNone;
@@ -98,6 +105,7 @@ struct Grid {
   std::vector<Fiber> fibers;
   Context scheduler;
   int current = -1;
+  int turn = -1;  // of `current` in this round's order (0 = the first fiber the round runs)
   std::string error;
   // Values exchanged at warp barriers (shuffles, ldmatrix, mma): kSlotWords words per thread,
   // double-buffered (a lane reads buffer g % 2 after warp barrier g; the next barrier's values go to the
@@ -107,7 +115,34 @@ struct Grid {
   bool reverse = false;          // ThreadOrder::kReverse
 };
 
-thread_local Grid* active = nullptr;
+// The launch this OS thread runs. Read at every shuffle, barrier and threadIdx: initial-exec, so a read is
+// one %fs-relative load instead of a __tls_get_addr call (~15% of an emulated kernel's time); 8 bytes of the
+// static TLS surplus glibc keeps for libraries that are dlopen'ed.
+__attribute__((tls_model("initial-exec"))) thread_local Grid* active = nullptr;
+
+/// The fiber stacks of this OS thread's launches, kept from one launch to the next: a launch of 256 threads
+/// took 256 fresh 128 KiB allocations (each an mmap, its top page faulted in and zeroed, then unmapped).
+class FiberStacks {
+ public:
+  /// Stack i of a launch of `threads` threads; valid until the next launch on this thread.
+  char* get(uint64_t i, uint64_t threads) {
+    if (threads > count_) {
+      memory_.reset(new char[threads * kStackStride]);
+      count_ = threads;
+    }
+#if defined(__SANITIZE_ADDRESS__)
+    // A finished fiber never returns from its first frame, so its redzones stay poisoned: a new fiber on
+    // the same stack starts from addressable memory, as a fresh allocation does.
+    if (i == 0) ASAN_UNPOISON_MEMORY_REGION(memory_.get(), threads * kStackStride);
+#endif
+    return memory_.get() + i * kStackStride;
+  }
+
+ private:
+  std::unique_ptr<char[]> memory_;
+  uint64_t count_ = 0;
+};
+thread_local FiberStacks fiber_stacks;
 
 /// The open global-load log: every load, grouped by the warp-wide instruction it belongs to.
 struct AccessLog {
@@ -156,15 +191,39 @@ void fail(const std::string& what) {
   }
 }
 
-/// Back to the scheduler until the barrier this fiber waits at opens.
-void yield_until_released() { switch_context(self().ctx, active->scheduler); }
+/// The fiber of this round's turn `turn` (the round runs them in index order, or reversed).
+int fiber_of_turn(const Grid& L, int turn) {
+  const int n = static_cast<int>(L.fibers.size());
+  return L.reverse ? n - 1 - turn : turn;
+}
 
-/// A fiber's first frame: the thread's body, then back to the scheduler for good.
+/// Runs the next fiber of this round that is not waiting, from turn `turn` on: switches straight from
+/// `from` to it (a round of n fibers takes n + 1 switches, not 2 n through the scheduler), or back to the
+/// scheduler when the round is over or a fiber failed.
+void run_from_turn(Grid& L, Context& from, int turn) {
+  const int n = static_cast<int>(L.fibers.size());
+  for (; turn < n && L.error.empty(); ++turn) {
+    const int i = fiber_of_turn(L, turn);
+    if (L.fibers[i].wait != Wait::kNone) continue;
+    L.current = i;
+    L.turn = turn;
+    switch_context(from, L.fibers[i].ctx);
+    return;
+  }
+  switch_context(from, L.scheduler);
+}
+
+/// On to the round's next fiber until the barrier this fiber waits at opens.
+void yield_until_released() {
+  Grid& L = *active;
+  run_from_turn(L, L.fibers[L.current].ctx, L.turn + 1);
+}
+
+/// A fiber's first frame: the thread's body, then on to the others for good.
 void entry() {
   (*active->body)();
-  Fiber& f = self();
-  f.wait = Wait::kDone;
-  switch_context(f.ctx, active->scheduler);
+  self().wait = Wait::kDone;
+  yield_until_released();
   __builtin_trap();  // a finished fiber is never resumed
 }
 
@@ -172,7 +231,7 @@ void start_fiber(Fiber& f, Context& scheduler) {
 #if defined(__x86_64__)
   // The frame kvc_emu_switch pops: six registers, then the return address (entry); entry then starts
   // with rsp = 8 (mod 16), as after a call.
-  auto* top = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) & ~uintptr_t{15});
+  auto* top = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(f.stack) + kStackBytes) & ~uintptr_t{15});
   void** sp = top - 8;
   for (int i = 0; i < 6; ++i) sp[i] = nullptr;
   sp[6] = reinterpret_cast<void*>(&entry);
@@ -181,7 +240,7 @@ void start_fiber(Fiber& f, Context& scheduler) {
   (void)scheduler;
 #else
   getcontext(&f.ctx.uc);
-  f.ctx.uc.uc_stack.ss_sp = f.stack.get();
+  f.ctx.uc.uc_stack.ss_sp = f.stack;
   f.ctx.uc.uc_stack.ss_size = kStackBytes;
   f.ctx.uc.uc_link = &scheduler.uc;
   makecontext(&f.ctx.uc, entry, 0);
@@ -275,14 +334,10 @@ void run_block(Grid& L) {
   }
   std::fill(L.generation.begin(), L.generation.end(), 0);
   for (;;) {
+    // a round: every fiber not waiting runs to its next barrier, in turn
     bool ran = false;
-    for (int k = 0; k < n && L.error.empty(); ++k) {
-      const int i = L.reverse ? n - 1 - k : k;
-      if (L.fibers[i].wait != Wait::kNone) continue;
-      L.current = i;
-      switch_context(L.scheduler, L.fibers[i].ctx);
-      ran = true;
-    }
+    for (const Fiber& f : L.fibers) ran |= f.wait == Wait::kNone;
+    if (ran) run_from_turn(L, L.scheduler, 0);
     if (!L.error.empty()) return;
     bool live = false;
     for (const Fiber& f : L.fibers) live |= f.wait != Wait::kDone;
@@ -320,7 +375,7 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
   L.generation.assign(warps, 0);
   for (uint64_t i = 0; i < threads; ++i) {
     Fiber& f = L.fibers[i];
-    f.stack.reset(new char[kStackBytes]);
+    f.stack = fiber_stacks.get(i, threads);
     f.tid = {static_cast<unsigned>(i % block.x), static_cast<unsigned>(i / block.x % block.y),
              static_cast<unsigned>(i / (uint64_t{block.x} * block.y))};
     f.warp = static_cast<int>(i / kWarp);

@@ -136,6 +136,41 @@ TEST(CudaEmulator, ReversedThreadOrderExposesAnUnsynchronizedRead) {
   }
 }
 
+// Each thread notes (phase, thread) as it runs: phase 0 up to a shuffle, 1 up to __syncthreads, 2 after it.
+__global__ void note_turns(std::vector<int>* turns) {
+  const int t = threadIdx.x;
+  turns->push_back(t);  // the fibers share one OS thread: a plain vector is safe
+  const int from = __shfl_down_sync(0xffffffffu, t, 1);
+  turns->push_back(1000 + from);
+  __syncthreads();
+  turns->push_back(2000 + t);
+}
+
+TEST(CudaEmulator, FibersRunInTurnsOnReusedStacksInEitherOrder) {
+  // A round runs every fiber that is not waiting, in thread order (or reversed), each to its next barrier;
+  // launches of growing and shrinking size reuse this OS thread's stacks.
+  using kvcache::emu::ThreadOrder;
+  const ThreadOrder before = kvcache::emu::thread_order();
+  for (ThreadOrder order : {ThreadOrder::kForward, ThreadOrder::kReverse}) {
+    kvcache::emu::set_thread_order(order);
+    for (int threads : {64, 1024, 32, 1024, 96}) {
+      std::vector<int> turns;
+      KVC_LAUNCH(1, threads, nullptr, note_turns)(&turns);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      std::vector<int> expect;
+      for (int phase = 0; phase < 3; ++phase) {
+        for (int k = 0; k < threads; ++k) {
+          const int t = order == ThreadOrder::kForward ? k : threads - 1 - k;
+          const int from = t % 32 < 31 ? t + 1 : t;  // past the warp: its own value
+          expect.push_back(phase == 0 ? t : phase == 1 ? 1000 + from : 2000 + t);
+        }
+      }
+      EXPECT_EQ(turns, expect) << threads << " threads, " << (order == ThreadOrder::kForward ? "forward" : "reverse");
+    }
+  }
+  kvcache::emu::set_thread_order(before);
+}
+
 // Lane l of each warp copies 16 bytes at src + stride * (32 * warp + l), `times` times; lanes >= active skip.
 // With `split`, odd lanes copy from a second call site (two instructions, each of half a warp).
 __global__ void copy_units(const char* src, int stride, int times, int active, bool split) {
