@@ -19,7 +19,7 @@ venvs under ~/.cache/kvcache ship triton's); without one the SASS checks say "no
 nvcc's output (cubin + resource report) is kept in ~/.cache/kvcache/cubins (or $KVCACHE_CUBIN_CACHE), keyed by
 the compilers' versions, the command and the bytes of the .cu file and of every header it includes in quotes
 (transitively): a CI that runs again on the same sources skips the compile (ccache does not take -cubin).
-`--no-cache` compiles anyway.
+Only the 36 most recently used compiles are kept. `--no-cache` compiles anyway.
 """
 
 from __future__ import annotations
@@ -714,6 +714,19 @@ def default_cubin_cache() -> Path:
     return Path(os.environ.get("KVCACHE_CUBIN_CACHE") or Path.home() / ".cache" / "kvcache" / "cubins")
 
 
+CUBIN_CACHE_ENTRIES = 36  # 6 compiles (3 files x 2 archs) per run: the last 6 runs' worth
+
+
+def prune_cubin_cache(cache: Path, keep: int = CUBIN_CACHE_ENTRIES) -> int:
+    """Deletes all but the `keep` most recently used entries (each a cubin and its report); returns how many
+    went. Every source change adds entries, so without this the cache would only grow."""
+    entries = sorted(cache.glob("*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for cubin in entries[keep:]:
+        cubin.with_suffix(".txt").unlink(missing_ok=True)
+        cubin.unlink(missing_ok=True)
+    return max(0, len(entries) - keep)
+
+
 def compile_cubin(nvcc: str, source: Path, arch: str, flags: BuildFlags, out_dir: Path,
                   cache: Path | None = None, compilers: str = "") -> tuple[Path, str]:
     """Compiles one .cu file to a cubin; returns it and ptxas's resource report. With a cache directory, a
@@ -724,6 +737,7 @@ def compile_cubin(nvcc: str, source: Path, arch: str, flags: BuildFlags, out_dir
         key = cubin_cache_key(compilers, args, quoted_includes(source, include_dirs))
         cached, text = cache / f"{key}.cubin", cache / f"{key}.txt"
         if cached.is_file() and text.is_file():
+            os.utime(cached)  # used: pruned last
             return cached, text.read_text()
     cubin = out_dir / f"{source.stem}.{arch}.cubin"
     cmd = [nvcc, "-o", str(cubin), *args, str(source)]
@@ -952,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
             jobs = [pool.submit(analyse_file, nvcc, cuobjdump, ROOT / f, arch, flags, Path(tmp), cache, compilers)
                     for f in args.file or CU_FILES for arch in archs]
             rows = [row for job in jobs for row in job.result()]
+    if cache is not None and cache.is_dir():
+        prune_cubin_cache(cache)
     kept_from = None
     if args.update:
         stored = json.loads((args.out / "cuda_kernels.json").read_text())

@@ -257,3 +257,15 @@ def test_cubin_cache_reuses_a_compile_until_a_header_it_includes_changes(tmp_pat
     report.compile_cubin(str(nvcc), source, "sm_80", flags, work, None, "nvcc 13.1")
     assert calls.read_text().count("x") == 5           # no cache: always compiled
     assert not list(cache.glob("*.part"))
+
+
+def test_cubin_cache_keeps_the_most_recently_used_entries(tmp_path):
+    import os
+    for i in range(5):
+        (tmp_path / f"{i}.cubin").write_bytes(b"c")
+        (tmp_path / f"{i}.txt").write_text("t")
+        os.utime(tmp_path / f"{i}.cubin", (1000 + i, 1000 + i))  # entry 4 the newest
+    os.utime(tmp_path / "0.cubin", (2000, 2000))                 # then entry 0 was used again
+    assert report.prune_cubin_cache(tmp_path, keep=3) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.cubin", "0.txt", "3.cubin", "3.txt", "4.cubin", "4.txt"]
+    assert report.prune_cubin_cache(tmp_path, keep=3) == 0
