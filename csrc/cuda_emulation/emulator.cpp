@@ -124,8 +124,9 @@ __attribute__((tls_model("initial-exec"))) thread_local Grid* active = nullptr;
 /// took 256 fresh 128 KiB allocations (each an mmap, its top page faulted in and zeroed, then unmapped).
 class FiberStacks {
  public:
-  /// Stack i of a launch of `threads` threads; valid until the next launch on this thread.
-  char* get(uint64_t i, uint64_t threads) {
+  /// The stacks of a launch of `threads` threads: stack i starts at the result + i * kStackStride. Valid
+  /// until the next launch on this OS thread. Called once per launch.
+  char* for_launch(uint64_t threads) {
     if (threads > count_) {
       memory_.reset(new char[threads * kStackStride]);
       count_ = threads;
@@ -133,9 +134,9 @@ class FiberStacks {
 #if defined(__SANITIZE_ADDRESS__)
     // A finished fiber never returns from its first frame, so its redzones stay poisoned: a new fiber on
     // the same stack starts from addressable memory, as a fresh allocation does.
-    if (i == 0) ASAN_UNPOISON_MEMORY_REGION(memory_.get(), threads * kStackStride);
+    ASAN_UNPOISON_MEMORY_REGION(memory_.get(), threads * kStackStride);
 #endif
-    return memory_.get() + i * kStackStride;
+    return memory_.get();
   }
 
  private:
@@ -373,9 +374,10 @@ cudaError_t run(dim3 grid, dim3 block, const std::function<void()>& body) {
   L.slots[0].assign(threads * kSlotWords, 0);
   L.slots[1].assign(threads * kSlotWords, 0);
   L.generation.assign(warps, 0);
+  char* stacks = fiber_stacks.for_launch(threads);
   for (uint64_t i = 0; i < threads; ++i) {
     Fiber& f = L.fibers[i];
-    f.stack = fiber_stacks.get(i, threads);
+    f.stack = stacks + i * kStackStride;
     f.tid = {static_cast<unsigned>(i % block.x), static_cast<unsigned>(i / block.x % block.y),
              static_cast<unsigned>(i / (uint64_t{block.x} * block.y))};
     f.warp = static_cast<int>(i / kWarp);
