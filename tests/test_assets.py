@@ -11,6 +11,8 @@ import torch
 
 import kvcache
 
+from conftest import asset_missing
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import assets  # noqa: E402
 
@@ -31,7 +33,7 @@ def test_devil_text_when_available():
     try:
         text = assets.real_text(1000, "devil", download=False)
     except assets.AssetUnavailable:
-        pytest.skip("dict-devil is neither installed nor cached")
+        asset_missing("dict-devil is neither installed nor cached")
     assert text.startswith("PREFACE") and "ABASEMENT" in assets.real_text(5000, "devil", download=False)
 
 
@@ -40,7 +42,7 @@ def gguf_path():
     try:
         return assets.smollm2_gguf_path(download=False)
     except assets.AssetUnavailable:
-        pytest.skip("SmolLM2 is not cached (python benchmarks/assets.py downloads it once)")
+        asset_missing("SmolLM2 is not cached (python benchmarks/assets.py downloads it once)")
 
 
 def test_smollm2_gguf_is_the_pinned_file(gguf_path):

@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 
 import kvcache  # noqa: E402
 from kvcache import assets  # noqa: E402
+from conftest import asset_missing  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def smollm2():
     try:
         assets.smollm2_gguf_path(download=False)
     except assets.AssetUnavailable:
-        pytest.skip("SmolLM2 is not cached")
+        asset_missing("SmolLM2 is not cached (python -m kvcache.assets downloads it once)")
     model, tokenizer = assets.load_smollm2(torch.float32, download=False)
     ids, _ = assets.real_token_ids(tokenizer, 160, "pydoc")
     return model, ids, tokenizer
