@@ -337,7 +337,7 @@ int main(int argc, char** argv) {
     PlanOptions opt;
     opt.parallelism = threads;
     // as paged_attention_cpu (env KVC_BENCH_DECODE_HEADS overrides)
-    const int64_t row = code_row_bytes(kind, D, 2);
+    const int64_t row = code_row_bytes(kind, D, dt);
     opt.decode_heads = decode_heads_per_page(L, row, row);
     if (const char* e = std::getenv("KVC_BENCH_DECODE_HEADS")) opt.decode_heads = std::atoll(e);
     s.plan = make_attention_plan(a, host, opt);
