@@ -29,6 +29,36 @@ def test_unknown_text_source_is_refused():
         assets.real_text(10, "wikitext")
 
 
+@pytest.mark.parametrize("value, is_offline", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_offline_rule_is_one_rule(monkeypatch, tmp_path, value, is_offline):
+    """KVCACHE_OFFLINE: unset, empty and 0 allow downloads; anything else forbids them, for the library, for
+    `python -m kvcache.assets` (what make test runs) and for conftest's asset_missing alike."""
+    from kvcache import assets as lib_assets
+
+    if value is None:
+        monkeypatch.delenv("KVCACHE_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("KVCACHE_OFFLINE", value)
+    monkeypatch.setenv("KVCACHE_ASSETS", str(tmp_path))  # empty: nothing cached
+    assert lib_assets.offline() is is_offline
+    assert lib_assets._download_allowed(None) is not is_offline
+    if is_offline:
+        with pytest.raises(lib_assets.AssetUnavailable, match="not cached"):
+            lib_assets.smollm2_gguf_path()
+        import subprocess
+
+        out = subprocess.run([sys.executable, "-m", "kvcache.assets", "--text", "devil"], capture_output=True,
+                             text=True, check=True).stdout
+        assert "fetched nothing" in out and list(tmp_path.iterdir()) == []
+        monkeypatch.setenv("CI", "true")
+        with pytest.raises(pytest.skip.Exception):  # offline under CI: a missing asset skips, it cannot be fetched
+            asset_missing("x")
+    else:
+        monkeypatch.setenv("CI", "true")
+        with pytest.raises(pytest.fail.Exception, match="CI: x"):
+            asset_missing("x")
+
+
 def test_devil_text_when_available():
     try:
         text = assets.real_text(1000, "devil", download=False)

@@ -58,9 +58,14 @@ def asset_dir() -> Path:
     return Path(os.environ.get("KVCACHE_ASSETS", "~/.cache/kvcache/assets")).expanduser()
 
 
+def offline() -> bool:
+    """Whether ``KVCACHE_OFFLINE`` forbids downloads: any value but unset, empty or ``0``."""
+    return os.environ.get("KVCACHE_OFFLINE", "") not in ("", "0")
+
+
 def _download_allowed(download: bool | None) -> bool:
     if download is None:
-        return os.environ.get("KVCACHE_OFFLINE", "") in ("", "0")
+        return not offline()
     return download
 
 
@@ -310,12 +315,17 @@ def capture_attention_inputs(model, input_ids: torch.Tensor) -> tuple[list[Layer
 
 
 def main() -> None:
-    """Downloads (once) and checks the assets: ``python -m kvcache.assets [--text devil]``."""
+    """Downloads (once) and checks the assets: ``python -m kvcache.assets [--text devil]``.
+
+    With ``KVCACHE_OFFLINE`` set it fetches nothing and says so."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--text", choices=TEXT_SOURCES, action="append", help="also fetch this text source")
     args = parser.parse_args()
+    if offline():
+        print(f"KVCACHE_OFFLINE={os.environ['KVCACHE_OFFLINE']}: fetched nothing (assets in {asset_dir()})")
+        return
     print("SmolLM2 GGUF:", smollm2_gguf_path(download=True))
     for source in args.text or []:
         if source == "devil":
