@@ -97,3 +97,25 @@ def test_smollm2_capture_matches_its_own_attention(gguf_path):
     # a real model on real text predicts it far better than chance (perplexity << vocab size)
     nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
     assert nll.exp() < 200
+
+
+def test_smollm2_checkpoint_holds_the_gguf_weights_and_tokenizer(gguf_path):
+    """load_smollm2 reads the checkpoint it made from the GGUF file once: the same bits as the GGUF path, in
+    float32 and bfloat16, the same tokens, the tied head kept, and no half-written folder left behind."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = assets.load_smollm2()
+    assert not list(gguf_path.parent.glob("*.part-*"))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    direct = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    ours, theirs = model.state_dict(), direct.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    bf16, _ = assets.load_smollm2(torch.bfloat16)
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(bf16.state_dict().values(), theirs.values()))
+    direct_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    text = assets.real_text(2000, "pydoc") + "\n<|im_start|>user\nHi!<|im_end|>"
+    assert tokenizer(text).input_ids == direct_tokenizer(text).input_ids
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (direct_tokenizer.bos_token_id, direct_tokenizer.eos_token_id)
+    assert tokenizer.chat_template == direct_tokenizer.chat_template
