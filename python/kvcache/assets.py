@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -113,7 +114,6 @@ def smollm2_gguf_path(download: bool | None = None) -> Path:
 
 
 def _require(module: str, requirement: str) -> None:
-    import importlib.util
 
     if importlib.util.find_spec(module) is None:
         raise ImportError(f"loading SmolLM2 from its GGUF file needs the PyPI package {requirement!r} "
@@ -130,12 +130,11 @@ def load_smollm2(dtype: torch.dtype = torch.float32, download: bool | None = Non
     """
     _require("gguf", "gguf")
     _require("accelerate", "accelerate")
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     path = smollm2_gguf_path(download)
-    checkpoint = path.parent / f"checkpoint-{SMOLLM2_GGUF_SHA256[:12]}-transformers-{transformers.__version__}"
+    checkpoint = _smollm2_checkpoint(path)
     quiet = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -151,6 +150,13 @@ def load_smollm2(dtype: torch.dtype = torch.float32, download: bool | None = Non
     finally:
         hf_logging.set_verbosity(quiet)
     return model.eval(), tokenizer
+
+
+def _smollm2_checkpoint(gguf: Path) -> Path:
+    """The folder load_smollm2 keeps its dequantized checkpoint in: one per GGUF file and transformers version."""
+    import transformers
+
+    return gguf.parent / f"checkpoint-{SMOLLM2_GGUF_SHA256[:12]}-transformers-{transformers.__version__}"
 
 
 def _save_smollm2_checkpoint(gguf: Path, checkpoint: Path) -> None:
@@ -368,7 +374,11 @@ def main() -> None:
     if offline():
         print(f"KVCACHE_OFFLINE={os.environ['KVCACHE_OFFLINE']}: fetched nothing (assets in {asset_dir()})")
         return
-    print("SmolLM2 GGUF:", smollm2_gguf_path(download=True))
+    gguf = smollm2_gguf_path(download=True)
+    print("SmolLM2 GGUF:", gguf)
+    if all(importlib.util.find_spec(m) for m in ("transformers", "gguf", "accelerate")):
+        load_smollm2()  # makes the checkpoint once here, not in whichever test or notebook loads it first
+        print("SmolLM2 checkpoint:", _smollm2_checkpoint(gguf))
     for source in args.text or []:
         if source == "devil":
             print("dict-devil:", devil_dict_path(download=True))
