@@ -1,0 +1,100 @@
+"""kvcache.PagedCache against DynamicCache on ten more transformers architectures than test_hf's five, each
+with what sets it apart from Llama: QK norms (Qwen3, OLMo2, Cohere), soft-capped logits and alternating
+sliding windows (Gemma 2 / 3), partial rotary (StableLM, Phi-3's fused projections), scaled residuals
+(Granite), biases and a window (Starcoder2), and mixture-of-experts MLPs (Qwen2-MoE). Small random models;
+the same rules as test_hf: identical tokens, bit-identical logits with eager / SDPA, 1e-5 with our kernel
+or a sliding window (DynamicCache then keeps only the window: the same math, other sums)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+import kvcache  # noqa: E402
+from generate_support import generate, inputs, max_diff  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+ARCHITECTURES = {
+    "phi3": dict(partial_rotary_factor=0.5),
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "stablelm": dict(partial_rotary_factor=0.25),
+    "olmo2": dict(),
+    "granite": dict(residual_multiplier=0.5, attention_multiplier=0.2),
+    "cohere": dict(use_qk_norm=True),
+    "starcoder2": dict(sliding_window=8, use_bias=True),
+    "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def model(request):
+    try:
+        config = AutoConfig.for_model(request.param, **{**BASE, **ARCHITECTURES[request.param]})
+    except (KeyError, ValueError) as e:  # an architecture this transformers does not have
+        pytest.skip(f"transformers {transformers.__version__} has no {request.param}: {e}")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _dense(model) -> str:
+    """PyTorch's attention for the reference: SDPA, or eager where transformers has no SDPA path (Gemma 2)."""
+    return "sdpa" if model._supports_sdpa else "eager"
+
+
+def _sliding(model) -> bool:
+    return bool(getattr(model.config, "sliding_window", None))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_left_padded_greedy_matches_dynamic_cache(model, impl):
+    if impl == "sdpa" and not model._supports_sdpa:
+        pytest.skip(f"transformers has no SDPA path for {type(model).__name__}")
+    ids, mask = inputs(20)
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    ref = generate(model, DynamicCache(config=model.config), "eager" if impl == "eager" else _dense(model), 8,
+                   **kwargs)
+    cache = kvcache.PagedCache(config=model.config)
+    got = generate(model, cache, impl, 8, **kwargs)
+    assert torch.equal(ref.sequences, got.sequences)
+    if impl == "kvcache" or _sliding(model):
+        assert max_diff(ref, got) <= 1e-5
+    else:
+        assert max_diff(ref, got) == 0.0
+    assert cache.get_seq_length() == got.sequences.shape[1] - 1
+
+
+def test_beam_search_matches_dynamic_cache(model):
+    """Beams reorder the cache every step (reorder_cache / the beam indices)."""
+    ids = inputs(20)[0][:1]
+    kwargs = dict(input_ids=ids, num_beams=3, num_return_sequences=2, do_sample=False)
+    ref = generate(model, DynamicCache(config=model.config), _dense(model), 6, **kwargs)
+    for impl in (_dense(model), "kvcache"):
+        got = generate(model, kvcache.PagedCache(config=model.config), impl, 6, **kwargs)
+        assert torch.equal(ref.sequences, got.sequences), impl
+
+
+def test_int8_pages_stay_near_full_precision(model):
+    """Quantized pages on these architectures too. By default int8 keeps its recent 128 tokens exact, which
+    here is every token; with residual_length=0 every token is stored as int8 codes."""
+    ids, mask = inputs(20)
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    ref = generate(model, DynamicCache(config=model.config), _dense(model), 4, **kwargs)
+    default = kvcache.PagedCache(config=model.config, kv_format="int8")
+    got = generate(model, default, "kvcache", 4, **kwargs)
+    assert default.stats()["format"] == "int8+residual=128" and max_diff(ref, got) <= 1e-5
+    codes = kvcache.PagedCache(config=model.config, kv_format="int8", residual_length=0)
+    got = generate(model, codes, "kvcache", 4, **kwargs)
+    rel = ((ref.logits[0] - got.logits[0]).norm() / ref.logits[0].norm()).item()
+    assert codes.stats()["format"] == "int8" and 0 < rel < 0.02
