@@ -45,11 +45,6 @@ def test_offline_rule_is_one_rule(monkeypatch, tmp_path, value, is_offline):
     if is_offline:
         with pytest.raises(lib_assets.AssetUnavailable, match="not cached"):
             lib_assets.smollm2_gguf_path()
-        import subprocess
-
-        out = subprocess.run([sys.executable, "-m", "kvcache.assets", "--text", "devil"], capture_output=True,
-                             text=True, check=True).stdout
-        assert "fetched nothing" in out and list(tmp_path.iterdir()) == []
         monkeypatch.setenv("CI", "true")
         with pytest.raises(pytest.skip.Exception):  # offline under CI: a missing asset skips, it cannot be fetched
             asset_missing("x")
@@ -57,6 +52,17 @@ def test_offline_rule_is_one_rule(monkeypatch, tmp_path, value, is_offline):
         monkeypatch.setenv("CI", "true")
         with pytest.raises(pytest.fail.Exception, match="CI: x"):
             asset_missing("x")
+
+
+def test_assets_command_fetches_nothing_offline(monkeypatch, tmp_path):
+    """make test runs `python -m kvcache.assets` unconditionally; offline it must succeed and fetch nothing."""
+    import subprocess
+
+    monkeypatch.setenv("KVCACHE_OFFLINE", "1")
+    monkeypatch.setenv("KVCACHE_ASSETS", str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "kvcache.assets", "--text", "devil"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "fetched nothing" in out and list(tmp_path.iterdir()) == []
 
 
 def test_devil_text_when_available():
