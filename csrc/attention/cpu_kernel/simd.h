@@ -71,7 +71,9 @@ inline float hsum8(__m256 m) {
 inline float hmax(vf v) { return hmax8(_mm256_max_ps(lo8(v), hi8(v))); }
 inline float hsum(vf v) { return hsum8(_mm256_add_ps(lo8(v), hi8(v))); }
 /// The same polynomial and rounding as the generic vexp below, 8 lanes at a time.
-inline __m256 vexp8(__m256 x) {
+// NOTE: always_inline: left to GCC it stayed an out-of-line call in the AVX2 softmax (every ymm register
+// is caller-saved, so the live tile values went to the stack around each call).
+__attribute__((always_inline)) inline __m256 vexp8(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447505531f), _CMP_LT_OQ);
   x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f));
