@@ -294,3 +294,62 @@ def test_page_layout_rejects(kwargs, exc, match):
     args = dict(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=64, dtype=F16) | kwargs
     with pytest.raises(exc, match=match):
         kvcache.PageLayout(**args)
+
+
+# ---- the Python layer: formats, the engine's sampling arguments, a hand-built prefix ------------------------
+@pytest.mark.parametrize("text", ["k=int8,v=int4,k=fp16", "k=int8,k=int4", "v=int8", "k=int8,v=int4,w=int8"])
+def test_cache_format_keys_each_once(text):
+    with pytest.raises(ValueError, match=r"expected 'k=<format>,v=<format>', each once"):
+        kvcache.CacheFormat.parse(text)
+
+
+@pytest.mark.parametrize("fmt", ["k=bf16,v=int8", "k=int8,v=fp32", "k=kivi2,v=int8", "k=fp16,v=kivi4"])
+def test_mixed_families_are_refused_when_the_cache_is_made(fmt):
+    """The attention step reads K and V of one family; PagedCache and the Engine used to accept other mixes and
+    fail at the first quantized page, maybe hundreds of tokens later, with enum numbers. KVPool stores any."""
+    assert kvcache.CacheFormat.parse(fmt).family is None
+    with pytest.raises(ValueError, match=rf"kv_format='{fmt}': K and V must both be full precision, both quantized"):
+        kvcache.PagedCache(kv_format=fmt, num_layers=1)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=rf"kv_format='{fmt}'"):
+        kvcache.Engine(transformers.LlamaForCausalLM(config).eval(), kv_format=fmt)
+    pool = kvcache.KVPool.allocate(4, 16, 1, 32, fmt)  # the pool level keeps every mix
+    assert str(pool.format) == fmt
+    for ok in ("k=int8,v=int4", "k=kivi2,v=kivi4", "k=fp32,v=bf16", "int8"):
+        assert kvcache.CacheFormat.parse(ok).family is not None
+        kvcache.PagedCache(kv_format=ok, num_layers=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), r"max_new_tokens=0 must be >= 1"),
+    (dict(max_new_tokens=-1), r"max_new_tokens=-1 must be >= 1"),
+    (dict(do_sample=True, temperature=0.0), r"temperature=0.0 must be > 0 when sampling"),
+    (dict(do_sample=True, temperature=-1.0), r"temperature=-1.0 must be > 0 when sampling"),
+    (dict(top_k=-2), r"top_k=-2 must be >= 0"),
+])
+def test_engine_refuses_bad_sampling_arguments(kwargs, match):
+    """Before: max_new_tokens <= 0 still produced a token, a non-positive temperature silently sampled greedily."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    engine = kvcache.Engine(transformers.LlamaForCausalLM(config).eval())
+    with pytest.raises(ValueError, match=match):
+        engine.generate([[1, 2, 3]], **kwargs)
+    assert engine.generate([[1, 2, 3]], max_new_tokens=2)[0].tokens.__len__() == 2  # still usable
+
+
+@pytest.mark.parametrize("length, count", [(10, 1), (3, 3), (-1, 0), (16, 2), (17, 1)])
+def test_sequence_from_a_match_with_the_wrong_block_count(length, count):
+    """A Match's blocks are ceil(length / page_size) ids; sequence() used to take any count and fail far
+    later (slots(), append). Refused before any block is shared: the allocator is unchanged."""
+    alloc = kvcache.BlockAllocator(8, 4)
+    seq = alloc.sequence()
+    alloc.append(seq, 12)
+    before = alloc.stats()
+    with pytest.raises(ValueError, match=rf"a Match of length={length} needs ceil\({length} / page_size=4\)"):
+        alloc.sequence(kvcache.Match(length, seq.blocks[:count], 0))
+    assert alloc.stats() == before
+    alloc.release(seq)
+    assert alloc.num_free == 8

@@ -235,7 +235,7 @@ def test_bad_residual_arguments():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4", "k=int8,v=int4",
-                                 "k=bf16,v=int4"])
+                                 "k=kivi2,v=kivi4"])
 def test_every_quantized_format_defaults_to_the_128_token_window(fmt):
     """The accurate configuration is the default (issue #21): HF QuantizedCache's residual_length=128, in the
     cache, the store and the Engine, and it is part of the prefix cache's namespace."""

@@ -150,6 +150,12 @@ class Engine:
         """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order.
         With several prompts a tqdm bar counts finished requests on stderr once the call has run for
         ``kvcache.engine.PROGRESS_DELAY_S`` (1 s); ``progress=False`` turns it off."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (the first token comes with the prefill)")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be > 0 when sampling (do_sample=False is greedy)")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
         prompts = [self._encode(p) for p in prompts]
         bar = _progress_bar(len(prompts), progress)
         if eos_token_id is None and self.tokenizer is not None:

@@ -206,11 +206,18 @@ class CacheFormat:
         if not isinstance(text, str) or "=" not in text.split("(")[0]:
             fmt = KVFormat.parse(text)
             return cls(fmt, fmt)
-        parts = dict(_split_kv(text))
-        unknown = set(parts) - {"k", "v"}
-        if unknown or len(parts) != 2:
-            raise ValueError(f"cannot parse cache format {text!r}; expected 'k=<format>,v=<format>'")
+        items = list(_split_kv(text))
+        parts = dict(items)
+        if sorted(key for key, _ in items) != ["k", "v"]:  # also refuses a key given twice
+            raise ValueError(f"cannot parse cache format {text!r}; expected 'k=<format>,v=<format>', each once")
         return cls(KVFormat.parse(parts["k"]), KVFormat.parse(parts["v"]))
+
+    @property
+    def family(self) -> str | None:
+        """"full", "quantized" (int8, fp8, int4) or "kivi" when K and V share one, else None. The attention step
+        (PagedCache, Engine) reads only pools of one family; KVPool stores any mix."""
+        families = {"kivi" if f.kind.startswith("kivi") else "quantized" if f.quantized else "full" for f in (self.k, self.v)}
+        return families.pop() if len(families) == 1 else None
 
     def bytes_per_token_head(self, head_dim: int, page_size: int) -> float:
         """Bytes of K plus V (codes and metadata) per token and kv head."""

@@ -245,6 +245,11 @@ class BlockAllocator:
         """A new sequence, empty or starting with a matched prefix (whose blocks it then shares)."""
         if prefix is None:
             return Sequence(torch.empty(0, dtype=torch.int32), 0, self.page_size)
+        length, count = int(prefix.length), prefix.blocks.numel()
+        if length < 0 or count != -(-length // self.page_size) or prefix.blocks.dim() != 1:
+            raise ValueError(f"prefix: a Match of length={length} needs ceil({length} / page_size={self.page_size}) = "
+                             f"{-(-length // self.page_size)} block ids in a 1-D tensor, got shape "
+                             f"{tuple(prefix.blocks.shape)}")
         blocks = prefix.blocks.to(torch.int32, copy=True)  # the sequence's own table, whatever the caller does with m
         self.native.share(blocks)
         return Sequence(blocks, int(prefix.length), self.page_size)

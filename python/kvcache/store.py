@@ -49,6 +49,10 @@ class PagedStore:
                              f"must be >= 0")
         self.page_size = int(page_size)
         self.kv_format = None if kv_format is None else CacheFormat.parse(kv_format)
+        if self.kv_format is not None and self.kv_format.family is None:
+            raise ValueError(f"kv_format={str(kv_format)!r}: K and V must both be full precision, both quantized "
+                             f"(int8, fp8, int4: e.g. 'k=int8,v=int4') or both KIVI (e.g. 'k=kivi2,v=kivi4'); the "
+                             f"attention step reads no other mix (KVPool.allocate stores any)")
         self.max_tokens = max_tokens
         budget = _UNBOUNDED_BLOCKS if max_tokens is None else -(-max_tokens // self.page_size)
         if isinstance(prefix_cache, PrefixCache):
