@@ -97,7 +97,11 @@ class Engine:
         prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls); or a
             :class:`kvcache.PrefixCache` to use (its allocator's size bounds the pool; its ``disk`` / ``remote``
             tier options apply unless given here).
-        page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows).
+        page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows). A bounded
+            pool does not queue or preempt: up to ``max_batch`` requests run at once without their decode
+            pages reserved, and when they outgrow the pool (after evicting every unlocked cached prefix)
+            ``generate`` raises :class:`OutOfBlocksError`, every block given back. Size ``max_tokens`` for
+            ``max_batch`` x (prompt + ``max_new_tokens``), or lower ``max_batch``.
         max_batch: requests decoded together.
         residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
             request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
