@@ -131,32 +131,28 @@ def load_smollm2(dtype: torch.dtype = torch.float32, download: bool | None = Non
     _require("gguf", "gguf")
     _require("accelerate", "accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     path = smollm2_gguf_path(download)
-    checkpoint = _smollm2_checkpoint(path)
-    quiet = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with _no_progress_bars():
-            if not (checkpoint / "model.safetensors").is_file():
-                _save_smollm2_checkpoint(path, checkpoint)
-            tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-        on_meta = [name for name, p in model.named_parameters() if p.is_meta]
-        if on_meta:
-            raise RuntimeError(f"{checkpoint} left {on_meta} unloaded (on the meta device); delete the folder "
-                               "and load again to rebuild it from the GGUF file")
-    finally:
-        hf_logging.set_verbosity(quiet)
+    with _quiet_transformers():
+        checkpoint = _smollm2_checkpoint(path)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise RuntimeError(f"{checkpoint} left {on_meta} unloaded (on the meta device); delete the folder "
+                           "and load again to rebuild it from the GGUF file")
     return model.eval(), tokenizer
 
 
 def _smollm2_checkpoint(gguf: Path) -> Path:
-    """The folder load_smollm2 keeps its dequantized checkpoint in: one per GGUF file and transformers version."""
+    """The folder load_smollm2 reads its dequantized checkpoint from (one per GGUF file and transformers
+    version), made from the GGUF file the first time."""
     import transformers
 
-    return gguf.parent / f"checkpoint-{SMOLLM2_GGUF_SHA256[:12]}-transformers-{transformers.__version__}"
+    checkpoint = gguf.parent / f"checkpoint-{SMOLLM2_GGUF_SHA256[:12]}-transformers-{transformers.__version__}"
+    if not (checkpoint / "model.safetensors").is_file():
+        _save_smollm2_checkpoint(gguf, checkpoint)
+    return checkpoint
 
 
 def _save_smollm2_checkpoint(gguf: Path, checkpoint: Path) -> None:
@@ -192,15 +188,18 @@ def _save_smollm2_checkpoint(gguf: Path, checkpoint: Path) -> None:
 
 
 @contextlib.contextmanager
-def _no_progress_bars():
+def _quiet_transformers():
+    """transformers' errors only, and no progress bars, restored afterwards."""
     from transformers.utils import logging as hf_logging
 
-    enabled = hf_logging.is_progress_bar_enabled()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if enabled:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
             hf_logging.enable_progress_bar()
 
 
@@ -377,8 +376,8 @@ def main() -> None:
     gguf = smollm2_gguf_path(download=True)
     print("SmolLM2 GGUF:", gguf)
     if all(importlib.util.find_spec(m) for m in ("transformers", "gguf", "accelerate")):
-        load_smollm2()  # makes the checkpoint once here, not in whichever test or notebook loads it first
-        print("SmolLM2 checkpoint:", _smollm2_checkpoint(gguf))
+        with _quiet_transformers():  # made once here, not in whichever test or notebook loads SmolLM2 first
+            print("SmolLM2 checkpoint:", _smollm2_checkpoint(gguf))
     for source in args.text or []:
         if source == "devil":
             print("dict-devil:", devil_dict_path(download=True))

@@ -72,9 +72,8 @@ class PagedStore:
         self.namespace = namespace
         self.pools: dict[int, KVPool] = {}
         self.fixed_size = self.max_tokens is not None
-        fmt = self.kv_format
-        quantized = fmt is not None and (fmt.k.quantized or fmt.v.quantized)
-        kivi = fmt is not None and (fmt.k.kind.startswith("kivi") or fmt.v.kind.startswith("kivi"))
+        family = None if self.kv_format is None else self.kv_format.family  # one family: checked above
+        quantized, kivi = family in ("quantized", "kivi"), family == "kivi"
         if residual_length is None:
             residual_length = DEFAULT_RESIDUAL_LENGTH
         self.residual: ResidualPages | None = None
