@@ -99,6 +99,81 @@ def test_engine_bad_input(model):
     assert small.store.allocator.num_free == small.store.allocator.num_blocks  # nothing leaked
 
 
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_bounded_pool_preempts_and_every_request_finishes(model, kv_format, prefix_cache):
+    """Six requests that each fit the pool but not together: the youngest running one gives its pages back and
+    resumes later (computing its tokens again), so every request finishes with the tokens it gets alone."""
+    # short prompts that grow: 6 admitted at once (2 pages each), 4-6 pages each by the end, in a pool of 16
+    prompts = [p[-n:] for p, n in zip(_prompts(), (3, 12, 7, 9, 4, 10))]
+    free = kvcache.Engine(model, kv_format=kv_format, prefix_cache=False, page_size=8)
+    want = [r.tokens for r in free.generate(prompts, max_new_tokens=36)]
+    engine = kvcache.Engine(model, kv_format=kv_format, prefix_cache=prefix_cache, page_size=8, max_tokens=128,
+                            max_batch=6)
+    results = engine.generate(prompts, max_new_tokens=36)
+    assert [r.tokens for r in results] == want
+    s = engine.stats()
+    assert s["preemptions"] >= 1 and s["recomputed_tokens"] > 0
+    assert sum(r.preemptions for r in results) == s["preemptions"]
+    assert s["peak_blocks"] <= 16 and s["generated_tokens"] == 6 * 36
+    assert f"{s['preemptions']} ({s['recomputed_tokens']} tokens computed again)" in engine._repr_html_()
+    alloc = engine.store.allocator
+    held = len(engine.store.prefix_cache.block_references()) if prefix_cache else 0
+    assert alloc.num_blocks - alloc.num_free == held
+    if prefix_cache:
+        assert engine.store.prefix_cache.stats()["locked_nodes"] == 0
+        engine.store.prefix_cache.check()
+    # the same requests one at a time never need a preemption
+    one = kvcache.Engine(model, kv_format=kv_format, prefix_cache=prefix_cache, page_size=8, max_tokens=128,
+                         max_batch=1)
+    assert [r.tokens for r in one.generate(prompts, max_new_tokens=36)] == want
+    assert one.stats()["preemptions"] == 0
+
+
+def test_bounded_pool_refuses_a_request_that_never_fits_before_any_work(model):
+    engine = kvcache.Engine(model, page_size=8, max_tokens=64)
+    ok = _prompts()[0]                                # 45 tokens + 19 = 63 <= 64 slots: fits alone
+    assert len(engine.generate([ok], max_new_tokens=20)[0].tokens) == 20
+    before = engine.store.prefix_cache.stats()
+    with pytest.raises(kvcache.OutOfBlocksError,
+                       match=r"prompts\[1\]: 45 tokens \+ max_new_tokens=21 need up to 9 pages of 8 tokens, more than "
+                             r"the pool's 8 \(max_tokens=64\)"):
+        engine.generate([[5, 6, 7], ok], max_new_tokens=21)
+    after = engine.store.prefix_cache.stats()
+    assert (after["lookups"], after["nodes"]) == (before["lookups"], before["nodes"])  # nothing ran
+
+
+def test_pool_held_elsewhere_raises_and_gives_everything_back(model):
+    """A PrefixCache's allocator shared with other code: when the rest of the pool is held there, a request that
+    fits the pool alone cannot start; the error says so, and the engine holds nothing afterwards."""
+    alloc = kvcache.BlockAllocator(8, 8)
+    engine = kvcache.Engine(model, prefix_cache=kvcache.PrefixCache(alloc), page_size=8)
+    held = alloc.allocate(6)                          # someone else's pages
+    with pytest.raises(kvcache.OutOfBlocksError, match=r"prompts\[0\]: its 45 tokens to compute do not fit the pool "
+                                                       r"even alone: 2 of its 8 pages are free"):
+        engine.generate([_prompts()[0]], max_new_tokens=2)
+    assert alloc.num_free == 2 and engine.store.prefix_cache.stats()["locked_nodes"] == 0
+    alloc.free(held)
+    assert len(engine.generate([_prompts()[0]], max_new_tokens=2)[0].tokens) == 2
+
+
+def test_bounded_pool_alone_request_evicts_its_own_matched_prefix(model):
+    """A request that needs the whole pool, whose cached prefix ends inside a page: the shared partial page is
+    copied before writing, which takes one more block than the pool has unless the request's own prefix, locked
+    since its lookup, may be evicted (its sequence keeps those pages)."""
+    prompt = _prompts()[0][:42]                       # 5 pages of 8 + 2 tokens: cached in 6 blocks
+    engine = kvcache.Engine(model, page_size=8, max_tokens=64)
+    engine.generate([prompt], max_new_tokens=1)
+    assert engine.store.prefix_cache.stats()["device_blocks"] == 6
+    longer = prompt + [7, 8, 9]                       # matches all 42 tokens; 45 + 19 = 64 slots: every block
+    got = engine.generate([longer], max_new_tokens=20)[0]
+    assert got.cached_tokens == 42
+    free = kvcache.Engine(model, prefix_cache=False, page_size=8)
+    assert got.tokens == free.generate([longer], max_new_tokens=20)[0].tokens
+    engine.store.prefix_cache.check()
+    assert engine.store.prefix_cache.stats()["locked_nodes"] == 0
+
+
 def test_engine_progress_bar_counts_requests_and_turns_off(model, capsys, monkeypatch):
     engine = kvcache.Engine(model, page_size=4)
     prompts = _prompts()[:3]

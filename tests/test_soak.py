@@ -1,6 +1,7 @@
 """Soak tests (issue #21): kvcache.Engine and kvcache.PagedCache on thousands of random requests, every KV
 format, with a pool too small for them, so that the prefix cache evicts, the host tier moves prefixes out and
-back, and requests fail with OutOfBlocksError; each of those must have happened at least once. Afterwards
+back, the Engine preempts requests (and refuses up front those that could not fit alone), and PagedCache
+requests fail with OutOfBlocksError; each of those must have happened at least once. Afterwards
 every block is free and the radix tree's invariants hold, and every output equals the output of the same
 request run alone with an unbounded pool: exactly in full precision, within the format's tolerance
 otherwise.
@@ -156,8 +157,8 @@ def test_engine_soak(model, request, name, kv_format, residual, sinks):
             alone_cache[key] = e.generate([prompt], max_new_tokens=max_new, eos_token_id=EOS)[0]
         return alone_cache[key]
 
-    def fits(prompt, max_new):
-        return len(prompt) + max_new <= CAPACITY - PAGE
+    def never_fits(prompt, max_new):  # more pages than the pool, even alone: refused before any work
+        return -(-(len(prompt) + max_new - 1) // PAGE) > CAPACITY // PAGE
 
     events, diffs, errors = Counter(), [], []  # errors: the format's own error (vs full precision) per request
     done, batches = 0, 0
@@ -167,30 +168,32 @@ def test_engine_soak(model, request, name, kv_format, residual, sinks):
         engine.max_batch = rng.randrange(1, 7)
         if batches == 0:  # whatever the seed: one request longer than the whole pool...
             prompts[rng.randrange(len(prompts))] = [rng.randrange(1, VOCAB) for _ in range(CAPACITY + 1)]
-        elif batches == 1:  # ...and six that fit one by one but not together
+        elif batches == 1:  # ...and six that fit one by one but not together (the engine preempts)
             prompts = [[rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(6)]
             engine.max_batch = 6
         batches += 1
-        try:
-            results = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=EOS)
-        except kvcache.OutOfBlocksError:
-            # too many requests at once for the pool (or one that never fits): what ran is given back
-            events["out_of_blocks" if all(fits(p, max_new) for p in prompts) else "out_of_blocks_too_long"] += 1
+        if any(never_fits(p, max_new) for p in prompts):
+            before = engine.store.prefix_cache.stats()
+            with pytest.raises(kvcache.OutOfBlocksError, match=r"prompts\[\d+\]: \d+ tokens \+ max_new_tokens"):
+                engine.generate(prompts, max_new_tokens=max_new, eos_token_id=EOS)
+            after = engine.store.prefix_cache.stats()  # refused before any work: not even a lookup
+            assert (after["lookups"], after["nodes"]) == (before["lookups"], before["nodes"])
+            events["refused"] += 1
             assert_no_leak(engine)
-            results = []
-            for p in prompts:  # one at a time: fits unless the request alone exceeds the pool
-                try:
-                    results += engine.generate([p], max_new_tokens=max_new, eos_token_id=EOS)
-                except kvcache.OutOfBlocksError:
-                    assert not fits(p, max_new), f"seed {seed}: a request of {len(p)} tokens failed alone"
-                    events["too_long"] += 1
-                    results.append(None)
+            kept = [not never_fits(p, max_new) for p in prompts]
+            prompts = [p for p, k in zip(prompts, kept) if k]
+            if not prompts:
+                continue
+        # every request fits alone, so all of them finish, however the pool is shared
+        results = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=EOS)
+        events["preemptions"] += engine.stats()["preemptions"]
+        events["recomputed_tokens"] += engine.stats()["recomputed_tokens"]
+        assert sum(r.preemptions for r in results) == engine.stats()["preemptions"]
         assert_no_leak(engine)
         for p, r in zip(prompts, results):
-            if r is None:
-                continue
             done += 1
             events["prefix_hits"] += r.cached_tokens > 0
+            events["preempted_requests"] += r.preemptions > 0
             ref = alone(p, max_new, kw)
             assert r.tokens == ref.tokens, f"seed {seed}: tokens of a {len(p)}-token prompt differ from it run alone"
             got, want = torch.stack(r.logits), torch.stack(ref.logits)
@@ -206,7 +209,7 @@ def test_engine_soak(model, request, name, kv_format, residual, sinks):
     same = sum(d <= 1e-3 for d in diffs) / len(diffs)
     print(f"{name}: {done} requests, {dict(events)}, evicted {s['evicted_blocks']} blocks, max logit diff "
           f"{max(diffs):.3g}, {same:.0%} within 1e-3" + (f", format error {max(errors):.3g}" if errors else ""))
-    assert events["out_of_blocks"] >= 1 and events["too_long"] >= 1 and events["prefix_hits"] >= 5, events
+    assert events["preempted_requests"] >= 1 and events["refused"] >= 1 and events["prefix_hits"] >= 5, events
     assert s["evicted_blocks"] >= 1
     if exact:
         # Batching and prefix hits change the shapes of the matrix products, so float32 logits may move

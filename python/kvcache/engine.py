@@ -29,7 +29,7 @@ from . import _html, residual as res
 from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, packed_attention_mask
 from .step import plan_step
 from .store import PagedStore
-from .prefix import Match, Namespace, Sequence
+from .prefix import Match, Namespace, OutOfBlocksError, Sequence
 
 __all__ = ["Engine", "Result"]
 
@@ -63,7 +63,8 @@ def _progress_bar(total: int, progress: bool):
 @dataclass
 class Result:
     """One request's outcome: generated ``tokens`` (and ``text`` with a tokenizer), how many prompt tokens
-    came from the prefix cache, and its timings (seconds from the start of :meth:`Engine.generate`)."""
+    came from the prefix cache, its timings (seconds from the start of :meth:`Engine.generate`), and how
+    often a bounded pool preempted it."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -71,6 +72,7 @@ class Result:
     cached_tokens: int = 0
     first_token_s: float = 0.0
     done_s: float = 0.0
+    preemptions: int = 0  # times the engine gave its pages back for an older request's (then computed them again)
 
     @property
     def time_per_output_token(self) -> float:
@@ -80,7 +82,9 @@ class Result:
 class _Running:
     def __init__(self, index: int, result: Result, seq: Sequence, node: int | None):
         self.index, self.result, self.seq, self.node = index, result, seq, node
-        self.pending = result.prompt[seq.num_tokens:]  # tokens to feed in the next forward
+        # tokens to feed in the next forward: the prompt's uncached part, and after a preemption the generated
+        # tokens too (the last of them has not been fed yet either way)
+        self.pending = (result.prompt + result.tokens)[seq.num_tokens:]
 
 
 class Engine:
@@ -98,10 +102,14 @@ class Engine:
             :class:`kvcache.PrefixCache` to use (its allocator's size bounds the pool; its ``disk`` / ``remote``
             tier options apply unless given here).
         page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows). A bounded
-            pool does not queue or preempt: up to ``max_batch`` requests run at once without their decode
-            pages reserved, and when they outgrow the pool (after evicting every unlocked cached prefix)
-            ``generate`` raises :class:`OutOfBlocksError`, every block given back. Size ``max_tokens`` for
-            ``max_batch`` x (prompt + ``max_new_tokens``), or lower ``max_batch``.
+            pool schedules: a request waits until its prompt's pages fit (after evicting unlocked cached
+            prefixes), and when the running requests outgrow the pool the youngest is *preempted*: its
+            pages are given back and it waits at the head of the queue with the tokens it has generated,
+            which are computed again (as a prefill, from whatever of its prompt is still cached) when it
+            resumes. The oldest request always runs, so every request finishes; a request whose prompt +
+            ``max_new_tokens`` cannot fit the pool even alone is refused up front with
+            :class:`OutOfBlocksError`, before any work. ``stats()`` counts ``preemptions`` and
+            ``recomputed_tokens``; each :class:`Result` its own ``preemptions``.
         max_batch: requests decoded together.
         residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
             request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
@@ -161,22 +169,24 @@ class Engine:
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
         prompts = [self._encode(p) for p in prompts]
+        self._check_fits(prompts, max_new_tokens)
         bar = _progress_bar(len(prompts), progress)
         if eos_token_id is None and self.tokenizer is not None:
             eos_token_id = self.tokenizer.eos_token_id
         generator = torch.Generator().manual_seed(seed)
-        waiting = deque(enumerate(prompts))
+        waiting = deque((i, Result(p)) for i, p in enumerate(prompts))
         running: list[_Running] = []
         results: list[Result | None] = [None] * len(prompts)
         stats = dict(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0, prefix_hit_tokens=0, steps=0,
-                     peak_blocks=0, peak_dense_tokens=0, tier_hit_tokens=0)
+                     peak_blocks=0, peak_dense_tokens=0, tier_hit_tokens=0, preemptions=0, recomputed_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(self._attention(previous_impl))
         start = time.perf_counter()
         try:
             while waiting or running:
-                self._admit_waiting(waiting, running, stats)
+                if not self._make_room(running, waiting, stats):  # no new requests in a step that preempted
+                    self._admit_waiting(waiting, running, stats)
                 logits = self._forward(running, stats)
                 now = time.perf_counter() - start
                 next_tokens = self._sample(logits, do_sample, temperature, top_k, generator)
@@ -233,33 +243,119 @@ class Engine:
             raise ValueError("a prompt must have at least one token")
         return ids
 
-    def _admit_waiting(self, waiting: deque, running: list[_Running], stats: dict) -> None:
-        """Admits waiting requests up to ``max_batch``. A request that shares more than a page with a prompt
-        being prefilled right now (and not cached yet) waits one step: it will then reuse that prefix
-        instead of computing it again (cache-aware scheduling)."""
-        prefilling = [torch.tensor(r.result.prompt) for r in running if not r.result.tokens]
-        admitted, deferred = [], deque()
-        while waiting and len(running) + len(admitted) < self.max_batch:
-            index, prompt = waiting.popleft()
-            if self.store.prefix_cache is not None and prefilling:
-                p = torch.tensor(prompt)
-                shared = max(_common_prefix(p, other) for other in prefilling)
-                if shared >= self.store.page_size:
-                    deferred.append((index, prompt))
-                    continue
-            admitted.append((index, prompt))
-            prefilling.append(torch.tensor(prompt))  # an admitted request always has its last prompt token to compute
-        waiting.extendleft(reversed(deferred))
-        if admitted:
-            running += self._admit(admitted, stats)
+    def _check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Refuses, before any work, a request that a bounded pool cannot hold even alone (prompt and every
+        token but the last generated one are written)."""
+        if not self.store.fixed_size:
+            return
+        page, capacity = self.store.page_size, self.store.allocator.num_blocks
+        for i, prompt in enumerate(prompts):
+            need = -(-(len(prompt) + max_new_tokens - 1) // page)
+            if need > capacity:
+                raise OutOfBlocksError(
+                    f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens={max_new_tokens} need up to {need} pages of "
+                    f"{page} tokens, more than the pool's {capacity} (max_tokens={capacity * page}); nothing was run")
 
-    def _admit(self, batch: list[tuple[int, list[int]]], stats: dict) -> list[_Running]:
-        """New requests start from the longest cached prefix of their prompts, all looked up in one call
-        (each locked while its request runs)."""
+    def _make_room(self, running: list[_Running], waiting: deque, stats: dict) -> bool:
+        """Takes the pages of every running request's pending tokens, oldest request first. When the pool is
+        short (after evicting unlocked cached prefixes) the youngest running request is preempted: its pages go
+        back and it waits at the head of the queue. Returns whether any request was preempted."""
+        preempted = False
+        i = 0
+        while i < len(running):
+            req = running[i]
+            try:
+                self._take_pages(req)
+            except OutOfBlocksError:
+                if len(running) == 1:  # alone and still short
+                    if not self._unlock_own_prefix(req):
+                        raise  # the pool is held elsewhere (the allocator of a shared PrefixCache)
+                    continue
+                victim = running.pop()
+                self._preempt(victim, waiting, stats)
+                preempted = True
+                continue  # retry req (unless it was the victim: then i == len(running))
+            i += 1
+        return preempted
+
+    def _unlock_own_prefix(self, req: _Running) -> bool:
+        """Lets the prefix cache evict the prefix ``req`` matched (the sequence keeps its own references to those
+        pages), so that a shared partial page's copy-on-write finds a block; whether there was a lock to drop."""
+        if req.node is None:
+            return False
+        self.store.prefix_cache.unlock(req.node)
+        req.node = None
+        return True
+
+    def _take_pages(self, req: _Running) -> None:
+        """Pages for ``req``'s pending tokens (all or nothing), after copy-on-write of a shared partial page."""
+        self.store.copy_blocks(self.store.allocator.append(req.seq, len(req.pending)))
+
+    def _preempt(self, req: _Running, waiting: deque, stats: dict) -> None:
+        """Gives ``req``'s pages back; it resumes first, computing its prompt and tokens again (what of its prompt
+        is still cached comes from the prefix cache)."""
+        self._release(req)
+        req.result.preemptions += 1
+        stats["preemptions"] += 1
+        waiting.appendleft((req.index, req.result))
+
+    def _admit_waiting(self, waiting: deque, running: list[_Running], stats: dict) -> None:
+        """Admits waiting requests, in queue order, up to ``max_batch`` and while their pages fit the pool (a
+        request that does not fit waits, and so do the ones behind it). A new request that shares more than a
+        page with a prompt being prefilled right now (and not cached yet) waits one step: it will then reuse that
+        prefix instead of computing it again (cache-aware scheduling)."""
+        prefilling = [torch.tensor(r.result.prompt) for r in running if not r.result.tokens]
+        popped, admitted = [], []
+        while waiting and len(running) + len(admitted) < self.max_batch:
+            entry = waiting.popleft()
+            popped.append(entry)
+            result = entry[1]
+            if self.store.prefix_cache is not None and prefilling and not result.tokens:
+                p = torch.tensor(result.prompt)
+                if max(_common_prefix(p, other) for other in prefilling) >= self.store.page_size:
+                    continue
+            admitted.append(entry)
+            prefilling.append(torch.tensor(result.prompt))  # an admitted request always has its last prompt token to compute
+        new = self._admit(admitted, stats) if admitted else []
+        for k, req in enumerate(new):
+            try:
+                self._take_pages(req)
+            except OutOfBlocksError:  # the pool is full until a running request finishes
+                for r in new[k:]:  # they wait, and give back the pages their matches pinned
+                    self._release(r)
+                new = new[:k]
+                break
+        started = {id(r.result) for r in new}
+        back = [e for e in popped if id(e[1]) not in started]
+        if not running and not new and back:  # the pool to itself, and still short
+            new = [self._admit_alone(back.pop(0), stats)]
+        running += new
+        waiting.extendleft(reversed(back))
+
+    def _admit_alone(self, entry: tuple[int, Result], stats: dict) -> _Running:
+        """Admits a request into a pool no other request of this engine holds. Its own matched prefix may then be
+        evicted too (its sequence keeps those pages), which frees the block a shared partial page's copy-on-write
+        takes; if it still does not fit, the pool is held elsewhere (a shared PrefixCache's allocator)."""
+        req = self._admit([entry], stats)[0]
+        self._unlock_own_prefix(req)
+        try:
+            self._take_pages(req)
+        except OutOfBlocksError:
+            self._release(req)
+            alloc = self.store.allocator
+            raise OutOfBlocksError(
+                f"prompts[{req.index}]: its {len(req.pending)} tokens to compute do not fit the pool even alone: "
+                f"{alloc.num_free} of its {alloc.num_blocks} pages are free after evicting every unlocked cached "
+                f"prefix (is the allocator of a shared PrefixCache in use elsewhere?)") from None
+        return req
+
+    def _admit(self, batch: list[tuple[int, Result]], stats: dict) -> list[_Running]:
+        """Requests start from the longest cached prefix of what they have to compute, all looked up in one
+        call (each locked while its request runs)."""
         alloc, tree = self.store.allocator, self.store.prefix_cache
         matches = [(0, None, None)] * len(batch)  # (length, blocks, node) per request
         if tree is not None:
-            keys = [prompt[:-1] for _, prompt in batch]  # keep >= 1 token to compute
+            keys = [(r.prompt + r.tokens)[:-1] for _, r in batch]  # keep >= 1 token to compute
             if self.tiers is not None:  # chunks beyond the local match, from disk or Redis, into the tree
                 for k in keys:
                     stats["tier_hit_tokens"] += self.tiers.fill(k)
@@ -271,11 +367,19 @@ class Engine:
             matches = [(n, table[i, :-(-n // page)], node) for i, (n, node) in enumerate(zip(lengths.tolist(),
                                                                                           nodes.tolist()))]
         running = []
-        for (index, prompt), (length, blocks, node) in zip(batch, matches):
+        for (index, result), (length, blocks, node) in zip(batch, matches):
             seq = alloc.sequence(Match(length, blocks, node)) if length else alloc.sequence()
-            stats["prefix_hit_tokens"] += seq.num_tokens
-            running.append(_Running(index, Result(prompt, cached_tokens=seq.num_tokens), seq, node))
+            if not result.tokens:  # counted at its first forward (a resumed request's hits are recomputation saved)
+                result.cached_tokens = seq.num_tokens
+            running.append(_Running(index, result, seq, node))
         return running
+
+    def _release(self, req: _Running) -> None:
+        """Gives back the pages and the prefix lock of a request that has not run (or is done)."""
+        self.store.allocator.release(req.seq)
+        if req.node is not None:
+            self.store.prefix_cache.unlock(req.node)
+            req.node = None
 
     def _cache_prompt(self, req: _Running) -> None:
         tree = self.store.prefix_cache
@@ -287,24 +391,24 @@ class Engine:
         if self.tiers is not None and req.result.tokens:  # the prompt's pages are complete
             n = len(req.result.prompt)
             self.tiers.publish(req.result.prompt, req.seq.blocks[: -(-n // self.store.page_size)])
-        self.store.allocator.release(req.seq)
-        if req.node is not None:
-            self.store.prefix_cache.unlock(req.node)
-            req.node = None
+        self._release(req)
 
     def _forward(self, running: list[_Running], stats: dict) -> torch.Tensor:
         """One packed forward of every request's pending tokens; returns each request's last logits."""
         page, alloc = self.store.page_size, self.store.allocator
         tokens, positions, starts, q_lens = [], [], [], []
-        for req in running:
-            start, n = req.seq.num_tokens, len(req.pending)
-            self.store.copy_blocks(alloc.append(req.seq, n))  # copy-on-write of a shared partial page
+        for req in running:  # each already holds the pages of its pending tokens (_make_room, _admit_waiting)
+            n = len(req.pending)
+            start = req.seq.num_tokens - n
             tokens += req.pending
             positions += range(start, start + n)
             starts.append(start)
             q_lens.append(n)
-            if not req.result.tokens:
+            if not req.result.tokens:  # its first forward (a request waiting for pages may be admitted again)
                 stats["prefill_tokens"] += n
+                stats["prefix_hit_tokens"] += req.result.cached_tokens
+            elif n > 1:  # resumed after a preemption
+                stats["recomputed_tokens"] += n
         device = next(self.model.parameters()).device
         plan = plan_step([r.seq for r in running], starts, q_lens, packed=True, page_size=page, device=device,
                          residual=self.store.residual)
@@ -363,7 +467,8 @@ class Engine:
         """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
         ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
         (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak pages in use) against
-        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype).
+        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype), and with a
+        bounded pool ``preemptions`` and ``recomputed_tokens`` (the tokens preempted requests computed again).
 
         With ``disk`` / ``remote`` tiers, also this call's ``disk_hit_tokens``, ``remote_hit_tokens``,
         ``disk_fetch_bytes`` / ``remote_fetch_bytes`` and ``_fetch_s``, ``disk_written_chunks`` /
@@ -407,6 +512,8 @@ class Engine:
                 "peak KV bytes vs DynamicCache": f"{_html.human_bytes(s['kv_bytes'])} vs "
                                                  f"{_html.human_bytes(s['dynamic_cache_bytes'])}",
             })
+            if s["preemptions"]:
+                rows["preemptions"] = f"{s['preemptions']} ({s['recomputed_tokens']} tokens computed again)"
         return _html.table("kvcache.Engine", rows)
 
     def __repr__(self) -> str:
