@@ -110,10 +110,17 @@ def test_bounded_pool_preempts_and_every_request_finishes(model, kv_format, pref
     want = [r.tokens for r in free.generate(prompts, max_new_tokens=36)]
     engine = kvcache.Engine(model, kv_format=kv_format, prefix_cache=prefix_cache, page_size=8, max_tokens=128,
                             max_batch=6)
-    results = engine.generate(prompts, max_new_tokens=36)
+    fed = []  # tokens of each forward
+    hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        results = engine.generate(prompts, max_new_tokens=36)
+    finally:
+        hook.remove()
     assert [r.tokens for r in results] == want
     s = engine.stats()
     assert s["preemptions"] >= 1 and s["recomputed_tokens"] > 0
+    # every token fed is a prompt token computed once, a generated one fed once, or one computed again
+    assert sum(fed) == s["prefill_tokens"] + sum(len(r.tokens) - 1 for r in results) + s["recomputed_tokens"]
     assert sum(r.preemptions for r in results) == s["preemptions"]
     assert s["peak_blocks"] <= 16 and s["generated_tokens"] == 6 * 36
     assert f"{s['preemptions']} ({s['recomputed_tokens']} tokens computed again)" in engine._repr_html_()
@@ -137,10 +144,28 @@ def test_bounded_pool_refuses_a_request_that_never_fits_before_any_work(model):
     before = engine.store.prefix_cache.stats()
     with pytest.raises(kvcache.OutOfBlocksError,
                        match=r"prompts\[1\]: 45 tokens \+ max_new_tokens=21 need up to 9 pages of 8 tokens, more than "
-                             r"the pool's 8 \(max_tokens=64\)"):
+                             r"the pool's 8 \(max_tokens=64, in whole pages\)"):
         engine.generate([[5, 6, 7], ok], max_new_tokens=21)
     after = engine.store.prefix_cache.stats()
     assert (after["lookups"], after["nodes"]) == (before["lookups"], before["nodes"])  # nothing ran
+    odd = kvcache.Engine(model, page_size=8, max_tokens=60)  # 7.5 pages: the pool has 8, the message the 60 asked
+    with pytest.raises(kvcache.OutOfBlocksError, match=r"more than the pool's 8 \(max_tokens=60, in whole pages\)"):
+        odd.generate([ok], max_new_tokens=21)
+
+
+@pytest.mark.parametrize("residual_length", [0, None])
+def test_engine_kv_bytes_count_the_full_precision_window(model, residual_length):
+    """kv_bytes: the pages in use at the peak, and with a quantized format's window also the full-precision copies
+    of its open pages (held beside their int8 blocks); without the window, the int8 pages alone."""
+    engine = kvcache.Engine(model, kv_format="int8", residual_length=residual_length, prefix_cache=False, page_size=8)
+    engine.generate([list(range(3, 40))], max_new_tokens=4)      # 40 tokens written: 5 pages
+    s, store = engine.stats(), engine.store
+    assert s["peak_blocks"] == 5
+    if residual_length == 0:
+        assert store.residual is None and s["kv_bytes"] == 5 * store.bytes_per_block()
+    else:  # 40 tokens, all within the 128-token window: every page is open, so held twice
+        assert s["kv_bytes"] == 5 * (store.bytes_per_block() + store.residual_bytes_per_block())
+        assert s["kv_bytes"] > s["dynamic_cache_bytes"]  # a short request gains nothing from int8 with the window
 
 
 def test_pool_held_elsewhere_raises_and_gives_everything_back(model):

@@ -161,9 +161,14 @@ def model_demo(max_new_tokens: int = 40) -> None:
           f"time to first token {s['ttft_s'] * 1e3:.0f} ms (mean), {s['tpot_s'] * 1e3:.0f} ms per output token")
     print(f"prefix cache: {s['prefix_hit_tokens']} of {s['prompt_tokens']} prompt tokens reused "
           f"({s['prefix_hit_rate']:.0%}); {s['prefill_tokens']} computed")
-    print(f"KV memory at peak: {memory.format_bytes(s['kv_bytes'])} in int8 pages vs "
-          f"{memory.format_bytes(s['dynamic_cache_bytes'])} for the same tokens in a float32 DynamicCache "
-          f"({s['dynamic_cache_bytes'] / max(1, s['kv_bytes']):.1f}x less)")
+    ratio = s["dynamic_cache_bytes"] / max(1, s["kv_bytes"])
+    print(f"KV memory at peak: {memory.format_bytes(s['kv_bytes'])} (int8 pages, the shared system prompt held "
+          f"once, each request's newest {engine.store.residual.window} tokens also in float32) vs "
+          f"{memory.format_bytes(s['dynamic_cache_bytes'])} for the same tokens in float32 DynamicCaches "
+          f"({f'{ratio:.2f}x less' if ratio >= 1 else f'{1 / ratio:.2f}x more'})")
+    if ratio < 1:
+        print(f"  (these chats fit in the {engine.store.residual.window}-token full-precision window, so their int8 "
+              f"blocks only add to it: int8 saves memory on the tokens older than the window)")
 
 
 def main(argv: list[str] | None = None) -> None:

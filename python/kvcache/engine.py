@@ -106,7 +106,9 @@ class Engine:
             prefixes), and when the running requests outgrow the pool the youngest is *preempted*: its
             pages are given back and it waits at the head of the queue with the tokens it has generated,
             which are computed again (as a prefill, from whatever of its prompt is still cached) when it
-            resumes. The oldest request always runs, so every request finishes; a request whose prompt +
+            resumes (in full precision with the tokens it gets alone; with quantized pages its recomputed
+            history is read as a prefill wrote it, as after a prefix hit, which may flip near-ties). The
+            oldest request always runs, so every request finishes; a request whose prompt +
             ``max_new_tokens`` cannot fit the pool even alone is refused up front with
             :class:`OutOfBlocksError`, before any work. ``stats()`` counts ``preemptions`` and
             ``recomputed_tokens``; each :class:`Result` its own ``preemptions``.
@@ -178,7 +180,8 @@ class Engine:
         running: list[_Running] = []
         results: list[Result | None] = [None] * len(prompts)
         stats = dict(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0, prefix_hit_tokens=0, steps=0,
-                     peak_blocks=0, peak_dense_tokens=0, tier_hit_tokens=0, preemptions=0, recomputed_tokens=0)
+                     peak_blocks=0, peak_kv_bytes=0, peak_dense_tokens=0, tier_hit_tokens=0, preemptions=0,
+                     recomputed_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(self._attention(previous_impl))
@@ -254,7 +257,8 @@ class Engine:
             if need > capacity:
                 raise OutOfBlocksError(
                     f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens={max_new_tokens} need up to {need} pages of "
-                    f"{page} tokens, more than the pool's {capacity} (max_tokens={capacity * page}); nothing was run")
+                    f"{page} tokens, more than the pool's {capacity} (max_tokens={self.store.max_tokens}, in whole "
+                    f"pages); nothing was run")
 
     def _make_room(self, running: list[_Running], waiting: deque, stats: dict) -> bool:
         """Takes the pages of every running request's pending tokens, oldest request first. When the pool is
@@ -407,8 +411,8 @@ class Engine:
             if not req.result.tokens:  # its first forward (a request waiting for pages may be admitted again)
                 stats["prefill_tokens"] += n
                 stats["prefix_hit_tokens"] += req.result.cached_tokens
-            elif n > 1:  # resumed after a preemption
-                stats["recomputed_tokens"] += n
+            elif n > 1:  # resumed after a preemption: all but its newest token were computed before
+                stats["recomputed_tokens"] += n - 1
         device = next(self.model.parameters()).device
         plan = plan_step([r.seq for r in running], starts, q_lens, packed=True, page_size=page, device=device,
                          residual=self.store.residual)
@@ -416,7 +420,7 @@ class Engine:
         self.cache.set_step_plan(plan)
         cu_q = plan.cu_q_lens
         used = alloc.num_blocks - alloc.num_free
-        stats["peak_blocks"] = max(stats["peak_blocks"], used)
+        stats["peak_blocks"] = max(stats["peak_blocks"], used)  # (kv_bytes: after the forward, below)
         stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(r.seq.num_tokens for r in running))
         stats["steps"] += 1
         t0 = time.perf_counter()
@@ -425,12 +429,24 @@ class Engine:
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
                          attention_mask=mask, use_cache=True, logits_to_keep=cu_q[1:] - 1)
         logits = out.logits[0].float()
+        stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], self._kv_bytes_in_use(used))
         # mostly prefill: the cost of a token; not the engine's first forward, which pays one-time costs
         # (>= 256 tokens: shorter forwards are dominated by per-forward costs and overstate a token's)
         if self.tiers is not None and len(tokens) >= max(256, 4 * len(running)) and self._forwards:
             self.tiers.observe_compute(len(tokens), time.perf_counter() - t0)
         self._forwards += 1
         return logits
+
+    def _kv_bytes_in_use(self, blocks: int) -> int:
+        """Bytes of the pages of ``blocks`` blocks, and of the live full-precision copies of the open ones (a
+        quantized format's window: the store holds both)."""
+        n = blocks * self.store.bytes_per_block()
+        residual = self.store.residual
+        if residual is not None and residual.slot_of:
+            alloc = self.store.allocator
+            live = sum(alloc.refcount(b) > 0 for b in residual.slot_of)
+            n += live * self.store.residual_bytes_per_block()
+        return n
 
     @staticmethod
     def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
@@ -455,7 +471,7 @@ class Engine:
             ttft_s=sum(r.first_token_s for r in results) / max(1, len(results)),
             tpot_s=sum(r.time_per_output_token for r in results) / max(1, len(results)),
             prefix_hit_rate=stats["prefix_hit_tokens"] / max(1, stats["prompt_tokens"]),
-            kv_bytes=stats["peak_blocks"] * self.store.bytes_per_block(),
+            kv_bytes=stats["peak_kv_bytes"],
             dynamic_cache_bytes=stats["peak_dense_tokens"] * per_token_dense,
             format=str(self.store.kv_format) if self.store.kv_format else "model dtype",
         )
@@ -466,7 +482,9 @@ class Engine:
     def stats(self) -> dict:
         """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
         ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
-        (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak pages in use) against
+        (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak bytes of the pages in use, cached
+        prefixes included, and of a quantized format's full-precision window pages, which the store holds
+        beside their quantized blocks) against
         ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype), and with a
         bounded pool ``preemptions`` and ``recomputed_tokens`` (the tokens preempted requests computed again).
 
