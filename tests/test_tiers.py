@@ -324,7 +324,34 @@ def test_corrupt_blobs_are_misses(model, server, reference, damage):
     assert s["remote_hit_tokens"] == 2 * CHUNK  # the chunks before the bad one
     assert s["bad_blobs"] == 1
     assert s["tiers"]["bad_blob_reasons"] == {damage: 1}
-    b.close()
+    b.close()  # its writes land: the bad blob was deleted, so the chunk b computed is written in its place
+    assert c.get(name) not in (None, bytes(bad))
+    again = _engine(model, remote=server.url)
+    assert _tokens(again) == reference["None"]
+    s = again.stats()
+    assert s["bad_blobs"] == 0 and s["remote_hit_tokens"] == PREFIX_TOKENS // CHUNK * CHUNK  # the whole prefix
+    again.close()
+
+
+def test_a_bad_blob_on_disk_is_replaced(model, tmp_path, reference):
+    a = _engine(model, disk=tmp_path)
+    a.generate(FIRST, max_new_tokens=4)
+    a.close()
+    t = a.tiers
+    target = t.disk._file(t.ns, t.chain(FIRST[0])[1])
+    bad = bytearray(target.read_bytes())
+    bad[len(bad) // 2] ^= 1
+    target.write_bytes(bytes(bad))
+    b = _engine(model, disk=tmp_path)
+    assert _tokens(b) == reference["None"]
+    assert b.stats()["bad_blobs"] == 1 and b.stats()["disk_hit_tokens"] == CHUNK
+    b.close()  # its writes land
+    assert target.read_bytes() != bytes(bad)  # deleted, and written again by b
+    assert b.explain(SECOND[0])["disk_tokens"] == PREFIX_TOKENS // CHUNK * CHUNK
+    c = _engine(model, disk=tmp_path)
+    assert _tokens(c) == reference["None"]
+    assert c.stats()["bad_blobs"] == 0 and c.stats()["disk_hit_tokens"] == PREFIX_TOKENS // CHUNK * CHUNK
+    c.close()
 
 
 def test_namespaces_never_share(model, server):
@@ -378,6 +405,12 @@ def test_write_queue_drops_instead_of_blocking(model, server):
 def test_bad_options(model, monkeypatch):
     with pytest.raises(ValueError, match="chunk_tokens=24 must be a positive multiple of page_size=16"):
         _engine(model, disk="/tmp/x", chunk_tokens=24)
+    with pytest.raises(ValueError, match="chunk_tokens=0 must be a positive multiple of page_size=16"):
+        _engine(model, disk="/tmp/x", chunk_tokens=0)  # not the default in disguise
+    alloc = kvcache.BlockAllocator(64, 16)
+    for bad in (0, -16, 24, 32.0):  # the tree's own tier options are checked when it is made
+        with pytest.raises(ValueError, match=f"chunk_tokens={bad!r} must be a positive multiple of page_size=16"):
+            kvcache.PrefixCache(alloc, disk="/tmp/x", chunk_tokens=bad)
     with pytest.raises(ValueError, match="remote='http://x' must be a redis:// URL"):
         _engine(model, remote="http://x")
     with pytest.raises(ValueError, match="need the prefix cache"):

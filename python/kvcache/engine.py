@@ -147,12 +147,12 @@ class Engine:
         options = getattr(self.store.prefix_cache, "tier_options", None) or {}
         if disk is None and remote is None:
             disk, remote = options.get("disk"), options.get("remote")
-            chunk_tokens = chunk_tokens or options.get("chunk_tokens")
+            chunk_tokens = options.get("chunk_tokens") if chunk_tokens is None else chunk_tokens
         if disk is not None or remote is not None:
             from .tiers import DEFAULT_CHUNK_TOKENS, PrefixTiers
             param = next(model.parameters())
             self.tiers = PrefixTiers(self.store, config, param.dtype, param.device, disk=disk, remote=remote,
-                                     chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS)
+                                     chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
             if self.store.prefix_cache is not None:
                 self.store.prefix_cache.tiers = self.tiers
 

@@ -10,7 +10,8 @@ salt). So a chunk is never shared across any of those, and a key names a whole p
 Each chunk is one self-describing blob (format in ``docs/tiers.md``): a fixed header, a JSON header,
 the chunk's token ids, then every layer's pages exactly as stored (codes and scales; pages still open in
 a quantized cache's full-precision window travel as they are too). Loading checks every field and size
-and the checksum before a pool is touched; a bad blob is a miss, counted in the stats. No pickle.
+and the checksum before a pool is touched; a bad blob is a miss, counted in the stats, and deleted (the next
+write of its chunk replaces it). No pickle.
 
 :class:`DiskTier` keeps the blobs as files (atomic writes, LRU bounded in bytes, safe to share between
 processes of one machine); :class:`RedisTier` keeps them in Redis (``SET NX`` with a TTL, one pipelined
@@ -310,6 +311,10 @@ class DiskTier:
             out.append(data)
         return out
 
+    def discard(self, ns: bytes, key: bytes) -> None:
+        """Deletes a blob (found bad: the next write of its chunk replaces it)."""
+        self._file(ns, key).unlink(missing_ok=True)
+
     def put(self, ns: bytes, key: bytes, blob: bytes) -> bool:
         target = self._file(ns, key)
         if target.exists():
@@ -432,6 +437,10 @@ class RedisTier:
 
     def put(self, ns: bytes, key: bytes, blob: bytes) -> bool:
         return bool(self._call(lambda c: c.set(self._key(ns, key), blob, nx=True, ex=self.ttl_s)))
+
+    def discard(self, ns: bytes, key: bytes) -> None:
+        """Deletes a blob (found bad: the next write of its chunk replaces it)."""
+        self._call(lambda c: c.delete(self._key(ns, key)))
 
     def close(self) -> None:
         self.client.close()
@@ -613,12 +622,15 @@ class PrefixTiers:
         layer and inserts the prefix into the tree. Nothing is written before all are validated."""
         C, P = self.chunk_tokens, self.store.page_size
         decoded = []
-        for i, blob, _ in blobs:
+        for i, blob, tier_name in blobs:
             try:
                 decoded.append(decode_blob(blob, ns=self.ns, key=keys[i], tokens=tokens[i * C:(i + 1) * C],
                                            meta=self.meta, expect_tensors=self._expected_tensors))
             except BlobError as err:
                 self._bad(err.reason)
+                # deleted, so that the next write of this chunk (when a request computes it) replaces it: a bad
+                # blob kept would block its chunk and every later one of the chain for every process
+                (self.disk if tier_name == "disk" else self.remote).discard(self.ns, keys[i])
                 break
         if not decoded:
             return 0
