@@ -347,6 +347,12 @@ class KVShape:
         return cls(num_layers, num_kv_heads, head_dim, windows, **extra)
 
 
+def _check_shape(shape: Any) -> None:
+    if not isinstance(shape, KVShape):
+        raise ValueError(f"shape must be a KVShape (e.g. KVShape.from_config(config)), got "
+                         f"{type(shape).__name__} {shape!r}")
+
+
 def _layer_kinds(config: Any, num_layers: Any) -> list[str] | None:
     """The type of every layer, or None when the config says every layer is alike."""
     kinds, name = _get(config, "layer_types"), "layer_types"
@@ -493,6 +499,7 @@ def bytes_per_token(
     >>> bytes_per_token(KVShape(32, 32, 128), dtype="float16")  # Llama-2-7B: 512 KiB
     524288
     """
+    _check_shape(shape)
     bits = _layer_bits(
         shape, k_bits, v_bits, dtype, k_meta_bytes_per_token_head, v_meta_bytes_per_token_head
     )
@@ -527,6 +534,7 @@ def cache_bytes(
     >>> cache_bytes(KVShape(32, 8, 128), 8192, dtype="bfloat16") == 2**30
     True
     """
+    _check_shape(shape)
     seqs = _lengths(lengths, batch_size)
     bits = _layer_bits(
         shape, k_bits, v_bits, dtype, k_meta_bytes_per_token_head, v_meta_bytes_per_token_head
@@ -569,6 +577,7 @@ def state_bytes(
     >>> state_bytes(jamba_like, dtype="bfloat16")  # 7 layers * 8192 * (4 * 2 + 16 * 4) bytes
     4128768
     """
+    _check_shape(shape)
     batch_size = _positive_int(batch_size, "batch_size")
     default = 16 if dtype is None else dtype_bits(dtype, "dtype")
     cb = default if conv_bits is None else dtype_bits(conv_bits, "conv_bits")
@@ -672,6 +681,7 @@ v_meta_bytes_per_token_head
     >>> r.blocks_per_seq, r.used_bytes, r.reserved_bytes, r.waste_bytes
     ((1, 2), 5376, 6144, 768)
     """
+    _check_shape(shape)
     if not _is_int(page_size) or page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a positive power of two, got {page_size!r}")
     seqs = _lengths(lengths, batch_size)
@@ -715,6 +725,7 @@ v_meta_bytes_per_token_head
     >>> r.reserved_bytes, r.waste_bytes, r.waste_fraction
     (8192, 2816, 0.34375)
     """
+    _check_shape(shape)
     seqs = _lengths(lengths, batch_size)
     max_len = max(seqs, default=0) if max_len is None else _non_negative_int(max_len, "max_len")
     if seqs and max(seqs) > max_len:
