@@ -116,7 +116,8 @@ def test_exhaustion_raises_out_of_blocks_and_changes_nothing():
     ("block_dim", ValueError, r"blocks must be a 1-D tensor but has shape \[1, 2\]"),
     ("table_mismatch", ValueError, r"the block table has 1 blocks but 5 tokens occupy ceil\(5 / 4\) = 2"),
     ("table_freed", ValueError, r"block_table\[0\] = block 6 is free"),
-    ("negative_append", ValueError, r"num_tokens = 0 and n = -1 must be >= 0"),
+    ("negative_append", ValueError, r"num_tokens = -1 must be >= 0 \(tokens to make room for\)"),
+    ("negative_allocate", ValueError, r"num_blocks = -1 must be >= 0"),
     ("refcount_range", IndexError, r"block = 8 is not a block id"),
 ])
 def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
@@ -133,6 +134,7 @@ def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
         "table_mismatch": lambda: alloc.append(kvcache.Sequence(held[:1], 5, 4), 1),
         "table_freed": lambda: alloc.append(kvcache.Sequence(torch.tensor([6], dtype=torch.int32), 2, 4), 1),
         "negative_append": lambda: alloc.append(alloc.sequence(), -1),
+        "negative_allocate": lambda: alloc.allocate(-1),
         "refcount_range": lambda: alloc.refcount(8),
     }
     expect_rejected(alloc, exc, match, calls[case])

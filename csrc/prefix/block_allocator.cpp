@@ -85,7 +85,7 @@ void BlockAllocator::reclaim(std::unique_lock<std::mutex>& lock, int64_t n) {
 }
 
 std::vector<int32_t> BlockAllocator::allocate(int64_t n) {
-  if (n < 0) throw std::invalid_argument(cat("cannot allocate n = ", n, " blocks; n must be >= 0"));
+  if (n < 0) throw std::invalid_argument(cat("num_blocks = ", n, " must be >= 0"));
   std::unique_lock<std::mutex> lock(mu_);
   reclaim(lock, n);
   if (static_cast<int64_t>(free_.size()) < n) {
@@ -136,9 +136,9 @@ int64_t BlockAllocator::free(const int32_t* blocks, int64_t n) {
 }
 
 std::vector<BlockCopy> BlockAllocator::append(std::vector<int32_t>* table, int64_t num_tokens, int64_t n) {
-  if (num_tokens < 0 || n < 0) {
-    throw std::invalid_argument(cat("num_tokens = ", num_tokens, " and n = ", n, " must be >= 0"));
-  }
+  // (messages in the Python wrapper's names: append(seq, num_tokens) passes seq.num_tokens and num_tokens)
+  if (n < 0) throw std::invalid_argument(cat("num_tokens = ", n, " must be >= 0 (tokens to make room for)"));
+  if (num_tokens < 0) throw std::invalid_argument(cat("seq.num_tokens = ", num_tokens, " must be >= 0"));
   const int64_t pages = pages_for(num_tokens);
   if (static_cast<int64_t>(table->size()) != pages) {
     throw std::invalid_argument(cat("the block table has ", table->size(), " blocks but ", num_tokens,
