@@ -275,6 +275,21 @@ def test_engine_with_prefix_sharing_gives_dynamic_cache_tokens(model, kv_format)
     assert alloc.num_blocks - alloc.num_free == len(set(engine.store.prefix_cache.block_references()))
 
 
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+def test_bounded_engine_preempts_over_latent_pages(model, kv_format):
+    """Short prompts that grow past a pool of 8 pages: preempted requests compute their latents again and end
+    with the tokens of an engine with an unbounded pool."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 12, 7, 9, 4, 10)]
+    want = [r.tokens for r in kvcache.Engine(model, kv_format=kv_format, page_size=8, prefix_cache=False)
+            .generate(prompts, max_new_tokens=20, progress=False)]
+    engine = kvcache.Engine(model, kv_format=kv_format, page_size=8, max_tokens=64, max_batch=6)
+    assert [r.tokens for r in engine.generate(prompts, max_new_tokens=20, progress=False)] == want
+    assert engine.stats()["preemptions"] >= 1
+    alloc = engine.store.allocator
+    assert alloc.num_blocks - alloc.num_free == len(set(engine.store.prefix_cache.block_references()))
+
+
 @pytest.mark.parametrize("kv_format, residual", [(None, None), ("int8", 0), ("int8", None)])
 def test_disk_tier_stores_and_loads_latent_pages(model, tmp_path, kv_format, residual):
     # int8 with residual_length=0: sealed pages (codes and scales); with the default window: open pages
