@@ -381,9 +381,7 @@ class Engine:
     def _release(self, req: _Running) -> None:
         """Gives back the pages and the prefix lock of a request that has not run (or is done)."""
         self.store.allocator.release(req.seq)
-        if req.node is not None:
-            self.store.prefix_cache.unlock(req.node)
-            req.node = None
+        self._unlock_own_prefix(req)
 
     def _cache_prompt(self, req: _Running) -> None:
         tree = self.store.prefix_cache
@@ -429,7 +427,7 @@ class Engine:
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
                          attention_mask=mask, use_cache=True, logits_to_keep=cu_q[1:] - 1)
         logits = out.logits[0].float()
-        stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], self._kv_bytes_in_use(used))
+        stats["peak_kv_bytes"] = self._peak_kv_bytes(used, stats["peak_kv_bytes"])
         # mostly prefill: the cost of a token; not the engine's first forward, which pays one-time costs
         # (>= 256 tokens: shorter forwards are dominated by per-forward costs and overstate a token's)
         if self.tiers is not None and len(tokens) >= max(256, 4 * len(running)) and self._forwards:
@@ -437,16 +435,17 @@ class Engine:
         self._forwards += 1
         return logits
 
-    def _kv_bytes_in_use(self, blocks: int) -> int:
-        """Bytes of the pages of ``blocks`` blocks, and of the live full-precision copies of the open ones (a
-        quantized format's window: the store holds both)."""
+    def _peak_kv_bytes(self, blocks: int, peak: int) -> int:
+        """The larger of ``peak`` and the bytes in use now: the pages of ``blocks`` blocks, and the live
+        full-precision copies of the open ones (a quantized format's window: the store holds both). The live
+        copies are counted (a native refcount per open block) only when they could raise the peak."""
         n = blocks * self.store.bytes_per_block()
         residual = self.store.residual
         if residual is not None and residual.slot_of:
-            alloc = self.store.allocator
-            live = sum(alloc.refcount(b) > 0 for b in residual.slot_of)
-            n += live * self.store.residual_bytes_per_block()
-        return n
+            per_copy = self.store.residual_bytes_per_block()
+            if n + len(residual.slot_of) * per_copy > peak:  # an upper bound: dead slots not collected yet
+                n += sum(map(residual.is_live, residual.slot_of)) * per_copy
+        return max(peak, n)
 
     @staticmethod
     def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,

@@ -352,10 +352,9 @@ class PrefixCache:
         self.host_allocator: BlockAllocator | None = None
         self.tiers = None  # the kvcache.tiers.PrefixTiers an Engine binds to this tree
         self.tier_options = {}
-        if chunk_tokens is not None and not (isinstance(chunk_tokens, int) and chunk_tokens > 0
-                                             and chunk_tokens % allocator.page_size == 0):
-            raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive multiple of page_size="
-                             f"{allocator.page_size}")
+        if chunk_tokens is not None:
+            from .tiers import check_chunk_tokens
+            check_chunk_tokens(chunk_tokens, allocator.page_size)
         if disk is not None or remote is not None:
             from .tiers import _as_tier  # made now: a bad URL or path fails here, not at the first lookup
             self.tier_options = {"disk": _as_tier(disk, "disk"), "remote": _as_tier(remote, "remote"),

@@ -446,6 +446,11 @@ class RedisTier:
         self.client.close()
 
 
+def check_chunk_tokens(chunk_tokens, page_size: int) -> None:
+    if not (isinstance(chunk_tokens, int) and chunk_tokens > 0 and chunk_tokens % page_size == 0):
+        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive multiple of page_size={page_size}")
+
+
 def _as_tier(spec, kind: str):
     if spec is None or isinstance(spec, (DiskTier, RedisTier)):
         return spec
@@ -497,8 +502,7 @@ class PrefixTiers:
     def __post_init__(self) -> None:
         self.disk, self.remote = _as_tier(self.disk, "disk"), _as_tier(self.remote, "remote")
         page = self.store.page_size
-        if self.chunk_tokens <= 0 or self.chunk_tokens % page:
-            raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a positive multiple of page_size={page}")
+        check_chunk_tokens(self.chunk_tokens, page)
         if self.store.prefix_cache is None:
             raise ValueError("disk and remote tiers need the prefix cache (prefix_cache=True)")
         cfg = self.config
