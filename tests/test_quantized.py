@@ -292,3 +292,50 @@ def test_bad_rotated_arguments_write_nothing():
     with pytest.raises(ValueError, match=r"k_format = 16 is not a storage format .* \+ 16 for Hadamard-rotated rows"):
         kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 2]]), **(pool.op_kwargs() | {"k_format": 16}))
     assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4", "k=int8,v=int4", "kivi2", "bf16"])
+def test_pool_copy_blocks_moves_codes_and_scales(fmt):
+    """KVPool.copy_blocks copies a block's codes and the scales that travel with it (kvcache.copy_blocks does not
+    take quantized codes; an outside-in probe found the KVPool docstring promising block moves it did not have),
+    and refuses a bad mapping before writing anything."""
+    pool = kvcache.KVPool.allocate(6, 16, 2, 64, fmt)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 32, 64, generator=g), torch.randn(1, 2, 32, 64, generator=g)
+    if fmt == "bf16":  # full precision takes the pool's dtype
+        k, v = k.bfloat16(), v.bfloat16()
+    pool.append(k, v, torch.arange(32).view(1, 32))  # blocks 0 and 1
+    one = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([16, 16], dtype=torch.int32)
+    before = pool.gather(one, lens)
+    pool.copy_blocks(torch.tensor([[0, 4], [1, 3]]))
+    after = pool.gather(torch.tensor([[4], [3]], dtype=torch.int32), lens)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    tensors = [t.clone() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale) if t is not None]
+    with pytest.raises(IndexError, match=r"block_mapping\[1, 1\] = 6 is not a destination block id in \[0, 6\)"):
+        pool.copy_blocks(torch.tensor([[0, 5], [1, 6]]))
+    with pytest.raises(IndexError, match=r"block_mapping\[0, 0\] = -1 is not a source block id"):
+        pool.copy_blocks(torch.tensor([[-1, 5]]))
+    with pytest.raises(IndexError, match="writes destination block 5 twice"):
+        pool.copy_blocks(torch.tensor([[0, 5], [1, 5]]))
+    with pytest.raises(IndexError, match="reads block 5 .* that it also writes"):
+        pool.copy_blocks(torch.tensor([[0, 5], [5, 2]]))
+    now = [t for t in (pool.k, pool.v, pool.k_scale, pool.v_scale) if t is not None]
+    # (bitwise: a full-precision pool's unwritten blocks are torch.empty's bytes, NaN patterns among them)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, now))
+
+
+@pytest.mark.parametrize("fmt", ["k=int8,v=bf16", "bf16", "fp16"])
+def test_pool_gather_takes_any_float_dtype(fmt):
+    """KVPool.gather's dtype: by default the full-precision side's (a mix's, or the pool's), any float dtype on
+    request (an outside-in probe found the default failing on k=int8,v=bf16 and dtype=float32 refused on fp16)."""
+    pool = kvcache.KVPool.allocate(2, 4, 1, 32, fmt)
+    x = torch.randn(1, 1, 3, 32).to(pool.v.dtype if pool.v.is_floating_point() else torch.bfloat16)
+    pool.append(x, x, torch.arange(3).view(1, 3))
+    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    k, v = pool.gather(table, lens)
+    assert k.dtype == v.dtype == pool.v.dtype
+    assert torch.equal(v[0, :, :3], x[0])
+    k32, v32 = pool.gather(table, lens, dtype=torch.float32)
+    assert k32.dtype == v32.dtype == torch.float32
+    assert torch.equal(k32, k.float()) and torch.equal(v32, v.float())

@@ -48,8 +48,8 @@ class KVPool:
     exact attention, so callers see no difference but the smaller error.
 
     ``v_head_dim`` (default ``head_dim``): the width of the V rows, which may differ from the K rows' (MLA
-    latents); ``v`` and ``v_scale`` then have V's shapes. Storage ops (append, gather, block moves) honour
-    it; :meth:`attention` needs equal widths."""
+    latents); ``v`` and ``v_scale`` then have V's shapes. Storage ops (append, gather, :meth:`copy_blocks`)
+    honour it; :meth:`attention` needs equal widths."""
 
     num_blocks: int
     page_size: int
@@ -137,9 +137,10 @@ class KVPool:
         """Writes (quantizing) K/V ``[batch, kv_heads, q_len, head_dim]`` at ``slot_mapping``, or at the
         slot_mapping of a step's :func:`kvcache.plan_step` (no index reads on the host).
 
-        fp8 formats without a fixed scale take theirs from the first tokens appended: per kv head,
-        the absolute maximum of the finite values (of the rotated rows, for ``hadamard``) mapped onto the
-        format's largest value.
+        fp8 formats without a fixed scale take theirs from the first tokens stored: per kv head, the
+        absolute maximum of the finite values (of the rotated rows, for ``hadamard``) mapped onto the format's
+        largest value. Tokens at slot -1 do not count (with a step's plan, every token given counts), and a
+        call that raises leaves the scale as it was.
 
         Bad values (NaN, +-Inf) never enter a scale or zero point shared with other tokens: every other
         token of the page, head or channel is stored as if the bad value were 0. NaN stays NaN where the
@@ -149,29 +150,85 @@ class KVPool:
         saturate values at +-65504). Full-precision pools store what they are given. See the README.
         """
         cached = self._cached()
+        planned = isinstance(slot_mapping, ops.StepPlanTensors)
+        taken = []  # fp8 scales set by this call: put back if the op refuses it, so a refused call changes nothing
         for role in cached[4]:  # fp8 sides
             x, f = (key, self.format.k) if role == "k" else (value, self.format.v)
-            if not self._scales_set[role] and x.numel():
-                x = rotate(x.detach()) if f.hadamard else x.detach()
-                scale = fp8_scale_for(x, f.kind.removeprefix("fp8_"), dim=(0, 2, 3))
-                getattr(self, f"{role}_scale").copy_(scale)
-                self._scales_set[role] = True
-        if isinstance(slot_mapping, ops.StepPlanTensors):
-            ops.append_planned(slot_mapping, key, value, self.k, self.v, **cached[2])
-        else:
-            ops.append(key, value, self.k, self.v, slot_mapping, **cached[2])
+            if self._scales_set[role] or not x.numel():
+                continue
+            x = x.detach()
+            if not planned and slot_mapping.shape == x.shape[:1] + x.shape[2:3]:  # only the tokens stored
+                x = x.transpose(1, 2)[slot_mapping.to(x.device) >= 0].unsqueeze(0).transpose(1, 2)
+                if not x.numel():
+                    continue
+            x = rotate(x) if f.hadamard else x
+            scale = fp8_scale_for(x, f.kind.removeprefix("fp8_"), dim=(0, 2, 3))
+            target = getattr(self, f"{role}_scale")
+            taken.append((role, target.clone()))
+            target.copy_(scale)
+            self._scales_set[role] = True
+        try:
+            if planned:
+                ops.append_planned(slot_mapping, key, value, self.k, self.v, **cached[2])
+            else:
+                ops.append(key, value, self.k, self.v, slot_mapping, **cached[2])
+        except BaseException:
+            for role, old in taken:
+                getattr(self, f"{role}_scale").copy_(old)
+                self._scales_set[role] = False
+            raise
 
     def gather(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized padded K/V ``[batch, kv_heads, max_len, head_dim]`` (V: ``v_head_dim``; ``dtype``
-        defaults to float32 for quantized pools, the pool's own dtype otherwise)."""
-        out_dtype = dtype or (self.k.dtype if not self.format.k.quantized else torch.float32)
+        """Dequantized padded K/V ``[batch, kv_heads, max_len, head_dim]`` (V: ``v_head_dim``) in ``dtype``:
+        by default the dtype of the pool's full-precision side (a full-precision pool's own dtype, or V's in
+        ``k=int8,v=bf16``), float32 when both sides are quantized. Any other float ``dtype`` is converted to
+        from that one (the op writes a full-precision side in its own dtype)."""
+        full = [t.dtype for t, f in ((self.k, self.format.k), (self.v, self.format.v)) if not f.quantized]
+        native = full[0] if full else (dtype or torch.float32)
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         shape = (seq_lens.shape[0], self.num_kv_heads, max_len)
-        out = (torch.empty(shape + (self.head_dim,), dtype=out_dtype, device=self.k.device),
-               torch.empty(shape + (self.v_head_dim,), dtype=out_dtype, device=self.k.device))
-        return ops.paged_gather(self.k, self.v, block_tables, seq_lens, out=out, **self.op_kwargs())
+        out = (torch.empty(shape + (self.head_dim,), dtype=native, device=self.k.device),
+               torch.empty(shape + (self.v_head_dim,), dtype=native, device=self.k.device))
+        k, v = ops.paged_gather(self.k, self.v, block_tables, seq_lens, out=out, **self.op_kwargs())
+        if dtype is not None and dtype != native:
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
+
+    def copy_blocks(self, block_mapping: torch.Tensor) -> None:
+        """Copies whole blocks within this pool (copy-on-write), codes and the per-row / per-group scales that
+        travel with them: ``block_mapping`` ``[n, 2]`` of (src, dst) pairs, destinations distinct and never also
+        sources. Full-precision pools go through :func:`kvcache.copy_blocks`; quantized ones (whose codes that
+        op does not take) are checked the same way before anything is written."""
+        if not (self.format.k.quantized or self.format.v.quantized):
+            ops.copy_blocks(self.k, self.v, block_mapping)
+            return
+        mapping = torch.as_tensor(block_mapping)
+        if mapping.dim() != 2 or mapping.shape[1] != 2 or mapping.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block_mapping must be an [n, 2] integer tensor of (src, dst) pairs, got "
+                             f"{mapping.dtype} of shape {tuple(mapping.shape)}")
+        pairs = mapping.cpu().tolist()
+        written: dict[int, int] = {}
+        for i, (src, dst) in enumerate(pairs):  # (the op's checks and words: core/index_checks.h)
+            for col, b, what in ((0, src, "source"), (1, dst, "destination")):
+                if not 0 <= b < self.num_blocks:
+                    raise IndexError(f"block_mapping[{i}, {col}] = {b} is not a {what} block id in "
+                                     f"[0, {self.num_blocks})")
+            if dst in written:
+                raise IndexError(f"block_mapping writes destination block {dst} twice (rows {written[dst]} and {i})")
+            written[dst] = i
+        for i, (src, _) in enumerate(pairs):
+            if src in written:
+                raise IndexError(f"block_mapping reads block {src} (row {i}) that it also writes (row "
+                                 f"{written[src]}); the result would depend on the copy order")
+        if not pairs:
+            return
+        src = mapping[:, 0].to(device=self.k.device, dtype=torch.int64)
+        dst = mapping[:, 1].to(device=self.k.device, dtype=torch.int64)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None and t.dim() >= 3:  # (fp8's per-head scale is the whole pool's)
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def attention(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   cu_q_lens: torch.Tensor, scale: float | None = None, **kwargs):

@@ -142,15 +142,8 @@ class PagedStore:
         if len(copies):
             self.ensure_blocks(int(copies.max()) + 1)
             from . import ops
-            for pool in self.pools.values():
-                if not (pool.format.k.quantized or pool.format.v.quantized):
-                    ops.copy_blocks(pool.k, pool.v, copies)
-                    continue
-                src, dst = copies[:, 0].to(pool.k.device), copies[:, 1].to(pool.k.device)
-                for role in ("k", "v"):  # codes, and the per-row / per-group scales that travel with them
-                    for t in (getattr(pool, role), getattr(pool, f"{role}_scale")):
-                        if t is not None and t.dim() >= 3:
-                            t.index_copy_(0, dst, t.index_select(0, src))
+            for pool in self.pools.values():  # codes, and the per-row / per-group scales that travel with them
+                pool.copy_blocks(copies)
             if self.residual is not None:  # open pages are copied in the residual pools
                 moves = self.residual.copy_on_write([tuple(p) for p in copies.tolist()])
                 for layer, pool in list(self.residual_pools.items()):
