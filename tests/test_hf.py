@@ -173,6 +173,161 @@ def test_reorder_cache_shares_pages_copy_on_write():
     assert len(cache.rows) == 3  # unchanged
 
 
+@pytest.mark.parametrize("select", [[True, False, True], [2, 0], [-1, 0, -1], [1]], ids=str)
+def test_batch_select_indices_selects_as_dynamic_cache_does(select):
+    """batch_select_indices takes what DynamicCache's tensor indexing takes: a boolean mask (an outside-in probe
+    found a mask read as the row indices [1, 0, 1]), indices, negative indices; the next forward's logits equal
+    DynamicCache's exactly."""
+    model = _model("llama")
+    ids = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(5))
+    nxt = torch.randint(0, 128, (3, 1), generator=torch.Generator().manual_seed(6))
+    index = torch.tensor(select)
+    logits = []
+    for cache in (DynamicCache(config=model.config), kvcache.PagedCache(config=model.config, page_size=4)):
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            cache.batch_select_indices(index)
+            logits.append(model(nxt[index], past_key_values=cache).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_batch_select_indices_refuses_what_indexing_refuses():
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (3, 6)), past_key_values=cache)
+    tables = [seq.blocks.clone() for seq in cache.rows]
+    with pytest.raises(IndexError, match=r"boolean mask of shape \(2,\), but the cache holds 3 rows"):
+        cache.batch_select_indices(torch.tensor([True, False]))
+    with pytest.raises(IndexError, match=r"indices \[0, 3\] out of range for a cache of 3 rows"):
+        cache.batch_select_indices(torch.tensor([0, 3]))
+    with pytest.raises(IndexError, match="dtype torch.float32"):
+        cache.batch_select_indices(torch.tensor([0.0, 1.0]))
+    assert [torch.equal(a, seq.blocks) for a, seq in zip(tables, cache.rows)] == [True] * 3  # unchanged
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_gradients_reach_the_forwards_own_keys_and_values(impl, fmt):
+    """With autograd recording, a forward through a PagedCache gives every parameter the gradient DynamicCache
+    gives it (an outside-in probe found k_proj / v_proj, and with "kvcache" attention q_proj too, left without
+    one, silently): this forward's K/V pass their gradient straight through the pages, and "kvcache" attention
+    runs in PyTorch then (the kernel has no backward). With int8 pages (and the default full-precision window)
+    the values are the same, so the gradients are too."""
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(8))
+    grads = []
+    for cache_of in (lambda m: DynamicCache(config=m.config), lambda m: kvcache.PagedCache(config=m.config, kv_format=fmt)):
+        model = _model("llama")
+        model.set_attn_implementation("eager" if impl == "eager" else "sdpa")
+        cache = cache_of(model)
+        if isinstance(cache, kvcache.PagedCache):
+            model.set_attn_implementation(impl)
+        model(ids, past_key_values=cache).logits.logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(g is not None for g in grads[1].values()), [n for n, g in grads[1].items() if g is None]
+    worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max().clamp(min=1e-30))
+                for n in grads[0])
+    assert worst <= (0.0 if impl != "kvcache" else 1e-5), worst
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_gradients_reach_tokens_of_earlier_recorded_forwards(impl):
+    """Two recorded forwards (a prompt, then its continuation): the second one's loss reaches the first one's K/V
+    through the cache, as through DynamicCache's concatenation, with the same gradients. A forward outside autograd
+    leaves the history without a graph, as DynamicCache's does, silently; a crop or reorder drops it with a
+    warning."""
+    first, second = (torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n)) for n in (7, 3))
+    grads = []
+    for make in (lambda m: DynamicCache(config=m.config), lambda m: kvcache.PagedCache(config=m.config)):
+        model = _model("llama")
+        model.set_attn_implementation("sdpa")
+        cache = make(model)
+        model.set_attn_implementation(impl if isinstance(cache, kvcache.PagedCache) else "sdpa")
+        model(first, past_key_values=cache)
+        model(second, past_key_values=cache).logits.logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
+    assert worst <= (0.0 if impl == "sdpa" else 1e-5), worst
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config)
+    model(first, past_key_values=cache)
+    with torch.no_grad():
+        model(second[:, :1], past_key_values=cache)
+    assert not cache._graph  # nothing recorded is kept past a forward outside autograd
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(second[:, 1:], past_key_values=cache)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    with pytest.warns(UserWarning, match="not those cached before a crop, reorder or batch selection"):
+        model(second[:, :1], past_key_values=cache)
+    cache.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(first, past_key_values=cache)
+        model(second, past_key_values=cache)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2(hadamard)"])
+def test_fp8_scales_are_taken_again_after_reset(fmt):
+    """fp8 takes its per-head scales from the first tokens written; a reset() cache (or an Engine call without a
+    prefix cache) takes them again from its next prompt, so that prompt is stored, and answered, as on a fresh
+    cache (an outside-in probe found logits 1e-2 apart). While another cache still holds pages of the pool, the
+    scales stay: those pages were stored with them."""
+    model = _model("llama")
+    model.set_attn_implementation("kvcache")
+    a, b = (torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+
+    def forward(cache, ids):
+        with torch.no_grad():
+            return model(ids, past_key_values=cache).logits
+
+    fresh = kvcache.PagedCache(config=model.config, kv_format=fmt, residual_length=0)
+    expect = forward(fresh, b)
+    cache = kvcache.PagedCache(config=model.config, kv_format=fmt, residual_length=0)
+    forward(cache, a)
+    scales_a = cache.store.pools[0].k_scale.clone()
+    assert not torch.equal(scales_a, fresh.store.pools[0].k_scale)
+    other = copy.deepcopy(cache)  # holds a's pages
+    cache.reset()
+    forward(cache, b)
+    assert torch.equal(cache.store.pools[0].k_scale, scales_a)  # kept: other's pages need them
+    other.free()
+    cache.reset()
+    assert torch.equal(forward(cache, b), expect)
+    assert torch.equal(cache.store.pools[0].k_scale, fresh.store.pools[0].k_scale)
+    engine = kvcache.Engine(model, kv_format=fmt, residual_length=0, prefix_cache=False)
+    engine.generate([a[0].tolist()], max_new_tokens=4, progress=False)
+    again = engine.generate([b[0].tolist()], max_new_tokens=8, progress=False)[0].tokens
+    alone = kvcache.Engine(model, kv_format=fmt, residual_length=0, prefix_cache=False)
+    assert again == alone.generate([b[0].tolist()], max_new_tokens=8, progress=False)[0].tokens
+    assert torch.equal(engine.store.pools[0].k_scale, alone.store.pools[0].k_scale)
+
+
+def test_output_attentions_with_kvcache_attention_are_eagers():
+    """output_attentions=True with the "kvcache" attention returns the weights eager attention returns (computed in
+    PyTorch over the gathered pages for that forward), prefill and decode, with left padding; an outside-in probe
+    found them silently empty."""
+    model = _model("llama")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    runs = []
+    for impl, cache in (("eager", DynamicCache(config=model.config)), ("kvcache", kvcache.PagedCache(config=model.config))):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            first = model(ids, attention_mask=mask, past_key_values=cache, output_attentions=True)
+            step = model(first.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+                         past_key_values=cache, output_attentions=True)
+        runs.append((first, step))
+    for eager, ours, real in zip(*runs, (mask.bool(), torch.ones(2, 1, dtype=torch.bool))):
+        assert len(ours.attentions) == len(eager.attentions) == model.config.num_hidden_layers
+        for a, b in zip(eager.attentions, ours.attentions):
+            assert a.shape == b.shape
+            assert (a - b).abs().max() <= 1e-6
+        # (a pad query's output mixes the pad tokens' values, which DynamicCache stores and the pages do not)
+        assert (eager.logits[real] - ours.logits[real]).abs().max() <= 1e-5
+
+
 def test_deepcopy_reuse_and_multi_turn():
     """The documented prefix-reuse pattern: deepcopy a prompt cache per request; and one cache across turns."""
     model = _model("qwen2")

@@ -221,6 +221,56 @@ def test_engine_with_residual_pages_equals_generate():
     assert engine.store.residual.num_slots < sum(-(-(len(p) + 8) // 8) for p in prompts)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+@pytest.mark.parametrize("fmt", ["int8", "kivi2"])
+def test_residual_pools_shrink_once_a_long_prompt_is_sealed(fmt, impl, monkeypatch):
+    """A prompt's pages sit in the residual pools until the next forward seals all but the window's; the pools
+    then shrink back to about those pages (an outside-in probe found a 4,096-token int8 prompt keeping 6.25 MiB
+    of residual pools against DynamicCache's 4 MiB). Compaction only moves pages between slots: the logits equal
+    those of a cache that never compacts, bit for bit."""
+    model = _llama()
+    model.set_attn_implementation(impl)
+    prompt = torch.randint(0, 128, (2, 1000), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt, page_size=PAGE)  # the default window, 128
+        logits = []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for _ in range(6):
+                logits.append(model(token, past_key_values=cache).logits)
+                token = logits[-1][:, -1:].argmax(-1)
+        return cache, torch.cat(logits, 1)
+
+    cache, got = run()
+    open_pages = len(cache.store.residual.slot_of)
+    assert open_pages <= 2 * (128 // PAGE + 1)
+    assert all(pool.num_blocks <= max(16, 2 * open_pages) for pool in cache.store.residual_pools.values())
+    monkeypatch.setattr(residual, "COMPACT_MIN_SLOTS", 10**9)
+    never, expect = run()
+    assert all(pool.num_blocks >= 2 * (1000 // PAGE) for pool in never.store.residual_pools.values())
+    assert torch.equal(got, expect)
+
+
+def test_engine_residual_pools_shrink_and_tokens_stay(monkeypatch):
+    """The Engine compacts its residual pools before planning a step, with the same tokens as without."""
+    model = _llama()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (700, 500, 650)]
+
+    def run():
+        engine = kvcache.Engine(model, kv_format="int8", page_size=PAGE, prefix_cache=False)
+        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=6)]
+        return engine, tokens
+
+    engine, got = run()
+    assert all(pool.num_blocks <= 64 for pool in engine.store.residual_pools.values())
+    monkeypatch.setattr(residual, "COMPACT_MIN_SLOTS", 10**9)
+    never, expect = run()
+    assert all(pool.num_blocks >= sum(n // PAGE for n in (700, 500, 650)) for pool in never.store.residual_pools.values())
+    assert got == expect
+
+
 def test_bad_residual_arguments():
     with pytest.raises(ValueError, match=r"residual_length=-1 and residual_sink_tokens=0 must be >= 0"):
         kvcache.PagedCache(kv_format="int8", residual_length=-1, num_layers=1)

@@ -4,10 +4,12 @@ kernel cannot express goes through PyTorch. :func:`kvcache_mask` is its mask fun
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import hf_mla, residual as res
-from .hf_cache import PagedCache
+from .hf_cache import PagedCache, wants_grad
 from .padding import PENDING_PADDING, Padding, leading_pads
 from .step import StepPlan
 
@@ -35,10 +37,15 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     tag = getattr(key, "_kvcache", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    # output_attentions=True: the weights, computed in PyTorch over the gathered pages as eager attention does
+    weights = bool(kwargs.get("output_attentions"))
     if hf_mla.is_mla(module):  # latents in the pages; the key and value here are this forward's expansion
         pending = hf_mla.pending_write(module)  # (taken in any case: it is this layer's)
         tag = tag or pending
         if tag is not None and hf_mla.holds_latents(module, tag[0].store.pools[tag[1]]):
+            if weights:
+                warnings.warn("the \"kvcache\" attention of MLA latents returns no attention weights "
+                              "(output_attentions=True); use attn_implementation=\"eager\" for them", stacklevel=2)
             return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
                         scaling), None
     if sliding_window is None:
@@ -46,12 +53,16 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if tag is not None:
         cache, layer_idx, plan = tag
         pool = cache.store.pools[layer_idx]  # (K and V rows of two widths, not MLA latents: the dense path)
+        # while autograd records (training, or a forward outside torch.no_grad), PyTorch's attention over the
+        # gathered pages: the kernel has no backward
         if (pool.head_dim == pool.v_head_dim and _fused_ok(cache, plan, attention_mask, query)
-                and not (sliding_window and plan.residual is not None)):
+                and not (sliding_window and plan.residual is not None) and not wants_grad(query, key, value)
+                and not weights):
             return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
-        key, value = cache._dense(layer_idx, query.dtype)
-    return _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
-                            sliding_window, softcap), None
+        key, value = cache._dense(layer_idx, query.dtype, key, value)
+    out = _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
+                           sliding_window, softcap, weights=weights)
+    return out if weights else (out, None)
 
 
 def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, value, mask, dropout: float,
@@ -112,8 +123,10 @@ def _paged(cache: PagedCache, layer_idx: int, plan: StepPlan, query: torch.Tenso
     return out.view(batch, q_len, heads, dim)
 
 
-def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap):
-    """Bottom-right causal attention with a 2-D padding mask (or a ready 4-D mask) in PyTorch."""
+def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap, weights: bool = False):
+    """Bottom-right causal attention with a 2-D padding mask (or a ready 4-D mask) in PyTorch. ``weights``:
+    returns (output, attention weights), masked positions as eager attention masks them (the dtype's lowest
+    value, so a row with nothing to see is uniform rather than NaN)."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if mask2d is not None and mask2d.dim() == 4:
@@ -132,15 +145,20 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
     if heads != kv_heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    if softcap:
+    if softcap or weights:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min if weights else float("-inf"))
         if additive is not None:
             scores = scores + additive
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        if weights and dropout:
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         out = torch.matmul(probs, value)
+        if weights:
+            return out.transpose(1, 2).contiguous(), probs
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=allowed if allowed is not None else additive, dropout_p=dropout,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -69,6 +70,34 @@ def _state_layers(config) -> list | None:
         else:
             layers.append(None)
     return layers
+
+
+class _StoredWithGradient(torch.autograd.Function):
+    """The stored K or V of this forward's tokens as they are, with the gradient passed to the K or V the model
+    handed the cache (straight through): what DynamicCache's concatenation gives them, while the values are
+    the pages' (exactly the same in full precision; a quantized format's rounding is not differentiated)."""
+
+    @staticmethod
+    def forward(ctx, stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        ctx.new_dtype = new.dtype
+        return stored.view_as(stored)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.to(ctx.new_dtype)
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records this forward (grad mode on and an input that requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def with_gradient(dense: torch.Tensor, new: torch.Tensor, start: int) -> torch.Tensor:
+    """``dense`` ``[batch, heads, length, dim]`` whose positions ``[start, start + q_len)`` hold the tokens of a
+    forward's ``new`` ``[batch, heads, q_len, dim]``, made differentiable with respect to ``new`` there."""
+    end = start + new.shape[2]
+    return torch.cat([dense[:, :, :start], _StoredWithGradient.apply(dense[:, :, start:end], new),
+                      dense[:, :, end:]], dim=2)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -185,6 +214,10 @@ class PagedCache(Cache):
         self._plan: StepPlan | None = None
         self._external_plan: StepPlan | None = None
         self._dense_row_mode = False
+        # while autograd records: per layer, (start, K, V) of each recorded forward's tokens, so that a later
+        # forward's gradient reaches them as DynamicCache's concatenation would; dropped by crop / reorder / reset
+        self._graph: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        self._graph_dropped = False
         states = _state_layers(text_config)
         if states is not None:  # a hybrid model: HF's state layers where the model keeps states, pages elsewhere
             layers = [PagedLayer(self, i) if st is None else st for i, st in enumerate(states)]
@@ -252,9 +285,17 @@ class PagedCache(Cache):
         plan = self._step_plan(layer.length, q_len).on(key_states.device)
         self.write(layer_idx, key_states, value_states, plan)
         layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
+        if wants_grad(key_states, value_states):
+            if plan.length and self._graph_dropped:
+                warnings.warn("kvcache.PagedCache: gradients reach the K/V of this forward's tokens but not those "
+                              "cached before a crop, reorder or batch selection (the pages keep values, not their "
+                              "autograd graph)", stacklevel=2)
+            self._graph.setdefault(layer_idx, []).append((plan.length, key_states, value_states))
+        elif self._graph:  # as DynamicCache, whose concatenation outside autograd leaves its history no graph
+            self._graph.pop(layer_idx, None)
         if self.fused:
             return self._tagged(key_states, value_states, layer_idx, plan)
-        return self._dense(layer_idx, key_states.dtype)
+        return self._dense(layer_idx, key_states.dtype, key_states, value_states)
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
         """Writes a layer's new K/V at the slots of ``plan`` (the step's :class:`kvcache.StepPlan`): through
@@ -289,8 +330,14 @@ class PagedCache(Cache):
         raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
 
     def reset(self) -> None:
-        """Empties the cache (its pages go back to the allocator); the pools stay allocated."""
+        """Empties the cache (its pages go back to the allocator); the pools stay allocated. fp8 scales taken from
+        the first tokens are taken again from the next ones, unless the pages are shared (a prefix cache, a
+        ``deepcopy`` still holding pages), whose stored tokens keep needing them."""
         self._release_rows()
+        self._graph_dropped = False  # nothing left whose graph was dropped
+        alloc = self.store.allocator
+        if self.store.prefix_cache is None and alloc.num_free == alloc.num_blocks:
+            self.store.forget_scales()
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.length = 0
@@ -315,7 +362,20 @@ class PagedCache(Cache):
         self._select_rows([int(i) for i in beam_idx.tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+        """Keeps the rows ``indices`` selects, as tensor indexing does (``DynamicCache`` indexes its tensors
+        with it): row indices, negative ones counted from the end, or a boolean mask of one entry per row."""
+        n = len(self.rows) or self._state_batch()
+        index = torch.as_tensor(indices).cpu()
+        if index.dtype == torch.bool and index.shape != (n,):
+            raise IndexError(f"indices is a boolean mask of shape {tuple(index.shape)}, but the cache holds {n} rows")
+        if index.dtype != torch.bool and (index.is_floating_point() or index.is_complex()):
+            raise IndexError(f"indices must be integer row indices or a boolean mask, got dtype {index.dtype}")
+        rows = torch.arange(n)
+        try:
+            picked = rows[index]
+        except IndexError as e:
+            raise IndexError(f"indices {index.tolist()} out of range for a cache of {n} rows") from e
+        self._select_rows(picked.reshape(-1).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         n = len(self.rows) or self._state_batch()
@@ -345,6 +405,7 @@ class PagedCache(Cache):
                 layer.crop(new_len - length)
         if new_len == length:
             return
+        self._drop_graph()
         alloc, page = self.store.allocator, self.store.page_size
         for b, seq in enumerate(self.rows):
             self.pads[b] = min(self.pads[b], new_len)
@@ -378,6 +439,7 @@ class PagedCache(Cache):
         other.rows = [self.store.allocator.fork(seq) for seq in self.rows]
         other.pads = list(self.pads)
         other._plan = None
+        other._graph = {layer: list(segments) for layer, segments in self._graph.items()}
         return other
 
     def __del__(self):
@@ -403,7 +465,11 @@ class PagedCache(Cache):
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
         self._refuse_states("load_prefix")
-        tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
+        tokens = torch.as_tensor(input_ids)
+        if tokens.dim() > 2 or (tokens.dim() == 2 and tokens.shape[0] != 1):
+            raise ValueError(f"input_ids has shape {tuple(tokens.shape)}: load_prefix starts a batch-1 cache, so it "
+                             f"takes one row ([n] or [1, n]); for a batch, use kvcache.Engine or one cache per row")
+        tokens = tokens.reshape(-1).cpu()
         if self.rows or self.get_seq_length():
             raise ValueError("load_prefix needs an empty cache")
         m = self.store.prefix_cache.match(tokens[:-1], self._namespace())
@@ -448,13 +514,14 @@ class PagedCache(Cache):
             open_blocks = self.store.residual.slot_of
             residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
         first = self.layers[self._first_paged()] if self.layers else None
+        model_dtype = self._model_dtype()
+        elem = torch.finfo(model_dtype).bits // 8 if model_dtype is not None else 2
         dense = 0
         for pool in self.store.pools.values():
-            elem = torch.finfo(first.dtype).bits // 8 if first is not None and first.is_initialized else 2
             dense += len(self.rows) * length * pool.num_kv_heads * (pool.head_dim + pool.v_head_dim) * elem
         fmt = self.store.kv_format
-        if fmt is None and first is not None and first.is_initialized:
-            fmt = CacheFormat.parse(first.dtype)
+        if fmt is None and model_dtype is not None:
+            fmt = CacheFormat.parse(model_dtype)
         label = "+".join(filter(None, (str(fmt), self.store.residual_label))) if fmt is not None else "model dtype"
         return {
             "format": label,
@@ -490,6 +557,18 @@ class PagedCache(Cache):
         return _html.table("kvcache.PagedCache", rows, "kvcache attention" if self.fused else "dense")
 
     # ---- internals -------------------------------------------------------------------------------
+    def _model_dtype(self) -> torch.dtype | None:
+        """The dtype of the model's K/V: as seen by a forward, else what the pages tell (a full-precision pool
+        holds it, a residual pool too: e.g. right after load_prefix), else the config's; None if unknown."""
+        first = self.layers[self._first_paged()] if self.layers else None
+        if first is not None and first.is_initialized:
+            return first.dtype
+        for pool in list(self.store.pools.values()) + list(self.store.residual_pools.values()):
+            if pool.k.is_floating_point() and pool.k.dtype.itemsize > 1 and not pool.format.k.quantized:
+                return pool.k.dtype
+        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
     def _refuse_states(self, what: str) -> None:
         states = [(i, type(layer).__name__) for i, layer in enumerate(self.layers) if not isinstance(layer, PagedLayer)
                   and type(layer).__name__ != "DummyLayer"]
@@ -527,10 +606,17 @@ class PagedCache(Cache):
         self.rows = [self.store.allocator.sequence() for _ in range(batch)]
         self.pads = pads
         self._version += 1
+        if length == 0:
+            self._graph_dropped = False
+
+    def _drop_graph(self) -> None:
+        self._graph_dropped = self._graph_dropped or bool(self._graph)
+        self._graph = {}
 
     def _release_rows(self) -> None:
         for seq in self.rows:
             self.store.allocator.release(seq)
+        self._drop_graph()
         self.rows, self.pads = [], []
         self._plan = None
         self._version += 1
@@ -576,6 +662,7 @@ class PagedCache(Cache):
         # torch.compile cannot trace. Disabled as a whole, it is one clean graph break per step; traced, its
         # breaks inside nested frames made dynamo run every decoder layer's frame eagerly.
         alloc = self.store.allocator
+        self.store.compact_residual()
         end = length + q_len
         for b, seq in enumerate(self.rows):  # room for the new tokens (copy-on-write of shared pages)
             need = end - self.pads[b] - seq.num_tokens
@@ -590,18 +677,24 @@ class PagedCache(Cache):
                                       residual=self.store.residual, length=length, version=self._version)
         return plan
 
-    def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K/V as ``[batch, kv_heads, length, head_dim]`` (pad slots that were not stored are zero)."""
+    def _dense(self, layer_idx: int, dtype: torch.dtype, new_k: torch.Tensor | None = None,
+               new_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V as ``[batch, kv_heads, length, head_dim]`` (pad slots that were not stored are zero).
+        Given this forward's K/V (``new_k``, ``new_v``) while autograd records, its tokens carry their gradient
+        (:func:`with_gradient`)."""
         pool = self.store.pools[layer_idx]
         length = self.layers[layer_idx].length
         k, v = self._gather(layer_idx, self._plan.on(pool.k.device), length, dtype)
-        if not any(self.pads):
-            return k, v
-        k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
-        for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
-            k_out[b, :, pad:] = k[b, :, : length - pad]
-            v_out[b, :, pad:] = v[b, :, : length - pad]
-        return k_out, v_out
+        if any(self.pads):
+            k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
+            for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
+                k_out[b, :, pad:] = k[b, :, : length - pad]
+                v_out[b, :, pad:] = v[b, :, : length - pad]
+            k, v = k_out, v_out
+        if wants_grad(new_k, new_v):
+            for start, seg_k, seg_v in self._graph.get(layer_idx, []):  # this forward's tokens are the last
+                k, v = with_gradient(k, seg_k, start), with_gradient(v, seg_v, start)
+        return k, v
 
     def _packed(self, layer_idx: int, plan: StepPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed step's K/V for attention in PyTorch: every row's stored tokens, row after row, as

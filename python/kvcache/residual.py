@@ -105,6 +105,11 @@ class ResidualPlan:
         return plan
 
 
+# Residual pools shrink (ResidualPages.compact) only from this many slots up: below it, regrowing costs more
+# than the memory saved.
+COMPACT_MIN_SLOTS = 64
+
+
 class ResidualPages:
     """Which blocks are open (held in full precision) and at which residual slot; plans each forward.
 
@@ -156,6 +161,31 @@ class ResidualPages:
         for b in dead:
             self.close(b)
         return len(dead)
+
+    def compact(self) -> list[tuple[int, int]] | None:
+        """When at most a quarter of the slots handed out hold open pages (after a long prompt's pages were
+        sealed, say), renumbers those pages' slots ``0 .. n - 1`` so that the residual pools can shrink to them.
+        Returns the (old slot, new slot) page moves to apply to every residual pool, or ``None`` when nothing
+        changes (fewer than ``COMPACT_MIN_SLOTS`` slots, a fixed-size pool, or a quarter or more in use). Moves
+        go from slots ``>= n`` to free slots ``< n``: no move reads a page another one writes."""
+        if self.max_slots is not None or self.num_slots < COMPACT_MIN_SLOTS:
+            return None
+        if self.is_live is not None:
+            self.collect()
+        used = len(self.slot_of)
+        if 4 * used > self.num_slots:
+            return None
+        taken = set(self.slot_of.values())
+        free_low = iter(s for s in range(used) if s not in taken)
+        moves = []
+        for blk, slot in self.slot_of.items():
+            if slot >= used:
+                new = next(free_low)
+                moves.append((slot, new))
+                self.slot_of[blk] = new
+        self._free.clear()
+        self.num_slots = used
+        return moves
 
     def copy_on_write(self, copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Blocks copied to new ids (a shared partial page before its write): the copy is open iff the

@@ -151,6 +151,31 @@ class PagedStore:
                         pool = self.residual_pool(layer, pool.k, self.residual.num_slots)
                         ops.copy_blocks(pool.k, pool.v, torch.tensor(moves, dtype=torch.int64, device=pool.k.device))
 
+    def forget_scales(self) -> None:
+        """fp8 pools without a given scale take their per-head scales again from the next tokens written (for a
+        cache emptied by ``reset``: its next prompt should not be stored with the last one's scales)."""
+        for pool in self.pools.values():
+            for role, f in (("k", pool.format.k), ("v", pool.format.v)):
+                if f.kind.startswith("fp8") and f.scale is None:
+                    pool._scales_set[role] = False
+
+    def compact_residual(self) -> None:
+        """Shrinks the residual pools once most of their pages were sealed (a long prompt's, after the forward
+        that follows its prefill): the open pages move to the lowest slots and the pools keep twice as many
+        as are in use. Called before a step is planned, so no plan refers to the old slots."""
+        if self.residual is None:
+            return
+        moves = self.residual.compact()
+        if moves is None:
+            return
+        from . import ops
+        blocks = _grown(0, 2 * self.residual.num_slots)
+        for layer, pool in list(self.residual_pools.items()):
+            if moves:
+                ops.copy_blocks(pool.k, pool.v, torch.tensor(moves, dtype=torch.int64, device=pool.k.device))
+            if blocks < pool.num_blocks:
+                self.residual_pools[layer] = _grow_pool(pool, blocks)
+
     def clear(self) -> None:
         """Drops every pool's memory (the allocator must hold no blocks)."""
         self.pools.clear()
@@ -174,12 +199,13 @@ def _grown(current: int, needed: int) -> int:
 
 
 def _grow_pool(pool: KVPool, blocks: int) -> KVPool:
-    """A copy of ``pool`` with ``blocks`` blocks (the old ones copied, fp8 per-head scales kept)."""
+    """A copy of ``pool`` with ``blocks`` blocks (the first ``min(blocks, num_blocks)`` copied, fp8 per-head
+    scales kept): grown, or shrunk (:meth:`PagedStore.compact_residual`)."""
     new = KVPool.allocate(blocks, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.format, device=pool.k.device,
                           v_head_dim=pool.v_head_dim)
-    n = pool.num_blocks
-    new.k[:n].copy_(pool.k)
-    new.v[:n].copy_(pool.v)
+    n = min(blocks, pool.num_blocks)
+    new.k[:n].copy_(pool.k[:n])
+    new.v[:n].copy_(pool.v[:n])
     for role in ("k", "v"):
         old, grown = getattr(pool, f"{role}_scale"), getattr(new, f"{role}_scale")
         if old is None:
@@ -187,7 +213,7 @@ def _grow_pool(pool: KVPool, blocks: int) -> KVPool:
         if old.dim() == 1:  # per kv head (fp8): the whole tensor
             grown.copy_(old)
         else:
-            grown[:n].copy_(old)
+            grown[:n].copy_(old[:n])
     new._scales_set = dict(pool._scales_set)
     return new
 
