@@ -328,6 +328,26 @@ def test_output_attentions_with_kvcache_attention_are_eagers():
         assert (eager.logits[real] - ours.logits[real]).abs().max() <= 1e-5
 
 
+def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
+    """load_prefix starts a batch-1 cache: a 2-row input_ids is refused (it was flattened into one prompt), and
+    right after it, before any forward, stats() sizes the equivalent DynamicCache in the model's dtype (float32
+    here; it assumed 2 bytes)."""
+    model = _model("llama")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    source = kvcache.PagedCache(config=model.config, prefix_cache=True)
+    with torch.no_grad():
+        model(ids, past_key_values=source)
+    source.save_prefix(ids[0])
+    cache = kvcache.PagedCache(config=model.config, store=source.store)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 40\): load_prefix starts a batch-1 cache"):
+        cache.load_prefix(ids.repeat(2, 1))
+    assert not cache.rows
+    n = cache.load_prefix(ids)
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert n == 39 and cache.stats()["dynamic_cache_bytes"] == n * per_token
+
+
 def test_deepcopy_reuse_and_multi_turn():
     """The documented prefix-reuse pattern: deepcopy a prompt cache per request; and one cache across turns."""
     model = _model("qwen2")
