@@ -230,6 +230,34 @@ def test_planned_ops_refuse_a_plan_that_does_not_fit(run_on):
         assert unchanged(pool, before)
 
 
+def test_planned_ops_refuse_the_halves_of_two_plans(run_on):
+    # Regression (segfault): the per-layer ops trust plan.device's indices, validated by plan_step against the
+    # pools plan.host describes. The host half of a plan for a 4-block pool with the device half of one for a
+    # 4096-block pool (same sizes) wrote slot 16000 of a 16-slot pool; so did a device half overwritten by hand.
+    T = lambda x: torch.tensor(x, dtype=torch.int32)
+    small = kvcache.KVPool.allocate(4, 4, 1, 32, torch.float32)
+    big = kvcache.KVPool.allocate(4096, 4, 1, 32, torch.float32)
+    small.k.zero_(), small.v.zero_()
+    a = kvcache.plan_step(small.k, small.v, T([[1]]), T([1]), T([0, 1]), torch.tensor([[4]]), q_heads=1)
+    b = kvcache.plan_step(big.k, big.v, T([[4000]]), T([1]), T([0, 1]), torch.tensor([[16000]]), q_heads=1)
+    assert a.host.shape == b.host.shape and a.device.shape == b.device.shape  # (no size tells them apart)
+    overwritten = a.device.clone().fill_(0x7f)
+    key, q = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 32)
+    out = torch.full_like(q, 7.0)
+    before = checksum(small)
+    for mixed in ((a.host, b.device), (a.host, overwritten), (b.host.clone(), a.device)):
+        with pytest.raises(ValueError, match=r"^plan: plan_host and plan_device are not the two tensors of one "
+                                             r"plan_step call \(plan_host belongs to plan -?\d+, plan_device holds "
+                                             r"plan id -?\d+\)"):
+            kvcache.append_planned(mixed, key, key, small.k, small.v)
+        with pytest.raises(ValueError, match=r"^plan: plan_host and plan_device are not the two tensors"):
+            kvcache.paged_attention_planned(mixed, q, small.k, small.v, out=out)
+        assert unchanged(small, before) and out.eq(7.0).all()
+    # a copy of a whole plan is the same plan (torch.library.opcheck runs the ops on copies of their arguments)
+    kvcache.append_planned(kvcache.StepPlanTensors(a.host.clone(), a.device.clone()), key, key, small.k, small.v)
+    assert torch.equal(small.k[1, 0, 0], key[0, 0, 0])
+
+
 @pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="built without KVCACHE_CUDA_EMULATION=ON")
 def test_a_plan_runs_only_on_the_backend_it_was_made_for():
     from conftest import ops_backend

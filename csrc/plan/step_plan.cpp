@@ -17,6 +17,20 @@ int64_t align8(int64_t n) { return (n + 7) / 8 * 8; }
 
 const char* backend_name(int64_t backend) { return backend == kPlanForCuda ? "CUDA" : "CPU"; }
 
+/// 64-bit FNV-1a of `n` bytes, continuing from `hash`.
+uint64_t fnv1a(const uint8_t* p, int64_t n, uint64_t hash = 0xcbf29ce484222325ull) {
+  for (int64_t i = 0; i < n; ++i) hash = (hash ^ p[i]) * 0x100000001b3ull;
+  return hash;
+}
+
+/// The memory of a host half made for a device plan, and the device half's storage, which it keeps alive: on a
+/// GPU, plan_device at that storage's address is then that very tensor (no other can take the address).
+struct HostPlanContext {
+  at::Tensor host;
+  c10::Storage device;
+};
+void delete_host_plan_context(void* ctx) { delete static_cast<HostPlanContext*>(ctx); }
+
 int64_t host_bytes(const StepPlanHeader& h) {
   return int64_t(sizeof(StepPlanHeader)) + h.num_tasks * int64_t(sizeof(AttentionTask)) +
          h.num_splits * int64_t(sizeof(AttentionPlan::Split));
@@ -99,19 +113,13 @@ std::tuple<at::Tensor, at::Tensor> build_step_plan(
 
   const int64_t task_bytes = h.num_tasks * int64_t(sizeof(AttentionTask));
   const int64_t split_bytes = h.num_splits * int64_t(sizeof(AttentionPlan::Split));
-  h.tables_at = 0;
+  h.tables_at = 8;  // after the plan's id
   h.seq_lens_at = align8(h.tables_at + batch * width * 4);
   h.cu_q_lens_at = align8(h.seq_lens_at + batch * 4);
   h.slots_at = align8(h.cu_q_lens_at + (batch + 1) * 4);
   h.tasks_at = align8(h.slots_at + h.slot_rows * h.slot_cols * 8);
   h.splits_at = align8(h.tasks_at + task_bytes);
   h.device_bytes = h.splits_at + split_bytes;
-
-  at::Tensor host_plan = at::zeros({host_bytes(h)}, at::dtype(at::kByte));
-  uint8_t* hp = host_plan.data_ptr<uint8_t>();
-  std::memcpy(hp, &h, sizeof h);
-  if (task_bytes) std::memcpy(hp + sizeof h, plan.tasks.data(), task_bytes);
-  if (split_bytes) std::memcpy(hp + sizeof h + task_bytes, plan.splits.data(), split_bytes);
 
   // On a GPU the upload comes from pinned memory without blocking, so the host does not wait for the
   // device's queue (the caching host allocator keeps the buffer until the copy has run).
@@ -124,7 +132,21 @@ std::tuple<at::Tensor, at::Tensor> build_step_plan(
   if (h.slot_rows * h.slot_cols > 0) std::memcpy(dp + h.slots_at, slots_host.data_ptr<int64_t>(), h.slot_rows * h.slot_cols * 8);
   if (task_bytes) std::memcpy(dp + h.tasks_at, plan.tasks.data(), task_bytes);
   if (split_bytes) std::memcpy(dp + h.splits_at, plan.splits.data(), split_bytes);
+  h.plan_id = static_cast<int64_t>(fnv1a(dp + 8, h.device_bytes - 8, fnv1a(reinterpret_cast<const uint8_t*>(&h), sizeof h)));
+  std::memcpy(dp, &h.plan_id, 8);
   at::Tensor device_plan = to_gpu ? staged.to(k_cache.device(), /*non_blocking=*/true) : staged;
+
+  at::Tensor host_plan = at::zeros({host_bytes(h)}, at::dtype(at::kByte));
+  uint8_t* hp = host_plan.data_ptr<uint8_t>();
+  std::memcpy(hp, &h, sizeof h);
+  if (task_bytes) std::memcpy(hp + sizeof h, plan.tasks.data(), task_bytes);
+  if (split_bytes) std::memcpy(hp + sizeof h + task_bytes, plan.splits.data(), split_bytes);
+  if (to_gpu) {
+    host_plan = at::for_blob(hp, host_plan.sizes())
+                    .context(new HostPlanContext{host_plan, device_plan.storage()}, &delete_host_plan_context)
+                    .options(host_plan.options())
+                    .make_tensor();
+  }
   return {host_plan, device_plan};
 }
 
@@ -145,6 +167,23 @@ const StepPlanHeader& check_step_plan(const at::Tensor& plan_host, const at::Ten
                         plan_device.numel() == h.device_bytes,
                     "plan_device must be the second tensor plan_step returned (", h.device_bytes,
                     " bytes) but is ", plan_device.scalar_type(), " of shape ", plan_device.sizes());
+  // The halves of one plan: plan_device's first 8 bytes are the id its header records. On the CPU they are
+  // read in place. On a GPU, the device tensor plan_step made with this host half is known without a read (its
+  // HostPlanContext); any other (a copy of a plan) is read, a synchronization per call.
+  int64_t device_id = h.plan_id;
+  const at::DataPtr& host_memory = plan_host.storage().data_ptr();
+  const bool made_together = !plan_device.is_cpu() && host_memory.get_deleter() == &delete_host_plan_context &&
+                             static_cast<const HostPlanContext*>(host_memory.get_context())->device.data_ptr().get() ==
+                                 plan_device.data_ptr();
+  if (plan_device.is_cpu()) {
+    std::memcpy(&device_id, plan_device.data_ptr(), 8);
+  } else if (!made_together) {
+    const at::Tensor id = plan_device.narrow(0, 0, 8).to(at::kCPU);
+    std::memcpy(&device_id, id.data_ptr(), 8);
+  }
+  TORCH_CHECK_VALUE(device_id == h.plan_id, "plan: plan_host and plan_device are not the two tensors of one "
+                    "plan_step call (plan_host belongs to plan ", h.plan_id, ", plan_device holds plan id ", device_id,
+                    "); pass a plan's two tensors together, unmodified");
   TORCH_CHECK_VALUE(layout.page_size == h.page_size && layout.num_kv_heads == h.kv_heads &&
                         layout.head_dim == h.head_dim && layout.v_head_dim == h.v_head_dim,
                     "the pools have page_size ", layout.page_size, ", num_kv_heads ", layout.num_kv_heads,

@@ -2,9 +2,12 @@
 // step's index tensors on the host once, validates them against the pools (the same checks and messages as
 // the unplanned ops), splits the attention into tasks, and lays everything out in two tensors:
 //   host   (CPU, uint8):            StepPlanHeader, then the tasks and the splits;
-//   device (the pools' device, uint8): block tables, seq_lens, cu_q_lens, slot_mapping, tasks, splits.
+//   device (the pools' device, uint8): the plan's id, block tables, seq_lens, cu_q_lens, slot_mapping, tasks,
+//                                      splits.
 // The per-layer ops (paged_attention_planned, append_planned) check only shapes, dtypes and devices against
-// the header and read their indices from `device`: no host reads, so no synchronization on a GPU.
+// the header and read their indices from `device`: no host reads, so no synchronization on a GPU. They trust
+// `device` to be the one validated with `host`, so check_step_plan ties the two halves together by the plan's
+// id (see there); index values changed by hand inside `device` are not detected.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +28,10 @@ constexpr int64_t kPlanForCpu = 0, kPlanForCuda = 1;    // whose task list the p
 struct StepPlanHeader {
   int64_t magic = kStepPlanMagic;
   int64_t backend = kPlanForCpu;
+  // Which device tensor this header goes with: a hash of the header (this field 0) and of the device tensor's
+  // bytes after its first 8, which hold plan_id too. A hash rather than a count: plan_step's outputs are a
+  // function of its inputs (torch.library.opcheck compares two calls).
+  int64_t plan_id = 0;
   int64_t batch = 0, total_q = 0, q_heads = 0;
   // the pools it was validated against: their shape (num_blocks aside) and formats
   int64_t page_size = 0, kv_heads = 0, head_dim = 0, v_head_dim = 0, k_format = 0, v_format = 0;

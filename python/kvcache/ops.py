@@ -267,6 +267,11 @@ def plan_step(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
     host (no synchronization on a GPU), and give bit-identical results to the unplanned ops. A plan serves
     pools with at least as many blocks as it uses; ``q_heads`` is the query's head count.
 
+    The two tensors go together, unmodified: the per-layer ops trust the validated indices in ``device``. They
+    refuse the halves of two different plans (both carry the plan's id, a hash of its contents: a ValueError
+    naming the plan), but cannot tell index values changed by hand inside ``device`` (on a GPU that would take
+    a read per layer): a plan's tensors must not be modified.
+
     >>> import torch, kvcache
     >>> k_cache, v_cache = kvcache.PageLayout(4, 16, 2, 64, torch.float32).allocate(fill=0.0)
     >>> table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([17], dtype=torch.int32)
