@@ -312,6 +312,11 @@ def test_bad_attention_arguments_leave_out_untouched():
         (dict(window_left=-2), ValueError, r"window_left = -2 must be -1"),
         (dict(sink_tokens=-1), ValueError, r"sink_tokens = -1 must be >= 0"),
         (dict(softcap=-1.0), ValueError, r"softcap = -1 must be 0"),
+        # finite as a double but not as the float32 the kernels compute in: inf (1e39) or 0, turning the cap off
+        (dict(softcap=1e39), ValueError, r"softcap = 1e\+39 must be 0 \(off\) or positive, in \[1.17549e-38, 3.40282e\+38\]"),
+        (dict(softcap=1e-50), ValueError, r"softcap = 1e-50 must be 0 \(off\) or positive, in \["),
+        (dict(scale=1e39), ValueError, r"scale = 1e\+39 must be finite, and finite as float32 \(\|scale\| <= 3.40282e\+38\)"),
+        (dict(scale=-4e38), ValueError, r"scale = -4e\+38 must be finite, and finite as float32"),
         (dict(seq_lens=torch.tensor([40, 9], dtype=torch.int64)), TypeError, r"seq_lens must have dtype Int"),
         (dict(block_tables=torch.full_like(pb.block_tables, 999)), IndexError, r"block_tables\[0, 0\] = 999 is not a block id"),
         (dict(seq_lens=torch.tensor([40, 900], dtype=torch.int32)), IndexError, r"seq_lens\[1\] = 900 needs 57 blocks"),

@@ -180,6 +180,21 @@ def test_gather_ragged_bad_offsets_write_nothing(backend, pools, cu, total, matc
         *pools, table, torch.tensor(cu, dtype=torch.int32), out=(k_out, v_out)))
 
 
+def test_planned_attention_refuses_floats_that_overflow_float32(backend, pools):
+    # scale and softcap are Python floats (doubles) that the kernels use as float32: 1e39 is inf there
+    T = lambda x: torch.tensor(x, dtype=torch.int32)
+    plan = kvcache.plan_step(*pools, T([[0, 1]]), T([5]), T([0, 1]), q_heads=2)
+    q = torch.randn(1, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    for kw, match in ((dict(scale=3e38 * 2), r"^scale = 6e\+38 must be finite, and finite as float32"),
+                      (dict(softcap=1e39), r"^softcap = 1e\+39 must be 0 \(off\) or positive, in \[")):
+        expect_rejected([out, *pools], ValueError, match,
+                        lambda: kvcache.paged_attention_planned(plan, q, *pools, out=out, **kw))
+    # the largest finite float32s are still taken
+    kvcache.paged_attention_planned(plan, q, *pools, softcap=3.4e38, out=out)
+    assert torch.isfinite(out).all()
+
+
 def test_strided_lengths_are_refused_not_misread(backend, pools):
     # Regression (issue #21's fuzzer): the kernels read seq_lens / cu_seq_lens / cu_q_lens through their data
     # pointers as if contiguous, after validating the values in their logical order: every other element of

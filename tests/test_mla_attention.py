@@ -257,6 +257,7 @@ def test_bad_arguments_are_refused_and_leave_out_untouched(backend):
         (dict(out=q_l), ValueError, r"must not share memory with its inputs"),
         (dict(lse=torch.empty(10, 3)), ValueError, r"lse has shape \[10, 3\] but must be \[total_q, q_heads\] = \[10, 4\]"),
         (dict(scale=float("nan")), ValueError, r"scale = nan must be finite"),
+        (dict(scale=1e39), ValueError, r"scale = 1e\+39 must be finite, and finite as float32"),
         (dict(k_format=0), TypeError, r"k_cache has dtype Char; a full-precision pool holds"),
         (dict(k_cache=rotated.k, v_cache=rotated.v, **rotated.op_kwargs()), ValueError,
          r"mla_attention does not read Hadamard-rotated pools; got k_format = 17"),

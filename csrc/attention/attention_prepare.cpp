@@ -59,10 +59,14 @@ AttentionArgs check_attention_call(const at::Tensor& query, const at::Tensor& k_
   const int64_t q_heads = query.size(1);
   TORCH_CHECK_VALUE(q_heads > 0 && q_heads % layout.num_kv_heads == 0, "query has ", q_heads,
                     " heads, which must be a positive multiple of the cache's num_kv_heads = ", layout.num_kv_heads);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale = ", scale, " must be finite");
+  KVC_CHECK_FINITE_FLOAT32(scale);
   TORCH_CHECK_VALUE(window_left >= -1, "window_left = ", window_left, " must be -1 (no window) or >= 0");
   TORCH_CHECK_VALUE(sink_tokens >= 0, "sink_tokens = ", sink_tokens, " must be >= 0");
-  TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap), "softcap = ", softcap, " must be 0 (off) or positive");
+  // The kernels divide by softcap in float32 (2 / softcap): a positive cap must be a normal float32, so that it
+  // neither rounds to 0 (which would turn the cap off) nor overflows the division.
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= double(FLT_MIN) && softcap <= double(FLT_MAX)), "softcap = ", softcap,
+                    " must be 0 (off) or positive, in [", double(FLT_MIN), ", ", double(FLT_MAX),
+                    "] (a normal float32: the kernels compute with it in float32)");
   KVC_CHECK_DIM(out, 3);
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out has shape ", out.sizes(), " but must match query's ",
                     query.sizes());

@@ -38,7 +38,7 @@ MlaArgs prepare_mla_attention(const at::Tensor& q_latent, const at::Tensor& q_ro
   const int64_t total_q = q_latent.size(0), q_heads = q_latent.size(1);
   TORCH_CHECK_VALUE(q_heads > 0 && q_heads % layout.num_kv_heads == 0, "q_latent has ", q_heads,
                     " heads, which must be a positive multiple of the cache's num_kv_heads = ", layout.num_kv_heads);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale = ", scale, " must be finite");
+  KVC_CHECK_FINITE_FLOAT32(scale);
   KVC_CHECK_DIM(out, 3);
   TORCH_CHECK_VALUE(out.size(0) == total_q && out.size(1) == q_heads && out.size(2) == layout.head_dim,
                     "out has shape ", out.sizes(), " but must be [total_q, q_heads, kv_lora_rank] = [", total_q, ", ",
