@@ -180,6 +180,25 @@ def test_gather_ragged_bad_offsets_write_nothing(backend, pools, cu, total, matc
         *pools, table, torch.tensor(cu, dtype=torch.int32), out=(k_out, v_out)))
 
 
+def test_negative_lengths_that_would_size_the_outputs_are_named(backend, pools):
+    # Regression: without `out`, the wrappers size the outputs from max(seq_lens), cu_seq_lens[-1] or max_len; a
+    # negative one failed in torch's allocation ("Trying to create tensor with negative dimension -1").
+    T = lambda x: torch.tensor(x, dtype=torch.int32)
+    before = [bits(t) for t in pools]
+    with pytest.raises(IndexError, match=r"^seq_lens\[0\] = -1 is negative"):
+        kvcache.paged_gather(*pools, T([[0]]), T([-1]))
+    with pytest.raises(IndexError, match=r"^seq_lens\[0\] = -2 is negative"):
+        kvcache.paged_gather(*pools, T([[0], [1]]), T([-2, -3]))
+    with pytest.raises(ValueError, match=r"^max_len = -1 must be >= 0"):
+        kvcache.paged_gather(*pools, T([[0]]), T([2]), max_len=-1)
+    with pytest.raises(IndexError, match=r"^cu_seq_lens must be non-decreasing but cu_seq_lens\[1\] = -1 < "
+                                         r"cu_seq_lens\[0\] = 0"):
+        kvcache.paged_gather_ragged(*pools, T([[0]]), T([0, -1]))
+    with pytest.raises(IndexError, match=r"^cu_seq_lens must be non-decreasing but cu_seq_lens\[1\] = -5"):
+        kvcache.paged_gather_ragged(*pools, T([[0], [1]]), T([0, -5, -2]))
+    assert all(torch.equal(bits(t), b) for t, b in zip(pools, before))
+
+
 def test_planned_attention_refuses_floats_that_overflow_float32(backend, pools):
     # scale and softcap are Python floats (doubles) that the kernels use as float32: 1e39 is inf there
     T = lambda x: torch.tensor(x, dtype=torch.int32)

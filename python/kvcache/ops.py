@@ -92,8 +92,10 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
     [[18.0, 19.0, 20.0], [21.0, 22.0, 23.0], [6.0, 7.0, 8.0]]
     """
     if out is None:
-        if max_len is None:
-            max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        if max_len is None:  # (a negative length sizes nothing: the op names it)
+            max_len = max(0, int(seq_lens.max())) if seq_lens.numel() else 0
+        elif max_len < 0:
+            raise ValueError(f"max_len = {max_len} must be >= 0")
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         shape = (seq_lens.shape[0], heads, max_len)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
@@ -114,7 +116,7 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     ``[batch + 1]`` int32, starting at 0), the varlen convention of FlashAttention.
     """
     if out is None:
-        total = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
+        total = max(0, int(cu_seq_lens[-1])) if cu_seq_lens.numel() else 0  # (a negative total: the op names it)
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         dtype = k_cache.dtype if k_format == 0 else torch.float32
         out = (k_cache.new_empty((total, heads, k_dim), dtype=dtype), v_cache.new_empty((total, heads, v_dim), dtype=dtype))
