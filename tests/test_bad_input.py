@@ -199,6 +199,43 @@ def test_negative_lengths_that_would_size_the_outputs_are_named(backend, pools):
     assert all(torch.equal(bits(t), b) for t, b in zip(pools, before))
 
 
+def test_ints_out_of_int64_are_named_briefly(backend, pools):
+    # Regression: an int past int64 reached pybind11 (the direct path), whose TypeError printed every argument
+    # (the whole pools: ~21,600 characters for 8 MiB ones) without naming it, or torch.ops ("Expected a value of
+    # type 'int' ... but instead found type 'int'").
+    T = lambda x: torch.tensor(x, dtype=torch.int32)
+    table, lens, cu = T([[0, 1]]), T([5]), T([0, 1])
+    q = torch.randn(1, 2, 8, dtype=F16)
+    key, value = kv(q_len=1)
+    slots = torch.tensor([[5]])
+    plan = kvcache.plan_step(*pools, table, lens, cu, slots, q_heads=2)
+    big, small = 2**64, -2**70
+    calls = {
+        "window_left": lambda x: kvcache.paged_attention(q, *pools, table, lens, cu, window_left=x),
+        "sink_tokens": lambda x: kvcache.paged_attention(q, *pools, table, lens, cu, sink_tokens=x),
+        "k_format": lambda x: kvcache.append(key, value, *pools, slots, k_format=x),
+        "v_format": lambda x: kvcache.paged_gather(*pools, table, lens, out=(torch.zeros(1, 2, 8, 8, dtype=F16),) * 2,
+                                                   v_format=x),
+        "max_len": lambda x: kvcache.paged_gather(*pools, table, lens, max_len=x),
+        "q_heads": lambda x: kvcache.plan_step(*pools, table, lens, cu, q_heads=x),
+        "planned window_left": lambda x: kvcache.paged_attention_planned(plan, q, *pools, window_left=x),
+        "planned sink_tokens": lambda x: kvcache.paged_attention_planned(plan, q, *pools, sink_tokens=x),
+        "planned v_format": lambda x: kvcache.append_planned(plan, key, value, *pools, v_format=x),
+        "ragged k_format": lambda x: kvcache.paged_gather_ragged(*pools, table, T([0, 5]),
+                                                                 out=(torch.zeros(5, 2, 8, dtype=F16),) * 2, k_format=x),
+    }
+    for name, call in calls.items():
+        arg = name.split()[-1]
+        for x in (big, small):
+            before = [bits(t) for t in pools]
+            with pytest.raises(ValueError) as err:
+                call(x)
+            assert str(err.value) == f"{arg} = {x} is out of range: it must fit in int64 [-2**63, 2**63)", name
+            assert all(torch.equal(bits(t), b) for t, b in zip(pools, before)), name
+    with pytest.raises(ValueError, match=r"^sink_tokens = an integer of 1001 bits is out of range"):
+        calls["sink_tokens"](2**1000)
+
+
 def test_planned_attention_refuses_floats_that_overflow_float32(backend, pools):
     # scale and softcap are Python floats (doubles) that the kernels use as float32: 1e39 is inf there
     T = lambda x: torch.tensor(x, dtype=torch.int32)

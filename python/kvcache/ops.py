@@ -33,6 +33,17 @@ def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
             and not _torch_function_mode())
 
 
+def _name_bad_int(**ints) -> None:
+    """Raises a ValueError naming the first Python int argument out of int64's range. Called after a call fails:
+    pybind11 (the direct path) answers such an int with a TypeError that prints every argument, whole pools
+    included, and torch.ops with "Expected a value of type 'int' ... but instead found type 'int'"."""
+    for name, value in ints.items():
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            shown = value if value.bit_length() <= 256 else f"an integer of {value.bit_length()} bits"
+            raise ValueError(f"{name} = {shown} is out of range: it must fit in int64 "
+                             f"[-2**63, 2**63)") from None
+
+
 def _format_of(kernel_id: int, name: str) -> KVFormat:
     """The format a kernel id names; a bad id is an error that names the argument."""
     try:
@@ -69,7 +80,11 @@ def append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cach
     (True, 16.0)
     """
     op = _native.append if _direct(key, k_cache) else _ops.append.default
-    op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_format, v_format)
+    try:  # (free unless it raises)
+        op(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(k_format=k_format, v_format=v_format)
+        raise
 
 
 def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -94,14 +109,19 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
     if out is None:
         if max_len is None:  # (a negative length sizes nothing: the op names it)
             max_len = max(0, int(seq_lens.max())) if seq_lens.numel() else 0
-        elif max_len < 0:
+        elif not 0 <= max_len < 2**63:
+            _name_bad_int(max_len=max_len)
             raise ValueError(f"max_len = {max_len} must be >= 0")
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         shape = (seq_lens.shape[0], heads, max_len)
         dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
         out = (k_cache.new_empty(shape + (k_dim,), dtype=dtype), v_cache.new_empty(shape + (v_dim,), dtype=dtype))
-    _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1], k_scale, v_scale, k_format,
-                              v_format)
+    try:
+        _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1], k_scale, v_scale, k_format,
+                                  v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(k_format=k_format, v_format=v_format)
+        raise
     return out
 
 
@@ -120,8 +140,12 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         dtype = k_cache.dtype if k_format == 0 else torch.float32
         out = (k_cache.new_empty((total, heads, k_dim), dtype=dtype), v_cache.new_empty((total, heads, v_dim), dtype=dtype))
-    _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
-                                     k_format, v_format)
+    try:
+        _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
+                                         k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(k_format=k_format, v_format=v_format)
+        raise
     return out
 
 
@@ -192,8 +216,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
     op = _native.paged_attention if _direct(query, k_cache) else _ops.paged_attention.default
-    op(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale), int(window_left), int(sink_tokens),
-       float(softcap), out, lse, k_scale, v_scale, k_format, v_format)
+    try:
+        op(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale), int(window_left),
+           int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(window_left=window_left, sink_tokens=sink_tokens, k_format=k_format, v_format=v_format)
+        raise
     return (out, lse) if return_lse else out
 
 
@@ -242,8 +270,12 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, k_cache: torch.T
         out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if return_lse and lse is None:
         lse = torch.empty(q_latent.shape[:2], dtype=torch.float32, device=q_latent.device)
-    _ops.mla_attention.default(q_latent, q_rope, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, float(scale),
-                               out, lse, k_scale, v_scale, k_format, v_format)
+    try:
+        _ops.mla_attention.default(q_latent, q_rope, k_cache, v_cache, block_tables, seq_lens, cu_q_lens,
+                                   float(scale), out, lse, k_scale, v_scale, k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(k_format=k_format, v_format=v_format)
+        raise
     return (out, lse) if return_lse else out
 
 
@@ -286,8 +318,12 @@ def plan_step(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
     >>> out.shape
     torch.Size([1, 4, 64])
     """
-    host, device = _ops.plan_step.default(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping,
-                                          int(q_heads), k_scale, v_scale, k_format, v_format)
+    try:
+        host, device = _ops.plan_step.default(k_cache, v_cache, block_tables, seq_lens, cu_q_lens, slot_mapping,
+                                              int(q_heads), k_scale, v_scale, k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(q_heads=q_heads, k_format=k_format, v_format=v_format)
+        raise
     return StepPlanTensors(host, device)
 
 
@@ -301,17 +337,21 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
     host, device = plan
     if return_lse and lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-    if _direct(query, k_cache):  # (it fills the scale and out defaults itself: this runs once per layer and step)
-        out = _native.paged_attention_planned(query, k_cache, v_cache, host, device, scale, window_left, sink_tokens,
-                                              softcap, out, lse, k_scale, v_scale, k_format, v_format)
-        return (out, lse) if return_lse else out
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    _ops.paged_attention_planned.default(query, k_cache, v_cache, host, device, float(scale), int(window_left),
-                                         int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
-                                         v_format)
+    try:
+        if _direct(query, k_cache):  # (it fills the scale and out defaults itself: this runs once per layer and step)
+            out = _native.paged_attention_planned(query, k_cache, v_cache, host, device, scale, window_left,
+                                                  sink_tokens, softcap, out, lse, k_scale, v_scale, k_format, v_format)
+            return (out, lse) if return_lse else out
+        if scale is None:
+            scale = query.shape[-1] ** -0.5
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        _ops.paged_attention_planned.default(query, k_cache, v_cache, host, device, float(scale), int(window_left),
+                                             int(sink_tokens), float(softcap), out, lse, k_scale, v_scale, k_format,
+                                             v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(window_left=window_left, sink_tokens=sink_tokens, k_format=k_format, v_format=v_format)
+        raise
     return (out, lse) if return_lse else out
 
 
@@ -321,7 +361,11 @@ def append_planned(plan: StepPlanTensors, key: torch.Tensor, value: torch.Tensor
     """:func:`append` of one layer at the slot_mapping of a step's :func:`plan_step`."""
     host, device = plan
     op = _native.append_planned if _direct(key, k_cache) else _ops.append_planned.default
-    op(key, value, k_cache, v_cache, host, device, k_scale, v_scale, k_format, v_format)
+    try:
+        op(key, value, k_cache, v_cache, host, device, k_scale, v_scale, k_format, v_format)
+    except (TypeError, RuntimeError):
+        _name_bad_int(k_format=k_format, v_format=v_format)
+        raise
 
 
 def host_index_reads() -> int:
