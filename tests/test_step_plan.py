@@ -258,6 +258,27 @@ def test_planned_ops_refuse_the_halves_of_two_plans(run_on):
     assert torch.equal(small.k[1, 0, 0], key[0, 0, 0])
 
 
+def test_a_plan_fixes_the_split_of_its_thread_count():
+    # plan_step's docstring: on the CPU the plan splits long contexts by the thread count when it is made; the
+    # planned op then gives that split's result (the unplanned op's at that count) under any thread count.
+    pool, table, lens = filled_pool("fp32", [6000], page=16, heads=1, dim=128)
+    cu, q = cu_of([1]), torch.randn(1, 8, 128)
+    threads = torch.get_num_threads()
+    try:
+        plans, refs = {}, {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            plans[n] = kvcache.plan_step(pool.k, pool.v, table, lens, cu, q_heads=8)
+            refs[n] = kvcache.paged_attention(q, pool.k, pool.v, table, lens, cu)
+        assert not torch.equal(plans[1].host, plans[2].host)  # (the split differs, so results may differ)
+        for run in (1, 2, 3):
+            torch.set_num_threads(run)
+            for n in (1, 2):
+                assert torch.equal(kvcache.paged_attention_planned(plans[n], q, pool.k, pool.v), refs[n])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not HAS_CUDA_EMULATION, reason="built without KVCACHE_CUDA_EMULATION=ON")
 def test_a_plan_runs_only_on_the_backend_it_was_made_for():
     from conftest import ops_backend

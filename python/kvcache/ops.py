@@ -306,6 +306,11 @@ def plan_step(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
     naming the plan), but cannot tell index values changed by hand inside ``device`` (on a GPU that would take
     a read per layer): a plan's tensors must not be modified.
 
+    Threads: on the CPU the plan fixes how long contexts are split into tasks, from the thread count when it is
+    made (``torch.get_num_threads()``). A planned op gives the same result under any thread count, and the one
+    of the unplanned op run with the planning thread count; if the count changes in between, the unplanned op
+    splits differently, which changes the rounding (~1e-7 in float32). Plan after ``torch.set_num_threads``.
+
     >>> import torch, kvcache
     >>> k_cache, v_cache = kvcache.PageLayout(4, 16, 2, 64, torch.float32).allocate(fill=0.0)
     >>> table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([17], dtype=torch.int32)
