@@ -183,9 +183,7 @@ class Engine:
                      peak_blocks=0, peak_kv_bytes=0, peak_dense_tokens=0, tier_hit_tokens=0, preemptions=0,
                      recomputed_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
-        alloc = self.store.allocator
-        if self.store.prefix_cache is None and alloc.num_free == alloc.num_blocks:
-            self.store.forget_scales()  # fp8 without a given scale: not the previous call's (no page keeps them)
+        self.store.forget_scales()  # fp8 without a given scale: not the previous call's, if no page keeps them
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(self._attention(previous_impl))
         start = time.perf_counter()

@@ -334,10 +334,7 @@ class PagedCache(Cache):
         the first tokens are taken again from the next ones, unless the pages are shared (a prefix cache, a
         ``deepcopy`` still holding pages), whose stored tokens keep needing them."""
         self._release_rows()
-        self._graph_dropped = False  # nothing left whose graph was dropped
-        alloc = self.store.allocator
-        if self.store.prefix_cache is None and alloc.num_free == alloc.num_blocks:
-            self.store.forget_scales()
+        self.store.forget_scales()
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.length = 0
@@ -513,7 +510,6 @@ class PagedCache(Cache):
         if self.store.residual is not None:
             open_blocks = self.store.residual.slot_of
             residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
-        first = self.layers[self._first_paged()] if self.layers else None
         model_dtype = self._model_dtype()
         elem = torch.finfo(model_dtype).bits // 8 if model_dtype is not None else 2
         dense = 0

@@ -170,8 +170,8 @@ class ResidualPages:
         go from slots ``>= n`` to free slots ``< n``: no move reads a page another one writes."""
         if self.max_slots is not None or self.num_slots < COMPACT_MIN_SLOTS:
             return None
-        if self.is_live is not None:
-            self.collect()
+        # (no collect() here: it asks the allocator about every open block, a cost on every step; the slots of
+        # freed blocks are collected when _take runs out, and until then only make this shrink less)
         used = len(self.slot_of)
         if 4 * used > self.num_slots:
             return None

@@ -152,8 +152,11 @@ class PagedStore:
                         ops.copy_blocks(pool.k, pool.v, torch.tensor(moves, dtype=torch.int64, device=pool.k.device))
 
     def forget_scales(self) -> None:
-        """fp8 pools without a given scale take their per-head scales again from the next tokens written (for a
-        cache emptied by ``reset``: its next prompt should not be stored with the last one's scales)."""
+        """fp8 pools without a given scale take their per-head scales again from the next tokens written, when no
+        page needs the old ones (no prefix cache, every block free): a cache emptied by ``reset``, or an Engine
+        call, should not store its next prompt with the last one's scales."""
+        if self.prefix_cache is not None or self.allocator.num_free != self.allocator.num_blocks:
+            return
         for pool in self.pools.values():
             for role, f in (("k", pool.format.k), ("v", pool.format.v)):
                 if f.kind.startswith("fp8") and f.scale is None:
