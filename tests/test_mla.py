@@ -222,6 +222,30 @@ def test_absorbed_attention_on_quantized_latents_matches_the_dense_path(model, f
     assert _max_diff(dense, fused) <= 1e-5 * max(1.0, scale)
 
 
+@pytest.mark.parametrize("fmt", [None, "int8"])
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_gradients_through_latent_pages_equal_dynamic_cache(impl, fmt):
+    """Two recorded forwards (a prompt, then its continuation) on latent pages: every parameter gets
+    DynamicCache's gradient, bit for bit. With the "kvcache" attention the continuation used to go through the
+    absorbed kernel, which has no backward, and the attention's inputs (q / kv projections) got no gradient,
+    silently; while autograd records, the module's expansion of the gathered latents runs instead."""
+    first, second = (torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n)) for n in (7, 3))
+    for name in ("deepseek_v3", "deepseek_v2"):
+        grads = []
+        for make in (lambda m: DynamicCache(config=m.config),
+                     lambda m: kvcache.PagedCache(config=m.config, kv_format=fmt, page_size=4)):
+            model = _model(name)
+            cache = make(model)
+            model.set_attn_implementation(impl if isinstance(cache, kvcache.PagedCache) else "sdpa")
+            model(first, past_key_values=cache)
+            model(second, past_key_values=cache).logits.logsumexp(-1).sum().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+        missing = [n for n in grads[0] if (grads[0][n] is None) != (grads[1][n] is None)]
+        assert not missing, missing
+        worst = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0] if grads[0][n] is not None)
+        assert worst == 0.0, (name, worst)
+
+
 def test_hadamard_latents_fall_back_to_the_expanded_history(model, monkeypatch):
     ids, mask = _inputs()
     kw = dict(config=model.config, kv_format="int8(hadamard)", page_size=4, residual_length=0)

@@ -76,11 +76,14 @@ def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, 
                                            and pool.k.dtype == query.dtype)
     if cache._external_plan is None and plan.length == 0 and exact:
         return _dense_attention(query, key, value, mask, dropout, scaling, None, None)
-    if hf_mla.absorbable(pool, dropout) and _fused_ok(cache, plan, mask, query):
+    # while autograd records, the module's expansion of the gathered latents (the kernel has no backward); the
+    # latents of recorded forwards carry their gradient there (PagedCache._dense)
+    grad = wants_grad(query, key, value)
+    if not grad and hf_mla.absorbable(pool, dropout) and _fused_ok(cache, plan, mask, query):
         out = hf_mla.mla_attention(module, cache, layer_idx, plan, query, scaling)
         if out is not None:
             return out
-    key, value = module.expand_kv(*cache._dense(layer_idx, query.dtype))
+    key, value = module.expand_kv(*cache._dense(layer_idx, query.dtype, key if grad else None, value if grad else None))
     return _dense_attention(query, key, value, mask, dropout, scaling, None, None)
 
 
