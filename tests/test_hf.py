@@ -563,3 +563,54 @@ def test_compiled_decode_step_breaks_only_where_it_plans():
     two, four = _decode_step_breaks(2), _decode_step_breaks(4)
     assert set(two) <= PER_STEP_BREAKS, set(two) - PER_STEP_BREAKS
     assert four == two  # the same breaks, as many: none per layer
+
+
+@pytest.mark.parametrize("fmt, residual", [(None, None), ("int8", None), ("int8", 0), ("int4", 0), ("kivi2", None)])
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_layer_keys_and_values_read_the_pages(impl, fmt, residual):
+    """``cache.layers[i].keys`` / ``.values`` (and transformers 4.x's ``cache[i]``) hold what DynamicCache holds
+    (they were None, so a notebook reading the cache got nothing): bit for bit in full precision and inside the
+    full-precision window, within the format's rounding without it, after a crop and a reorder too. Padded
+    positions the "kvcache" attention does not store read as zero; assigning to them is refused."""
+    model = _model("llama-d32")
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    more = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], 1)
+    ref, cache = DynamicCache(config=model.config), kvcache.PagedCache(config=model.config, kv_format=fmt,
+                                                                        residual_length=residual, page_size=4)
+    assert cache.layers[0].keys is None and cache.layers[0].values is None
+    with torch.no_grad():
+        for c, attn in ((ref, "sdpa"), (cache, impl)):
+            model.set_attn_implementation(attn)
+            model(ids, attention_mask=mask, past_key_values=c)
+            model(ids[:, :2], attention_mask=more, past_key_values=c)
+    tol = 0.0 if fmt is None or residual is None else {"int8": 0.02, "int4": 0.2}[fmt]
+    stored = slice(4, None) if impl == "kvcache" else slice(None)  # (row 0's pads are not stored then)
+
+    def check(length: int, layers=range(2)):
+        for i in layers:
+            for got, want in ((cache.layers[i].keys, ref.layers[i].keys), (cache.layers[i].values, ref.layers[i].values)):
+                assert got.shape == want.shape == (2, 1, length, 32) and got.dtype == want.dtype
+                scale = float(want.abs().max())
+                assert float((got[1] - want[1]).abs().max()) <= tol * scale
+                assert float((got[0, :, stored] - want[0, :, stored]).abs().max()) <= tol * scale
+                if impl == "kvcache" and stored.start:
+                    assert not got[0, :, :4].any()
+
+    # layer 1's input went through the kernel's attention (not SDPA's) with "kvcache": compare layer 0 there
+    check(23, range(2) if impl == "sdpa" else range(1))
+    cache.crop(-5)
+    ref.crop(-5)
+    check(18, range(2) if impl == "sdpa" else range(1))
+    cache.reorder_cache(torch.tensor([1, 1]))
+    ref.reorder_cache(torch.tensor([1, 1]))
+    stored = slice(None)  # (both rows are the unpadded one now)
+    check(18, range(2) if impl == "sdpa" else range(1))
+    if hasattr(transformers.Cache, "__getitem__"):  # transformers 4.x: past_key_values[i] is (keys, values)
+        assert torch.equal(cache[0][0], cache.layers[0].keys) and torch.equal(cache[0][1], cache.layers[0].values)
+    keys = cache.layers[0].keys
+    keys.zero_()  # a copy: the cache is unchanged
+    assert cache.layers[0].keys.abs().max() > 0
+    with pytest.raises(AttributeError, match="keys is read from the pages"):
+        cache.layers[0].keys = keys

@@ -118,6 +118,34 @@ class PagedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         return self.cache.update(key_states, value_states, self.index)
 
+    # ``keys`` / ``values``: DynamicLayer's attributes, read from the pages (transformers' Cache API, e.g.
+    # ``cache.layers[i].keys``; 4.x's ``cache[i]``). The base class's ``__init__`` sets them to None.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's keys ``[batch, kv_heads, length, head_dim]`` in the model's dtype, as DynamicCache holds
+        them (MLA: the latents ``kv_nope``), read from the pages: a new tensor on every read (quantized formats
+        dequantized; under the ``"kvcache"`` attention, which stores no left padding, padded positions are
+        zero), or None while the layer holds no tokens. Writing to it does not change the cache."""
+        return self.cache._read_layer(self.index)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_set("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """This layer's values (MLA: ``k_rot``), as :attr:`keys`."""
+        return self.cache._read_layer(self.index)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_set("values", value)
+
+    def _refuse_set(self, name: str, value) -> None:
+        if value is not None:
+            raise AttributeError(f"PagedLayer.{name} is read from the pages; write tokens through "
+                                 f"cache.update(key_states, value_states, layer_idx)")
+
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
@@ -159,8 +187,12 @@ class PagedCache(Cache):
 
     MLA models (DeepSeek-V2/V3) hand the cache latents of two widths (``kv_nope`` as the key, ``k_rot`` as the
     value): their pages hold rows of those two widths, paged, quantized and prefix-shared like any other, and
-    eager/sdpa attention reads them back through ``paged_gather``. The ``"kvcache"`` attention does not read
-    such pages yet (absorbed MLA attention): ``update`` then raises a ValueError before writing anything.
+    eager/sdpa attention reads them back through ``paged_gather``; the ``"kvcache"`` attention reads them in
+    place through the absorbed kernel (:mod:`kvcache.hf_mla`).
+
+    The cache reads like DynamicCache: ``cache.layers[i].keys`` / ``.values`` are a layer's K/V (a copy read
+    from the pages), ``get_seq_length``, ``crop``, ``reorder_cache``, ``batch_select_indices`` and
+    ``copy.deepcopy`` (copy-on-write pages) act on every layer at once.
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
@@ -680,17 +712,45 @@ class PagedCache(Cache):
         (:func:`with_gradient`)."""
         pool = self.store.pools[layer_idx]
         length = self.layers[layer_idx].length
-        k, v = self._gather(layer_idx, self._plan.on(pool.k.device), length, dtype)
-        if any(self.pads):
-            k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
-            for b, pad in enumerate(self.pads):  # right-align the stored tokens behind the padding
-                k_out[b, :, pad:] = k[b, :, : length - pad]
-                v_out[b, :, pad:] = v[b, :, : length - pad]
-            k, v = k_out, v_out
+        k, v = self._right_align(*self._gather(layer_idx, self._plan.on(pool.k.device), length, dtype), length)
         if wants_grad(new_k, new_v):
             for start, seg_k, seg_v in self._graph.get(layer_idx, []):  # this forward's tokens are the last
                 k, v = with_gradient(k, seg_k, start), with_gradient(v, seg_v, start)
         return k, v
+
+    def _read_layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A layer's K/V as :meth:`_dense` gives them, outside a forward (no step plan): for ``PagedLayer.keys``."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        pool = self.store.pools.get(layer_idx)
+        if not isinstance(layer, PagedLayer) or pool is None or not self.rows or layer.length == 0:
+            return None, None
+        length = layer.length
+        lens = torch.tensor([max(0, length - p) for p in self.pads], dtype=torch.int32)
+        width = max(1, max(len(seq.blocks) for seq in self.rows))
+        tables = torch.zeros(len(self.rows), width, dtype=torch.int32)
+        for b, seq in enumerate(self.rows):
+            tables[b, : len(seq.blocks)] = seq.blocks
+        tables, lens = tables.to(pool.k.device), lens.to(pool.k.device)
+        dtype = getattr(layer, "dtype", None) or (pool.k.dtype if pool.k.is_floating_point() else torch.float32)
+        if self.store.residual is not None and layer_idx in self.store.residual_pools:
+            k, v = res.gather_now(self.store.residual, pool, self.store.residual_pools[layer_idx], tables, lens,
+                                  length, dtype)
+        elif pool.k.is_floating_point():
+            k, v = pool.gather(tables, lens, max_len=length)
+            k, v = k.to(dtype), v.to(dtype)
+        else:
+            k, v = pool.gather(tables, lens, max_len=length, dtype=dtype)
+        return self._right_align(k, v, length)
+
+    def _right_align(self, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' stored tokens (left-aligned by the gather) behind their left padding, which is zero."""
+        if not any(self.pads):
+            return k, v
+        k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
+        for b, pad in enumerate(self.pads):
+            k_out[b, :, pad:] = k[b, :, : length - pad]
+            v_out[b, :, pad:] = v[b, :, : length - pad]
+        return k_out, v_out
 
     def _packed(self, layer_idx: int, plan: StepPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed step's K/V for attention in PyTorch: every row's stored tokens, row after row, as

@@ -362,8 +362,28 @@ def mla_attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, q_latent
 def gather(plan: ResidualPlan, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V ``[batch, kv_heads, max_len, head_dim]``: each page from the pool that holds it."""
+    return _gather(plan.page_slots, plan.page_open, sealed, residual, block_tables, seq_lens, max_len, dtype)
+
+
+def gather_now(pages: ResidualPages, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather` outside a step: which pages are open, and where, read from ``pages``' bookkeeping as it
+    stands (every block of ``block_tables`` up to ``seq_lens``; no plan, nothing changed)."""
+    tables = block_tables.cpu()
+    slots = torch.tensor([[pages.slot_of.get(int(b), -1) for b in row] for row in tables.tolist()],
+                         dtype=torch.int32).view(tables.shape)
+    is_open = slots >= 0
+    if not bool(is_open.any()):
+        return sealed.gather(block_tables, seq_lens, max_len=max_len, dtype=dtype)
+    return _gather(slots.clamp(min=0).to(block_tables.device), is_open.to(block_tables.device), sealed, residual,
+                   block_tables, seq_lens, max_len, dtype)
+
+
+def _gather(page_slots: torch.Tensor, page_open: torch.Tensor, sealed: KVPool, residual: KVPool,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     sk, sv = sealed.gather(block_tables, seq_lens, max_len=max_len, dtype=dtype)
-    rk, rv = residual.gather(plan.page_slots, seq_lens, max_len=max_len)
+    rk, rv = residual.gather(page_slots, seq_lens, max_len=max_len)
     pos = torch.arange(max_len, device=sk.device) // sealed.page_size
-    is_open = plan.page_open.index_select(1, pos.clamp(max=plan.page_open.shape[1] - 1))[:, None, :, None]
+    is_open = page_open.index_select(1, pos.clamp(max=page_open.shape[1] - 1))[:, None, :, None]
     return torch.where(is_open, rk.to(dtype), sk), torch.where(is_open, rv.to(dtype), sv)
