@@ -530,21 +530,20 @@ def test_compiled_model_decodes_the_same_tokens(impl):
     assert torch.equal(decode(torch.compile(model)), decode(model))
 
 
-# Where a compiled decode step may break its graph: the mask function (it hands the padding over in a context
-# variable), the first layer's read of that variable (torch before 2.14 cannot trace ContextVar) and the step's
-# planning at its first layer: the calls of the compile-disabled _new_step_plan (the block allocator) and
-# _new_kernel_plan (plan_step's data-dependent plan), which dynamo reports at their callers.
-PER_STEP_BREAKS = {"kvcache_mask", "_take_padding", "_step_plan", "kernel_plan"}
+# Where a compiled decode step may break its graph: before the model's layer loop only. The layer's
+# get_mask_sizes hands the cache to the mask function (a context variable: _leave_for_mask, compile-disabled),
+# and the mask function plans the step there (kvcache_mask: its padding handover and _plan_ahead).
+PER_STEP_BREAKS = {"get_mask_sizes", "kvcache_mask"}
 
 
-def _decode_step_breaks(layers: int):
+def _decode_step(layers: int, fmt=None, residual=None):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_key_value_heads=2, **{**_common(), "num_hidden_layers": layers})).eval()
     model.set_attn_implementation("kvcache")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
-    cache = kvcache.PagedCache(config=model.config)
+    cache = kvcache.PagedCache(config=model.config, kv_format=fmt, residual_length=residual, page_size=4)
     with torch.no_grad():
         token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(2, 1)
         explained = torch._dynamo.explain(model)(token, past_key_values=cache, use_cache=True,
@@ -553,16 +552,18 @@ def _decode_step_breaks(layers: int):
     for b in explained.break_reasons:
         ours = [f.name for f in b.user_stack if "kvcache" in f.filename]
         sites.append(ours[-1] if ours else b.user_stack[-1].name)
-    return sorted(sites)
+    return sorted(sites), explained.graph_count
 
 
-def test_compiled_decode_step_breaks_only_where_it_plans():
+@pytest.mark.parametrize("fmt, residual", [(None, None), ("int8", None), ("int8", 0)])
+def test_compiled_decode_step_breaks_only_before_the_layer_loop(fmt, residual):
     """torch._dynamo.explain of one decode step with a PagedCache and "kvcache" attention: every graph break is
-    in the per-step code (mask function, first layer's planning); the per-layer writes and attention trace as
-    custom ops, so a deeper model adds no break site."""
-    two, four = _decode_step_breaks(2), _decode_step_breaks(4)
+    before the layer loop (the mask code, where the step is planned ahead), so dynamo compiles the loop: a
+    deeper model has the same breaks and the same number of graphs (a break inside the loop, where the first
+    layer used to plan, made dynamo run the loop eagerly and compile each layer's attention on its own)."""
+    (two, graphs_two), (four, graphs_four) = _decode_step(2, fmt, residual), _decode_step(4, fmt, residual)
     assert set(two) <= PER_STEP_BREAKS, set(two) - PER_STEP_BREAKS
-    assert four == two  # the same breaks, as many: none per layer
+    assert four == two and graphs_four == graphs_two, (two, four, graphs_two, graphs_four)
 
 
 @pytest.mark.parametrize("fmt, residual", [(None, None), ("int8", None), ("int8", 0), ("int4", 0), ("kivi2", None)])

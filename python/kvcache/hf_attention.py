@@ -10,7 +10,7 @@ import torch
 
 from . import hf_mla, residual as res
 from .hf_cache import PagedCache, wants_grad
-from .padding import PENDING_PADDING, Padding, leading_pads
+from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .step import StepPlan
 
 __all__ = ["kvcache_attention", "kvcache_mask"]
@@ -26,7 +26,17 @@ def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, 
     q_length = int(q_length.shape[0]) if torch.is_tensor(q_length) else int(q_length)
     PENDING_PADDING.set(None if mask is None else Padding(mask, q_length))
     hf_mla.clear_pending()
+    _plan_ahead(batch_size, q_length)
     return mask
+
+
+@torch.compiler.disable
+def _plan_ahead(batch_size: int, q_length: int) -> None:
+    # the cache whose get_mask_sizes transformers just asked plans its step here, before the layer loop
+    cache = PENDING_CACHE.get()
+    PENDING_CACHE.set(None)
+    if isinstance(cache, PagedCache):
+        cache._plan_ahead(int(batch_size), q_length)
 
 
 def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

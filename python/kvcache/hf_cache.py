@@ -10,7 +10,7 @@ import torch
 
 from .formats import CacheFormat
 from . import _html, hf_mla, residual as res
-from .padding import PENDING_PADDING, Padding, leading_pads
+from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
 from .store import PagedStore
@@ -149,6 +149,8 @@ class PagedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
+        if self.cache.fused:  # the mask function comes next: it plans the step there (PagedCache._plan_ahead)
+            _leave_for_mask(self.cache)
         return self.length + q, 0
 
     def get_seq_length(self) -> int:
@@ -180,6 +182,11 @@ class PagedLayer(CacheLayerMixin):
     def __repr__(self) -> str:
         return f"PagedLayer(index={self.index}, length={self.length})"
 
+
+
+@torch.compiler.disable
+def _leave_for_mask(cache: "PagedCache") -> None:
+    PENDING_CACHE.set(cache)  # (ContextVar.set: a graph break, before the model's layer loop)
 
 
 class PagedCache(Cache):
@@ -244,6 +251,7 @@ class PagedCache(Cache):
         self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
         self._version = 0
         self._plan: StepPlan | None = None
+        self._planned_ahead = False  # the coming forward's step was planned by the mask function
         self._external_plan: StepPlan | None = None
         self._dense_row_mode = False
         # while autograd records: per layer, (start, K, V) of each recorded forward's tokens, so that a later
@@ -467,7 +475,7 @@ class PagedCache(Cache):
             other.layers.append(new_layer)
         other.rows = [self.store.allocator.fork(seq) for seq in self.rows]
         other.pads = list(self.pads)
-        other._plan = None
+        other._plan, other._planned_ahead = None, False
         other._graph = {layer: list(segments) for layer, segments in self._graph.items()}
         return other
 
@@ -647,6 +655,7 @@ class PagedCache(Cache):
         self._drop_graph()
         self.rows, self.pads = [], []
         self._plan = None
+        self._planned_ahead = False
         self._version += 1
 
     def _select_rows(self, sources: list[int]) -> None:
@@ -670,13 +679,46 @@ class PagedCache(Cache):
     def _take_padding(self, layer_idx: int) -> Padding | None:
         # One forward's padding, left by the mask function: consumed (or dropped) by its first attention layer.
         # Only that layer reads the context variable: torch.compile before 2.14 cannot trace ContextVar.get, so
-        # a read in every layer would break every layer's graph.
+        # a read in every layer would break every layer's graph. A step planned ahead took it already.
         if layer_idx != self._first_paged():
+            return None
+        if self._planned_ahead:
+            self._planned_ahead = False
             return None
         pending = PENDING_PADDING.get()
         if pending is not None:
             PENDING_PADDING.set(None)
         return pending
+
+    @torch.compiler.disable
+    def _plan_ahead(self, batch: int, q_len: int) -> None:
+        """Plans the coming forward from the ``"kvcache"`` mask function, before the model's layer loop: the
+        step's plan, the pools grown for it and every kernel plan the layers will ask for. Under torch.compile
+        the planning's graph break is then outside the loop, so dynamo compiles the loop (a break inside a
+        loop makes it run the loop eagerly). Only a continuation is planned (rows, pools and layers exist: a
+        fresh prompt's pools come with its first K/V); anything else is left to ``update``, as before."""
+        self._planned_ahead = False
+        if self._external_plan is not None or not self.rows or batch != len(self.rows) or not self.store.pools:
+            return
+        first = self.layers[self._first_paged()] if self.layers else None
+        if not isinstance(first, PagedLayer) or not first.is_initialized:
+            return
+        PENDING_PADDING.set(None)  # (rows exist: a continuation's padding is the rows' own)
+        plan = self._step_plan(first.length, q_len)
+        q_heads = getattr(self.config, "num_attention_heads", None)
+        for layer, pool in list(self.store.pools.items()):
+            heads = q_heads or pool.num_kv_heads
+            on = plan.on(pool.k.device)
+            if on.residual is None:
+                on.kernel_plan(pool, heads)
+                continue
+            residual = self.store.residual_pools.get(layer)
+            if residual is None:
+                continue
+            residual = self.store.residual_pool(layer, residual.k, on.residual.num_slots)
+            on.residual.kernel_plans(pool, residual, heads)
+            on.residual.seal_plan(pool)
+        self._planned_ahead = True
 
     def _step_plan(self, length: int, q_len: int) -> StepPlan:
         plan = self._plan

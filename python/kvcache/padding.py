@@ -1,4 +1,5 @@
-"""The padding hand-over from the ``"kvcache"`` mask function to :meth:`kvcache.PagedCache.update`.
+"""The padding hand-over from the ``"kvcache"`` mask function to :meth:`kvcache.PagedCache.update` (and the
+cache hand-over from ``get_mask_sizes`` to the mask function).
 
 The mask function runs at the start of each forward, before the first layer's ``update``; it leaves the
 left padding of a fresh prompt here so that the cache never stores pad tokens when the kernel attends."""
@@ -20,6 +21,11 @@ class Padding:
 
 
 PENDING_PADDING: contextvars.ContextVar[Padding | None] = contextvars.ContextVar("kvcache_padding", default=None)
+
+# The cache whose ``get_mask_sizes`` transformers' mask code just asked (before the mask function, before the
+# layers): the ``"kvcache"`` mask function plans that cache's step there (PagedCache._plan_ahead), outside the
+# model's layer loop.
+PENDING_CACHE: contextvars.ContextVar[object | None] = contextvars.ContextVar("kvcache_mask_cache", default=None)
 
 
 def leading_pads(mask: torch.Tensor) -> list[int] | None:
