@@ -222,6 +222,30 @@ def test_absorbed_attention_on_quantized_latents_matches_the_dense_path(model, f
     assert _max_diff(dense, fused) <= 1e-5 * max(1.0, scale)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_latents_as_wide_as_the_rotary_part_are_mla_too(name):
+    """kv_lora_rank == qk_rope_head_dim: the latents were recognized by their two widths, so equal widths went
+    untagged and the "kvcache" attention (PagedCache and Engine) attended to each forward's own tokens only:
+    different tokens, logits off by ~0.8, silently. The config says MLA, whatever the widths."""
+    model = _model(name, kv_lora_rank=16, rope=16)
+    ids, mask = _inputs()
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", **kwargs)
+    try:
+        got = _generate(model, kvcache.PagedCache(config=model.config, page_size=4), "kvcache", **kwargs)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(ref.sequences, got.sequences)
+    assert _max_diff(ref, got) <= 1e-5 * max(1.0, max(x.abs().max().item() for x in ref.logits))
+    prompts = [ids[0].tolist(), ids[1, 5:].tolist()]
+    results = kvcache.Engine(model, page_size=4, max_batch=2).generate(prompts, max_new_tokens=6, progress=False)
+    for prompt, res in zip(prompts, results):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), past_key_values=DynamicCache(config=model.config),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert want[0, len(prompt):].tolist() == res.tokens
+
+
 @pytest.mark.parametrize("fmt", [None, "int8"])
 @pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
 def test_gradients_through_latent_pages_equal_dynamic_cache(impl, fmt):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _html, residual as res
-from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, packed_attention_mask
+from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, is_mla_config, packed_attention_mask
 from .step import plan_step
 from .store import PagedStore
 from .prefix import Match, Namespace, OutOfBlocksError, Sequence
@@ -90,9 +90,10 @@ class _Running:
 class Engine:
     """Batched prefill and decode of many prompts over one paged store.
 
-    MLA models (DeepSeek-V2/V3), whose latent pages the ``"kvcache"`` attention does not read yet, run with the
-    model's own eager/sdpa attention (sdpa unless the model uses eager) over the packed step: each layer gets every
-    request's history row after row, and the model a 4-D mask that keeps each query to its own request's keys.
+    MLA models (DeepSeek-V2/V3) attend through the absorbed kernel over their latent pages (:mod:`kvcache.hf_mla`);
+    with a Hadamard-rotated latent format, which that kernel does not read, they run with the model's own
+    eager/sdpa attention (sdpa unless the model uses eager) over the packed step: each layer gets every request's
+    history row after row, and the model a 4-D mask that keeps each query to its own request's keys.
 
     Args:
         model: a transformers causal LM; the engine runs it with the ``"kvcache"`` attention implementation.
@@ -140,7 +141,8 @@ class Engine:
         self._dtype_bytes = next(model.parameters()).element_size()
         heads, k_dim, v_dim = cache_geometry(config)
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
-        self.latent = k_dim != v_dim  # MLA latents: pages of two widths, read by the absorbed kernel (hf_mla)
+        self.latent = is_mla_config(config)  # MLA latents, read by the absorbed kernel (hf_mla); not k_dim != v_dim:
+        # a latent as wide as the rotary part is MLA too
         self._stats: dict = {}
         self._forwards = 0
         self.tiers = None

@@ -32,15 +32,20 @@ except ImportError:
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy", "moe", "mlp")
 
 
+def is_mla_config(config) -> bool:
+    """Whether ``config`` is an MLA model's (``kv_lora_rank`` and ``qk_rope_head_dim``): in transformers >= 5 its
+    layers hand the cache latents. (Not decided by the widths: a latent as wide as the rotary part is MLA too.)"""
+    return bool(getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None))
+
+
 def cache_geometry(config) -> tuple[int, int, int]:
     """(kv heads, K row width, V row width) of what a model hands its cache per layer and token.
 
     MLA models (DeepSeek-V2/V3: ``kv_lora_rank`` and ``qk_rope_head_dim`` in the config) hand it their latents,
     one head of ``kv_lora_rank`` dims as the key and one of ``qk_rope_head_dim`` dims as the value; other models
     their K/V heads of ``head_dim`` dims."""
-    rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
-    if rank and rope:
-        return 1, int(rank), int(rope)
+    if is_mla_config(config):
+        return 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return int(heads), int(dim), int(dim)
@@ -355,7 +360,10 @@ class PagedCache(Cache):
         """The new K/V, the key tagged for the ``"kvcache"`` attention function: (cache, layer, plan)."""
         k = key_states.view(key_states.shape)  # a fresh tensor object to carry the tag
         k._kvcache = (self, layer_idx, plan)
-        if key_states.shape[-1] != value_states.shape[-1]:  # MLA latents: the module expands them (the tag is lost)
+        # MLA latents: the module expands them (the tag is lost). Known by the config, not by the widths: latents
+        # as wide as the rotary part (kv_lora_rank == qk_rope_head_dim) went untagged and attended only to the
+        # forward's own tokens
+        if key_states.shape[-1] != value_states.shape[-1] or is_mla_config(self.config):
             hf_mla.leave_pending(self, layer_idx, plan)
         return k, value_states
 
