@@ -213,3 +213,27 @@ def test_engine_progress_bar_counts_requests_and_turns_off(model, capsys, monkey
     assert capsys.readouterr().err == "" and len(quiet) == 3
     engine.generate(prompts[:1], max_new_tokens=2)        # one prompt: no bar
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("kv_format, residual", [("int8", None), ("int8", 4)])
+def test_sliding_window_model_with_a_full_precision_window(kv_format, residual):
+    """A sliding-window model (Mistral) in the Engine with a quantized format and its full-precision window (the
+    default): the kernel cannot take a window across the two pools, and the fallback read the PagedCache's own
+    step plan, which the Engine's packed steps do not make: AttributeError on the first step. It now attends in
+    PyTorch over the packed history with the window on top of the rows' mask: the tokens of HF generate on a
+    PagedCache of the same format, request by request."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, max_position_embeddings=256)).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (20, 13, 30)]
+    results = kvcache.Engine(model, kv_format=kv_format, residual_length=residual, page_size=4,
+                             max_batch=3).generate(prompts, max_new_tokens=8, progress=False)
+    model.set_attn_implementation("sdpa")
+    for prompt, res in zip(prompts, results):
+        cache = kvcache.PagedCache(config=model.config, kv_format=kv_format, residual_length=residual, page_size=4)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False,
+                                  pad_token_id=0)
+        assert want[0, len(prompt):].tolist() == res.tokens

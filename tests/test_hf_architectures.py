@@ -98,3 +98,66 @@ def test_int8_pages_stay_near_full_precision(model):
     got = generate(model, codes, "kvcache", 4, **kwargs)
     rel = ((ref.logits[0] - got.logits[0]).norm() / ref.logits[0].norm()).item()
     assert codes.stats()["format"] == "int8" and 0 < rel < 0.02
+
+
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+def test_learned_attention_sinks_of_gpt_oss(kv_format):
+    """gpt-oss hands the attention function its learned per-head sink logits (``s_aux``): one more softmax term.
+    The "kvcache" attention dropped them silently (its kernel has no such term; logits off by ~0.8, other
+    tokens), with or without a cache, and in the Engine. It now attends in PyTorch with them: eager +
+    DynamicCache's tokens and logits, as eager/sdpa with the pages; the Engine too."""
+    try:
+        config = AutoConfig.for_model("gpt_oss", **{**BASE, "head_dim": 16, "sliding_window": 8,
+                                                    "layer_types": ["sliding_attention", "full_attention"],
+                                                    "num_local_experts": 4, "num_experts_per_tok": 2})
+    except (KeyError, ValueError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss: {e}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)  # sinks that matter
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False)
+    ref = generate(model, DynamicCache(config=model.config), "eager", **kwargs)
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+    try:
+        got = generate(model, kvcache.PagedCache(config=model.config, kv_format=kv_format), "kvcache", **kwargs)
+        with torch.no_grad():
+            uncached = model(ids, use_cache=False).logits
+        results = kvcache.Engine(model, kv_format=kv_format, page_size=4, max_batch=2).generate(
+            ids.tolist(), max_new_tokens=8, progress=False)
+    finally:
+        model.set_attn_implementation("eager")
+    assert torch.equal(ref.sequences, got.sequences)
+    assert max_diff(ref, got) <= 1e-5
+    assert float((plain - uncached).abs().max()) <= 1e-5
+    assert [r.tokens for r in results] == ref.sequences[:, ids.shape[1]:].tolist()
+
+
+def test_chunked_attention_of_llama4():
+    """Llama 4's local layers attend within chunks of ``attention_chunk_size`` tokens. The "kvcache" mask function
+    kept only the padding and the kernel attended causally across chunks (logits off by ~0.7, other tokens,
+    with a PagedCache or a DynamicCache): the chunked layers now get the whole mask and attend in PyTorch over
+    the pages, the full layers through the kernel. The Engine refuses such a model with a clear error."""
+    try:
+        config = AutoConfig.for_model("llama4_text", **{**BASE, "head_dim": 16, "attention_chunk_size": 8,
+                                                        "no_rope_layers": [1, 0], "intermediate_size_mlp": 128,
+                                                        "num_local_experts": 2, "num_experts_per_tok": 1,
+                                                        "layer_types": ["chunked_attention", "full_attention"]})
+    except (KeyError, ValueError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no llama4_text: {e}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False)
+    ref = generate(model, DynamicCache(config=model.config), "sdpa", **kwargs)
+    try:
+        for cache in (kvcache.PagedCache(config=model.config), DynamicCache(config=model.config)):
+            got = generate(model, cache, "kvcache", **kwargs)
+            assert torch.equal(ref.sequences, got.sequences) and max_diff(ref, got) <= 1e-5, type(cache).__name__
+        with pytest.raises(ValueError, match="attention_chunk_size=8"):
+            kvcache.Engine(model, page_size=4).generate(ids.tolist(), max_new_tokens=2, progress=False)
+    finally:
+        model.set_attn_implementation("sdpa")

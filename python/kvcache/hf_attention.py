@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from . import hf_mla, residual as res
-from .hf_cache import PagedCache, wants_grad
+from .hf_cache import PagedCache, packed_attention_mask, wants_grad
 from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .step import StepPlan
 
@@ -27,6 +27,13 @@ def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, 
     PENDING_PADDING.set(None if mask is None else Padding(mask, q_length))
     hf_mla.clear_pending()
     _plan_ahead(batch_size, q_length)
+    config = kwargs.get("config")
+    if (getattr(config, "attention_chunk_size", None) and kwargs.get("mask_function") is not None
+            and kwargs["mask_function"] is not masking_utils.causal_mask_function):
+        # chunked attention (Llama 4's local layers): the kernel has causal and sliding-window masks, not chunks;
+        # the whole mask, which sends these layers through PyTorch's attention over the pages
+        return masking_utils.sdpa_mask(batch_size, *args, attention_mask=attention_mask,
+                                       **{**kwargs, "allow_is_causal_skip": False})
     return mask
 
 
@@ -60,6 +67,9 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                         scaling), None
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
+    # learned per-head sink logits (gpt-oss and the models built like it): a softmax term of their own, which
+    # the kernel does not have
+    sinks = kwargs.get("s_aux")
     if tag is not None:
         cache, layer_idx, plan = tag
         pool = cache.store.pools[layer_idx]  # (K and V rows of two widths, not MLA latents: the dense path)
@@ -67,11 +77,22 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         # gathered pages: the kernel has no backward
         if (pool.head_dim == pool.v_head_dim and _fused_ok(cache, plan, attention_mask, query)
                 and not (sliding_window and plan.residual is not None) and not wants_grad(query, key, value)
-                and not weights):
+                and not weights and sinks is None):
             return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
-        key, value = cache._dense(layer_idx, query.dtype, key, value)
+        if cache._external_plan is not None:  # an Engine's packed step: every row's history, row after row
+            if attention_mask is not None and attention_mask.dim() == 4:
+                raise ValueError("kvcache.Engine: this model's attention mask is more than causal and sliding "
+                                 "windows (chunked attention, attention_chunk_size="
+                                 f"{getattr(module.config, 'attention_chunk_size', None)}); run it with "
+                                 "model.generate and a kvcache.PagedCache")
+            key, value = cache._packed(layer_idx, plan, query.dtype)
+            attention_mask = packed_attention_mask(plan, query.dtype)
+            if sliding_window:  # (the packed mask keeps rows apart; the window on top of it)
+                attention_mask = attention_mask + _packed_window(plan, int(sliding_window), query.dtype)
+        else:
+            key, value = cache._dense(layer_idx, query.dtype, key, value)
     out = _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
-                           sliding_window, softcap, weights=weights)
+                           sliding_window, softcap, weights=weights, sinks=sinks)
     return out if weights else (out, None)
 
 
@@ -136,10 +157,12 @@ def _paged(cache: PagedCache, layer_idx: int, plan: StepPlan, query: torch.Tenso
     return out.view(batch, q_len, heads, dim)
 
 
-def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap, weights: bool = False):
+def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap, weights: bool = False,
+                     sinks: torch.Tensor | None = None):
     """Bottom-right causal attention with a 2-D padding mask (or a ready 4-D mask) in PyTorch. ``weights``:
     returns (output, attention weights), masked positions as eager attention masks them (the dtype's lowest
-    value, so a row with nothing to see is uniform rather than NaN)."""
+    value, so a row with nothing to see is uniform rather than NaN). ``sinks`` ``[heads]``: learned sink logits,
+    one more softmax term per head that takes probability mass and adds nothing to the output (gpt-oss)."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if mask2d is not None and mask2d.dim() == 4:
@@ -158,7 +181,7 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
     if heads != kv_heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    if softcap or weights:
+    if softcap or weights or sinks is not None:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
@@ -166,7 +189,11 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min if weights else float("-inf"))
         if additive is not None:
             scores = scores + additive
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(batch, heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(query.dtype)
+        else:
+            probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         if weights and dropout:
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         out = torch.matmul(probs, value)
@@ -177,3 +204,18 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
             query, key, value, attn_mask=allowed if allowed is not None else additive, dropout_p=dropout,
             scale=scaling)
     return out.transpose(1, 2).contiguous()
+
+
+def _packed_window(plan: StepPlan, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive sliding-window part of a packed step's mask (as :func:`kvcache.hf_cache.packed_attention_mask`
+    lays it out): query at position ``p`` sees keys at positions ``> p - window``."""
+    seq_lens = plan._host[1] if plan._host is not None else plan.seq_lens.cpu()
+    cu_q = plan._host[2] if plan._host is not None else plan.cu_q_lens.cpu()
+    lens, q_lens = seq_lens.to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    row_q = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+    row_k = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    pos_q = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[row_q] + (lens - q_lens)[row_q]
+    pos_k = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[row_k]
+    outside = pos_k.view(1, -1) <= pos_q.view(-1, 1) - window
+    mask = torch.zeros(outside.shape, dtype=dtype).masked_fill_(outside, torch.finfo(dtype).min)
+    return mask.view(1, 1, *outside.shape).to(plan.seq_lens.device)
