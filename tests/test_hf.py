@@ -615,3 +615,55 @@ def test_layer_keys_and_values_read_the_pages(impl, fmt, residual):
     assert cache.layers[0].keys.abs().max() > 0
     with pytest.raises(AttributeError, match="keys is read from the pages"):
         cache.layers[0].keys = keys
+
+
+def test_shallow_copy_is_an_independent_cache():
+    """copy.copy shared the rows: dropping the copy gave the original's pages back (0 blocks held, the next
+    forward read freed pages, other tokens, silently). It is the copy-on-write fork deepcopy makes."""
+    import gc
+    model = _model("llama")
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, do_sample=False)
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=cache)
+    held = cache.store.allocator.num_blocks - cache.store.allocator.num_free
+    other = copy.copy(cache)
+    assert other.rows is not cache.rows and other.get_seq_length() == cache.get_seq_length() == 19
+    del other
+    gc.collect()
+    assert cache.store.allocator.num_blocks - cache.store.allocator.num_free == held
+    got = _generate(model, cache, "sdpa", input_ids=ids, do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences) and _max_diff(ref, got) <= 1e-5  # (prefilled apart: 1e-7)
+    import pickle
+    with pytest.raises(TypeError, match="PagedCache cannot be pickled"):
+        pickle.dumps(cache)
+
+
+def test_a_failed_first_forward_leaves_the_cache_empty():
+    """A first forward refused by a full pool left two rows of nothing behind: the cache said length 0, and a
+    retry with one row failed on 'the cache holds 2 rows'. The rows go back; the retry runs."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, max_tokens=32, page_size=16)
+    with pytest.raises(kvcache.OutOfBlocksError), torch.no_grad():
+        model(torch.randint(0, 128, (2, 40)), past_key_values=cache)
+    assert cache.rows == [] and cache.get_seq_length() == 0
+    assert cache.store.allocator.num_free == cache.store.allocator.num_blocks
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    ref = _generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, do_sample=False)
+    got = _generate(model, cache, "sdpa", input_ids=ids, do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", True, None])
+def test_crop_refuses_what_is_not_an_integer(bad):
+    """crop(2.5) kept 2 tokens (int() truncated), silently; DynamicCache refuses it."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 9)), past_key_values=cache)
+    with pytest.raises((TypeError, StopIteration)):
+        cache.crop(bad)
+    assert cache.get_seq_length() == 9
+    cache.crop(torch.tensor(-2))  # an integer tensor is an integer
+    assert cache.get_seq_length() == 7

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 
 import torch
@@ -204,7 +205,8 @@ class PagedCache(Cache):
 
     The cache reads like DynamicCache: ``cache.layers[i].keys`` / ``.values`` are a layer's K/V (a copy read
     from the pages), ``get_seq_length``, ``crop``, ``reorder_cache``, ``batch_select_indices`` and
-    ``copy.deepcopy`` (copy-on-write pages) act on every layer at once.
+    ``copy.deepcopy`` / ``copy.copy`` (both an independent cache, copy-on-write pages) act on every layer at
+    once. It does not pickle (a ``TypeError`` that says what to use instead).
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
@@ -319,16 +321,25 @@ class PagedCache(Cache):
             return self._packed(layer_idx, plan, key_states.dtype)  # PyTorch attention under the owner's mask
         batch, _, q_len, _ = key_states.shape
         pending = self._take_padding(layer_idx)
-        if not self.rows:
-            self._start_rows(batch, q_len, layer.length, pending)
-        elif batch != len(self.rows):
-            raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
-                             f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave)")
         if self.sink_tokens and not self.fused:
             raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention: "
                              f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
-        plan = self._step_plan(layer.length, q_len).on(key_states.device)
-        self.write(layer_idx, key_states, value_states, plan)
+        if not self.rows:
+            self._start_rows(batch, q_len, layer.length, pending)
+            try:  # a first forward that fails here (a full pool, a format the layer's width refuses) leaves
+                # the cache empty, not holding rows of nothing that a retry with another batch would trip on
+                plan = self._step_plan(layer.length, q_len).on(key_states.device)
+                self.write(layer_idx, key_states, value_states, plan)
+            except BaseException:
+                if all(other.length == 0 for other in self.paged_layers):
+                    self._release_rows()
+                raise
+        elif batch != len(self.rows):
+            raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
+                             f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave)")
+        else:
+            plan = self._step_plan(layer.length, q_len).on(key_states.device)
+            self.write(layer_idx, key_states, value_states, plan)
         layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
         if wants_grad(key_states, value_states):
             if plan.length and self._graph_dropped:
@@ -434,7 +445,9 @@ class PagedCache(Cache):
         back, so cropping tokens then raises a ValueError."""
         if tokens_to_remove is None:  # older keyword names
             tokens_to_remove = next(kwargs[k] for k in ("max_length", "maximum_length", "tokens_to_remove") if k in kwargs)
-        n = int(tokens_to_remove)
+        if isinstance(tokens_to_remove, bool) or not hasattr(tokens_to_remove, "__index__"):
+            raise TypeError(f"crop: tokens_to_remove must be an integer, got {tokens_to_remove!r}")
+        n = operator.index(tokens_to_remove)
         length = self.get_seq_length()
         new_len = max(0, length + n) if n < 0 else (length if n == 0 else min(n, length))
         if any(layer.length != length for layer in self.paged_layers):
@@ -470,9 +483,20 @@ class PagedCache(Cache):
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
 
+    def __copy__(self) -> "PagedCache":
+        """As :meth:`__deepcopy__`: a shallow copy sharing the rows would give the pages back when either copy is
+        dropped, and the other would read pages it no longer holds."""
+        return self.__deepcopy__({})
+
+    def __getstate__(self):
+        raise TypeError("a kvcache.PagedCache cannot be pickled: its pages live in pools numbered by an allocator "
+                        "(C++). copy.deepcopy forks it (copy-on-write); save_prefix / a PrefixCache with a disk or "
+                        "Redis tier keep prompts' pages across processes")
+
     def __deepcopy__(self, memo) -> "PagedCache":
         """An independent copy that shares the pages copy-on-write (no data is copied until a write)."""
-        other = copy.copy(self)
+        other = object.__new__(type(self))  # (copy.copy is this method now)
+        other.__dict__.update(self.__dict__)
         other.layers = []
         for layer in self.layers:
             if not isinstance(layer, PagedLayer):  # a hybrid model's state layer: small, copied
