@@ -82,8 +82,9 @@ def test_from_config_mistral_sliding_window_caps_every_layer():
     cfg = _llama_like(head_dim=128, sliding_window=4096, model_type="mistral")
     shape = KVShape.from_config(cfg)
     assert shape.sliding_windows == (4096,) * 32
-    # 10000 tokens, but each layer keeps the last 4096: 32 * 8 * 128 * 4 * 4096 = 2**29
-    assert memory.cache_bytes(shape, 10000) == 32 * 8 * 128 * 4 * 4096 == 2**29
+    # 10000 tokens, but each layer keeps the last 4095 (the next token attends to them and itself):
+    # 32 * 8 * 128 * 4 * 4095 = 2**29 - 2**17
+    assert memory.cache_bytes(shape, 10000) == 32 * 8 * 128 * 4 * 4095 == 2**29 - 2**17
     assert memory.cache_bytes(shape, 100) == 32 * 8 * 128 * 4 * 100
 
 
@@ -119,8 +120,8 @@ def test_from_config_gemma3_layer_types_multi_query():
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17, 23]
     assert sorted(shape.window_groups, key=str) == [(512, 22), (None, 4)]
     # bf16, 1 kv head * 256 * 4 bytes = 1024 B per token-layer; 4 full layers hold 1000 tokens,
-    # 22 sliding layers hold 512 each
-    assert memory.cache_bytes(shape, 1000) == 1024 * (4 * 1000 + 22 * 512) == 15630336
+    # 22 sliding layers hold 511 each (the window less the next token, as DynamicCache keeps)
+    assert memory.cache_bytes(shape, 1000) == 1024 * (4 * 1000 + 22 * 511) == 15607808
     # below the window every layer holds every token
     assert memory.cache_bytes(shape, 300) == 1024 * 26 * 300
 
@@ -315,9 +316,10 @@ def test_hybrid_state_of_an_unknown_family_is_none_and_windows_apply_to_sliding_
     assert shape.sliding_windows == (3, None) and shape.state_layers == 2
     assert shape.conv_state_elements is None and shape.recurrent_state_elements is None
     assert memory.state_bytes(shape) is None
-    # bf16: 8 * 4 = 32 bytes per token-layer; the sliding layer holds 3 of 10 tokens, the full one 10
-    assert memory.cache_bytes(shape, 10) == 32 * (3 + 10)
-    assert memory.paged_memory(shape, [10], page_size=2).blocks_per_seq == (2 + 5,)
+    # bf16: 8 * 4 = 32 bytes per token-layer; the sliding layer holds 3 - 1 of 10 tokens, the full 10
+    assert memory.cache_bytes(shape, 10) == 32 * (2 + 10)
+    # the window's tokens 8 and 9 share one block
+    assert memory.paged_memory(shape, [10], page_size=2).blocks_per_seq == (1 + 5,)
     # a model without state layers has no state
     assert memory.state_bytes(KVShape(2, 2, 8)) == 0
 
@@ -516,8 +518,10 @@ def test_importing_the_module_does_not_import_torch():
 
 def test_sliding_window_caps_tokens_per_layer():
     shape = KVShape(2, 1, 1, sliding_windows=[4, None])
-    # int8 K and V: 2 bytes per token-layer; the windowed layer holds min(T, 4)
-    assert memory.cache_bytes(shape, [6, 8, 3], dtype="int8") == 2 * ((4 + 4 + 3) + (6 + 8 + 3))
+    # int8 K and V: 2 bytes per token-layer; the windowed layer holds min(T, 4 - 1)
+    assert memory.cache_bytes(shape, [6, 8, 3], dtype="int8") == 2 * ((3 + 3 + 3) + (6 + 8 + 3))
+    # a window of 1 holds nothing between steps (the next token attends to itself only)
+    assert memory.cache_bytes(KVShape(1, 1, 1, sliding_windows=1), [5], dtype="int8") == 0
     assert memory.bytes_per_token(shape, dtype="int8") == 4
     assert KVShape(2, 1, 1, sliding_windows=[None, None]).sliding_windows is None
     assert KVShape(2, 1, 1, sliding_windows=7).sliding_windows == (7, 7)
@@ -558,13 +562,18 @@ def test_paged_waste_is_zero_for_multiples_of_the_page_size():
 def test_paged_sliding_window_frees_blocks_behind_the_window():
     shape = KVShape(2, 1, 1, sliding_windows=[4, None])  # int8: 2 B per token-layer
     r = memory.paged_memory(shape, [6, 8, 3], page_size=4, dtype="int8")
-    # T=6: full layer ceil(6/4)=2; window keeps tokens 2..5 -> blocks 0 and 1 -> 2
-    # T=8: full 2; window keeps 4..7 -> block 1 only -> 1
+    # the window keeps W - 1 = 3 tokens
+    # T=6: full layer ceil(6/4)=2; window keeps tokens 3..5 -> blocks 0 and 1 -> 2
+    # T=8: full 2; window keeps 5..7 -> block 1 only -> 1
     # T=3: full 1; window 1
     assert r.blocks_per_seq == (4, 3, 2)
-    assert r.used_bytes == 2 * ((6 + 8 + 3) + (4 + 4 + 3)) == 56
+    assert r.used_bytes == 2 * ((6 + 8 + 3) + (3 + 3 + 3)) == 52
     assert r.reserved_bytes == 9 * 4 * 2 == 72
-    assert r.waste_bytes == 16
+    assert r.waste_bytes == 20
+    # T=5, page 4, window 2: the one live token (4) sits in block 1; window 1 keeps no block
+    for window, blocks in ((2, (1,)), (1, (0,))):
+        one = KVShape(1, 1, 1, sliding_windows=window)
+        assert memory.paged_memory(one, [5], page_size=4).blocks_per_seq == blocks
 
 
 def test_contiguous_view_by_hand():
@@ -579,7 +588,7 @@ def test_contiguous_view_by_hand():
     assert paged.waste_bytes < r.waste_bytes
     windowed = KVShape(2, 1, 1, sliding_windows=[4, None])
     w = memory.contiguous_memory(windowed, [6], max_len=10, dtype="int8")
-    assert (w.reserved_bytes, w.used_bytes) == (2 * (10 + 4), 2 * (6 + 4))
+    assert (w.reserved_bytes, w.used_bytes) == (2 * (10 + 3), 2 * (6 + 3))  # the window: W - 1 = 3
 
 
 # ---------------------------------------------------------------- formatting

@@ -7,7 +7,10 @@ token::
 
 with ``L`` attention layers, ``h_kv`` KV heads, key and value widths ``d_K`` and ``d_V`` (both the
 head dim ``d`` in ordinary attention), ``s_K``/``s_V`` bytes per element and ``T_i`` tokens of
-sequence ``i``. A layer with a sliding window ``W`` holds at most ``min(T_i, W)`` tokens.
+sequence ``i``. A layer with a sliding window ``W`` holds at most ``min(T_i, W - 1)`` tokens: the
+ones the next token attends to besides itself, which is what transformers' ``DynamicCache`` keeps
+(its ``DynamicSlidingWindowLayer``; a chunked-attention layer of chunk ``C`` likewise ``C - 1``).
+kvcache's own :class:`kvcache.PagedCache` keeps every token of a sliding layer in its pages.
 
 Two families fit the same formula:
 
@@ -276,8 +279,9 @@ class KVShape:
           ``attn_layer_period``/``attn_layer_offset``): ``full_attention``, ``sliding_attention``,
           ``chunked_attention`` and ``attention`` layers cache every token; ``linear_attention``,
           ``mamba`` and ``conv`` layers are counted as ``state_layers``. Any other type raises.
-        - **Windows.** A sliding layer holds ``sliding_window`` tokens; without ``layer_types``,
-          Qwen-style ``use_sliding_window``/``max_window_layers``, Gemma-3-style
+        - **Windows.** A sliding layer's window is ``sliding_window`` (a chunked layer's
+          ``attention_chunk_size``); it holds ``window - 1`` tokens, as DynamicCache does. Without
+          ``layer_types``, Qwen-style ``use_sliding_window``/``max_window_layers``, Gemma-3-style
           ``sliding_window_pattern`` or Gemma-2 alternation decide, else ``sliding_window``
           applies to every layer.
         - **MLA.** A config with ``kv_lora_rank`` and ``qk_rope_head_dim`` (DeepSeek-V2/V3 and
@@ -426,7 +430,7 @@ def _config_windows(
                         f"layer_types[{i}]='chunked_attention' needs attention_chunk_size, "
                         f"got {chunk!r}"
                     )
-                windows.append(chunk)  # Llama-4: a chunk never holds more than chunk_size tokens
+                windows.append(chunk)  # Llama-4: DynamicCache keeps chunk_size - 1 tokens
             else:
                 windows.append(None)  # full attention, or a state layer (dropped by the caller)
         return windows
@@ -511,7 +515,8 @@ def cache_bytes(
     v_bits: Any = None, dtype: Any = None, k_meta_bytes_per_token_head: Real = 0,
     v_meta_bytes_per_token_head: Real = 0,
 ) -> Bytes:  # fmt: skip
-    """Bytes held by a batch of sequences; sliding-window layers hold ``min(T_i, W)`` tokens.
+    """Bytes held by a batch of sequences; sliding-window layers hold ``min(T_i, W - 1)`` tokens
+    (what ``DynamicCache`` keeps between steps: the next token attends to them and to itself).
 
     Parameters
     ----------
@@ -589,8 +594,13 @@ def state_bytes(
 
 
 def _held_tokens(shape: KVShape, seqs: tuple[int, ...]) -> int:
-    """Sum over layers and sequences of the tokens a layer holds, min(T_i, W) for windowed ones."""
-    return sum(n * sum(t if w is None else min(t, w) for t in seqs) for w, n in shape.window_groups)
+    """Sum over layers and sequences of the tokens a layer holds (min(T_i, W - 1) if windowed)."""
+    return sum(n * sum(_window_tokens(t, w) for t in seqs) for w, n in shape.window_groups)
+
+
+def _window_tokens(t: int, window: int | None) -> int:
+    """Tokens a layer of this window holds after ``t`` tokens: all, or the newest ``window - 1``."""
+    return t if window is None else min(t, window - 1)
 
 
 @dataclass(frozen=True)
@@ -645,10 +655,13 @@ class MemoryReport:
 
 
 def _window_blocks(t: int, window: int | None, page_size: int) -> int:
-    if window is None or t <= window:
+    live = _window_tokens(t, window)
+    if live == t:
         return -(-t // page_size)
-    # Blocks wholly before the window are freed; the live tokens [t - W, t) may straddle a boundary.
-    return (t - 1) // page_size - (t - window) // page_size + 1
+    if live == 0:  # a window of 1: the next token attends to itself only
+        return 0
+    # Blocks wholly before the window are freed; the live tokens [t - W + 1, t) may straddle a page.
+    return (t - 1) // page_size - (t - live) // page_size + 1
 
 
 def paged_memory(
@@ -660,7 +673,7 @@ def paged_memory(
 
     One block id covers all layers sharing a window, so a full-attention model needs
     ``ceil(T_i / page_size)`` blocks per sequence. A sliding-window group keeps only the blocks
-    touched by its last ``W`` tokens; ``blocks_per_seq`` sums over groups.
+    touched by its last ``W - 1`` tokens; ``blocks_per_seq`` sums over groups.
 
     Parameters
     ----------
@@ -694,7 +707,7 @@ v_meta_bytes_per_token_head
         for i, t in enumerate(seqs):
             b = _window_blocks(t, window, page_size)
             blocks[i] += b
-            used += n_layers * (t if window is None else min(t, window))
+            used += n_layers * _window_tokens(t, window)
             reserved += n_layers * b * page_size
     used_bytes, reserved_bytes = _whole(bits * used / 8), _whole(bits * reserved / 8)
     return MemoryReport("paged", used_bytes, reserved_bytes, tuple(blocks), page_size=page_size)
@@ -713,7 +726,7 @@ def contiguous_memory(
 v_meta_bytes_per_token_head
         As in :func:`cache_bytes`.
     max_len : int, optional
-        Tokens reserved per sequence; sliding-window layers reserve ``min(max_len, W)``.
+        Tokens reserved per sequence; sliding-window layers reserve ``min(max_len, W - 1)``.
 
     Returns
     -------
@@ -730,7 +743,7 @@ v_meta_bytes_per_token_head
     max_len = max(seqs, default=0) if max_len is None else _non_negative_int(max_len, "max_len")
     if seqs and max(seqs) > max_len:
         raise ValueError(f"lengths must not exceed max_len={max_len}, got {max(seqs)}")
-    per_seq = sum(n * (max_len if w is None else min(max_len, w)) for w, n in shape.window_groups)
+    per_seq = sum(n * _window_tokens(max_len, w) for w, n in shape.window_groups)
     bits = _layer_bits(
         shape, k_bits, v_bits, dtype, k_meta_bytes_per_token_head, v_meta_bytes_per_token_head
     )
