@@ -182,8 +182,8 @@ class Engine:
         running: list[_Running] = []
         results: list[Result | None] = [None] * len(prompts)
         stats = dict(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0, prefix_hit_tokens=0, steps=0,
-                     peak_blocks=0, peak_kv_bytes=0, peak_dense_tokens=0, tier_hit_tokens=0, preemptions=0,
-                     recomputed_tokens=0)
+                     peak_blocks=0, peak_kv_bytes=0, peak_dense_tokens=0, peak_dense_bytes=0, tier_hit_tokens=0,
+                     preemptions=0, recomputed_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
         self.store.forget_scales()  # fp8 without a given scale: not the previous call's, if no page keeps them
         previous_impl = self.model.config._attn_implementation
@@ -423,7 +423,9 @@ class Engine:
         cu_q = plan.cu_q_lens
         used = alloc.num_blocks - alloc.num_free
         stats["peak_blocks"] = max(stats["peak_blocks"], used)  # (kv_bytes: after the forward, below)
-        stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(r.seq.num_tokens for r in running))
+        lengths = [r.seq.num_tokens for r in running]
+        stats["peak_dense_tokens"] = max(stats["peak_dense_tokens"], sum(lengths))
+        stats["peak_dense_bytes"] = max(stats["peak_dense_bytes"], self._dense_bytes(lengths))
         stats["steps"] += 1
         t0 = time.perf_counter()
         mask = None if self.cache.fused else packed_attention_mask(plan, next(self.model.parameters()).dtype)
@@ -463,10 +465,22 @@ class Engine:
         return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=generator).squeeze(1)
 
     # ---- reporting -------------------------------------------------------------------------------
+    def _dense_bytes(self, lengths: list[int]) -> int:
+        """Bytes of the requests' tokens (``lengths``, one per request) in DynamicCache tensors of the model's
+        dtype, one ``DynamicCache(config=config)`` per request: every token in a full-attention layer, the
+        newest ``sliding_window - 1`` in a sliding-window one."""
+        from . import _dynamic
+
+        layers, heads, k_dim, v_dim = self._kv_shape
+        groups = getattr(self, "_dense_groups", None)
+        if groups is None:  # (window, number of layers) of the config's layers, read once
+            windows = (_dynamic.layer_windows(self.cache.config) + [None] * layers)[:layers]
+            groups = self._dense_groups = [(w, windows.count(w)) for w in dict.fromkeys(windows)]
+        per_token_layer = heads * (k_dim + v_dim) * self._dtype_bytes
+        return per_token_layer * sum(n * sum(_dynamic.held_tokens(t, w) for t in lengths) for w, n in groups)
+
     def _summarize(self, results: list[Result], stats: dict, wall: float) -> None:
         generated = sum(len(r.tokens) for r in results)
-        layers, heads, k_dim, v_dim = self._kv_shape
-        per_token_dense = layers * heads * (k_dim + v_dim) * self._dtype_bytes
         s = dict(stats)
         s.update(
             requests=len(results), generated_tokens=generated, wall_s=wall,
@@ -475,7 +489,7 @@ class Engine:
             tpot_s=sum(r.time_per_output_token for r in results) / max(1, len(results)),
             prefix_hit_rate=stats["prefix_hit_tokens"] / max(1, stats["prompt_tokens"]),
             kv_bytes=stats["peak_kv_bytes"],
-            dynamic_cache_bytes=stats["peak_dense_tokens"] * per_token_dense,
+            dynamic_cache_bytes=stats["peak_dense_bytes"],
             format=str(self.store.kv_format) if self.store.kv_format else "model dtype",
         )
         if self.store.prefix_cache is not None:
@@ -488,7 +502,9 @@ class Engine:
         (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak bytes of the pages in use, cached
         prefixes included, and of a quantized format's full-precision window pages, which the store holds
         beside their quantized blocks) against
-        ``dynamic_cache_bytes`` (the same tokens in DynamicCache tensors of the model's dtype), and with a
+        ``dynamic_cache_bytes`` (the peak bytes of the same requests, each in a ``DynamicCache(config=config)``
+        of the model's dtype, which keeps only the newest ``sliding_window - 1`` tokens of a sliding-window
+        layer where the pages hold every token: on such models ``kv_bytes`` can exceed it), and with a
         bounded pool ``preemptions`` and ``recomputed_tokens`` (the tokens preempted requests computed again).
 
         With ``disk`` / ``remote`` tiers, also this call's ``disk_hit_tokens``, ``remote_hit_tokens``,

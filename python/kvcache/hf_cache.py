@@ -571,8 +571,11 @@ class PagedCache(Cache):
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Tokens, blocks, bytes (stored, reserved by the pools), internal waste, and the bytes an
-        equivalent ``DynamicCache`` would hold in the model's dtype. With residual pages, ``residual_blocks``
-        of the blocks are also held in full precision, and ``bytes`` counts both copies."""
+        equivalent ``DynamicCache(config=config)`` would hold in the model's dtype (``dynamic_cache_bytes``:
+        in a sliding-window layer DynamicCache keeps only the newest ``sliding_window - 1`` tokens of each
+        row, where the pages hold every token, so on such models ``bytes`` can exceed it). With residual
+        pages, ``residual_blocks`` of the blocks are also held in full precision, and ``bytes`` counts both
+        copies."""
         page = self.store.page_size
         length = self.get_seq_length()
         tokens = sum(length - p for p in self.pads)
@@ -584,9 +587,14 @@ class PagedCache(Cache):
             residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
         model_dtype = self._model_dtype()
         elem = torch.finfo(model_dtype).bits // 8 if model_dtype is not None else 2
+        from . import _dynamic
+
+        windows = _dynamic.layer_windows(self.config)  # per layer: None (every token) or its sliding window
         dense = 0
-        for pool in self.store.pools.values():
-            dense += len(self.rows) * length * pool.num_kv_heads * (pool.head_dim + pool.v_head_dim) * elem
+        for layer, pool in self.store.pools.items():
+            window = windows[layer] if layer < len(windows) else None
+            held = _dynamic.held_tokens(length, window)  # DynamicCache's rows are as long as the longest
+            dense += len(self.rows) * held * pool.num_kv_heads * (pool.head_dim + pool.v_head_dim) * elem
         fmt = self.store.kv_format
         if fmt is None and model_dtype is not None:
             fmt = CacheFormat.parse(model_dtype)
