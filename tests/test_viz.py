@@ -103,6 +103,46 @@ def test_radix_tree_splits_where_sequences_diverge():
         viz.radix_tree([[1], []])
 
 
+def test_radix_tree_draws_no_node_for_a_prefix_of_an_earlier_sequence():
+    import kvcache
+
+    for seqs, nodes in (([[1, 2, 3, 4], [1, 2]], 1), ([[1, 2], [1, 2, 3, 4]], 2), ([[1, 2, 3], [1, 2, 3]], 1)):
+        alloc = kvcache.BlockAllocator(8, 1)
+        cache = kvcache.PrefixCache(alloc)
+        for s in seqs:
+            cache.insert(s, alloc.allocate(len(s)))
+        assert cache.stats()["nodes"] == nodes
+        assert viz.radix_tree(seqs).kvcache_nodes == nodes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_radix_tree_is_the_prefix_cache_tree_in_any_insert_order(seed):
+    """Random sequences sharing prefixes (some a prefix of another, some repeated), inserted in a random order:
+    the drawing has the cache's nodes, and its edge labels (token counts) add up to the cache's tokens."""
+    import random
+
+    import kvcache
+
+    rng = random.Random(seed)
+    page = rng.choice([1, 4, 16])
+    base = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+    seqs = []
+    for _ in range(rng.randint(1, 8)):
+        k = rng.randint(0, len(base))
+        seqs.append(base[:k] + [rng.randrange(4) for _ in range(rng.randint(0 if k else 1, 20))])
+    rng.shuffle(seqs)
+    alloc = kvcache.BlockAllocator(4096, page)
+    cache = kvcache.PrefixCache(alloc)
+    for s in seqs:
+        blocks = alloc.allocate(-(-len(s) // page))
+        cache.insert(s, blocks)
+        alloc.free(blocks)
+    fig = viz.radix_tree(seqs)
+    s = cache.stats()
+    assert fig.kvcache_nodes == s["nodes"]
+    assert sum(int(t.get_text()) for t in fig.axes[0].texts) == s["device_tokens"]
+
+
 def test_radix_tree_matches_the_prefix_cache():
     import random
 

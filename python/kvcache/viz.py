@@ -148,7 +148,9 @@ def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "b
 
 
 def _radix(sequences) -> dict:
-    """The compressed trie of ``sequences``: nested {edge tuple: children}, split only where they diverge."""
+    """The radix tree a :class:`kvcache.PrefixCache` builds from ``sequences`` inserted in this order: nested
+    {edge tuple: children}. An edge is split only where a later sequence leaves it and goes on; a sequence
+    that ends inside an edge (a prefix of an earlier one) adds nothing, as in the cache."""
     root: dict = {}
     for seq in sequences:
         node, rest = root, tuple(seq)
@@ -159,6 +161,9 @@ def _radix(sequences) -> dict:
                     n += 1
                 if n == 0:
                     continue
+                if n == len(rest):  # the sequence ends on this edge: the cache has it already, no split
+                    rest = ()
+                    break
                 if n < len(edge):  # split the edge where the new sequence leaves it
                     node[edge[:n]] = {edge[n:]: node.pop(edge)}
                     edge = edge[:n]
@@ -171,10 +176,13 @@ def _radix(sequences) -> dict:
 
 
 def radix_tree(sequences, *, labels=None, title: str = "", figsize=(7.0, 4.5)):
-    """Draws the radix tree (compressed trie) of token ``sequences``: the tree a :class:`kvcache.PrefixCache`
-    holds after inserting them (with no eviction). Each edge is labelled with its token count (or with
-    ``labels(tokens)``); a node's width is its number of leaves. Returns the figure; ``fig.kvcache_nodes``
-    is the number of nodes drawn (the root excluded)."""
+    """Draws the radix tree of token ``sequences``: the tree a :class:`kvcache.PrefixCache` holds after
+    inserting them in this order (one namespace, no eviction), node for node. The cache splits an edge only
+    where a sequence leaves it and goes on, so the order matters: ``[[1, 2, 3, 4], [1, 2]]`` is one node
+    (``[1, 2]`` ends inside the first edge), ``[[1, 2], [1, 2, 3, 4]]`` two. Each edge is labelled with its
+    token count (or with ``labels(tokens)``); a node's width is its number of leaves. Returns the figure;
+    ``fig.kvcache_nodes`` is the number of nodes drawn (the root excluded), the cache's
+    ``stats()["nodes"]``."""
     seqs = [list(s) for s in sequences]
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("sequences must be a non-empty list of non-empty token sequences")
