@@ -60,6 +60,20 @@ def test_line_plot_rejects_a_series_of_the_wrong_length():
         viz.line_plot([1, 2], {})
 
 
+def test_line_plot_takes_labels_as_x():
+    fig = viz.line_plot(["1k", "8k", "32k"], {"a": [1, 2, 3]})
+    ax = fig.axes[0]
+    assert list(ax.lines[0].get_xdata()) == [0, 1, 2] and list(ax.lines[0].get_ydata()) == [1, 2, 3]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1k", "8k", "32k"]
+    with pytest.raises(ValueError, match=r"x must be all numbers or all labels \(strings\), got '8k' among"):
+        viz.line_plot([1, "8k"], {"a": [1, 2]})
+    with pytest.raises(ValueError, match=r"logx=True needs numeric x, got labels \['1k', '8k'\]"):
+        viz.line_plot(["1k", "8k"], {"a": [1, 2]}, logx=True)
+    np = pytest.importorskip("numpy")
+    fig = viz.line_plot(np.array([1.0, 2.0]), {"a": np.array([3.0, 4.0])})  # numpy x stays numeric
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1.0, 2.0]
+
+
 def test_bar_chart_groups_bars():
     fig = viz.bar_chart(["a", "b", "c"], {"x": [1, 2, 3], "y": [3, 2, 1]}, logy=True)
     ax = fig.axes[0]
@@ -90,6 +104,9 @@ def test_occupancy_masks_free_blocks():
     assert bool(data.mask[0, 0]) and bool(data.mask[2, 1]) and not data.mask[1, 0]
     with pytest.raises(ValueError, match="owners must be a non-empty"):
         viz.occupancy([])
+    with pytest.raises(ValueError, match="owners must have the same number of blocks at every step: step 0 "
+                                         "has 2, step 2 has 1"):
+        viz.occupancy([[0, 1], [0, -1], [0]])
 
 
 def test_radix_tree_splits_where_sequences_diverge():
@@ -170,6 +187,12 @@ def test_roofline_draws_the_roof_and_points():
         viz.roofline([("a", 1.0, 1.0)], peak_flops=1.0, peak_bandwidth=0)
     with pytest.raises(ValueError, match="point 'a' needs a positive intensity"):
         viz.roofline([("a", 0.0, 1.0)], peak_flops=1.0, peak_bandwidth=1.0)
+    np = pytest.importorskip("numpy")  # numpy scalars (e.g. a measured peak) are numbers too
+    fig = viz.roofline([("a", 1.0, 1.0)], peak_flops=np.float32(1e9), peak_bandwidth=np.int64(10**9))
+    roof = next(line for line in fig.axes[0].lines if line.get_label() == "roof")
+    assert max(roof.get_ydata()) == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="peak_flops must be a positive number, got True"):
+        viz.roofline([("a", 1.0, 1.0)], peak_flops=True, peak_bandwidth=1.0)
 
 
 def test_save_writes_a_png_into_the_figures_dir(tmp_path, monkeypatch):

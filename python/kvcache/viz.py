@@ -44,6 +44,13 @@ def _figure(figsize):
     return fig, ax
 
 
+def _is_number(value) -> bool:
+    """A real number: int, float, or a numpy scalar (bool excluded)."""
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_series(x: Sequence, series: Mapping, x_name: str = "x") -> None:
     if not isinstance(series, Mapping) or not series:
         raise ValueError("series must be a non-empty mapping of label -> values")
@@ -56,15 +63,26 @@ def line_plot(x: Sequence, series: Mapping[str, Sequence[float]], *, xlabel: str
               title: str = "", logx: bool = False, logy: bool = False, markers: bool = True,
               hlines: Mapping[str, float] | None = None, figsize=(6.4, 4.0)):
     """One line per entry of ``series`` (label -> y values, one per ``x``); ``hlines`` adds labelled
-    horizontal reference lines (e.g. a memory budget)."""
+    horizontal reference lines (e.g. a memory budget). ``x`` holds numbers, or labels (strings such as
+    ``["1k", "8k"]``), which are drawn evenly spaced in their order, one tick each (no ``logx`` then)."""
     _check_series(x, series)
+    numeric = [_is_number(v) for v in x]
+    categorical = len(numeric) > 0 and not any(numeric)
+    if not categorical and not all(numeric):
+        bad = next(v for v, ok in zip(x, numeric) if not ok)
+        raise ValueError(f"x must be all numbers or all labels (strings), got {bad!r} among numbers")
+    if categorical and logx:
+        raise ValueError(f"logx=True needs numeric x, got labels {list(x)[:3]!r}")
     fig, ax = _figure(figsize)
+    xs = list(range(len(x))) if categorical else list(x)
     for label, ys in series.items():
-        ax.plot(list(x), list(ys), marker="o" if markers else None, markersize=3, label=str(label))
+        ax.plot(xs, list(ys), marker="o" if markers else None, markersize=3, label=str(label))
     for i, (label, y) in enumerate((hlines or {}).items()):
         ax.axhline(y, color="0.4", linestyle=("--", ":", "-.")[i % 3], linewidth=1, label=str(label))
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    if logx:
+    if categorical:
+        ax.set_xticks(xs, [str(v) for v in x])
+    elif logx:
         ax.set_xscale("log", base=2)
     elif all(float(v).is_integer() for v in x):  # counts (requests, steps): no ticks between them
         from matplotlib.ticker import MaxNLocator
@@ -135,6 +153,13 @@ def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "b
     (``-1`` = free). Each request gets a colour, free blocks are white."""
     import numpy as np
 
+    rows = list(owners) if isinstance(owners, Sequence) and not isinstance(owners, str) else None
+    if rows and all(isinstance(r, Sequence) and not isinstance(r, str) for r in rows):
+        widths = [len(r) for r in rows]
+        if len(set(widths)) > 1:
+            step = next(t for t, w in enumerate(widths) if w != widths[0])
+            raise ValueError(f"owners must have the same number of blocks at every step: step 0 has {widths[0]}, "
+                             f"step {step} has {widths[step]}")
     grid = np.asarray(owners, dtype=float)
     if grid.ndim != 2 or 0 in grid.shape:
         raise ValueError(f"owners must be a non-empty [steps, blocks] array, got shape {tuple(grid.shape)}")
@@ -231,7 +256,7 @@ def roofline(points: Sequence[tuple[str, float, float]], *, peak_flops: float, p
     if not points:
         raise ValueError("points must hold at least one (label, intensity, flops) tuple")
     for name, value in (("peak_flops", peak_flops), ("peak_bandwidth", peak_bandwidth)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        if not (_is_number(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     for label, intensity, flops in points:
         if not (intensity > 0 and flops > 0):
