@@ -237,3 +237,47 @@ def test_sliding_window_model_with_a_full_precision_window(kv_format, residual):
             want = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False,
                                   pad_token_id=0)
         assert want[0, len(prompt):].tolist() == res.tokens
+
+
+def test_engines_given_one_prefix_cache_share_its_pages(model):
+    """A PrefixCache's block ids hold K/V in one store's pools: a second Engine given the cache shares that store
+    (its prefix hits read the pages the first engine wrote, so its tokens are the model's), and what cannot share
+    them is refused before any work, leaving the cache and the first engine as they were."""
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(64, 4))
+    a = kvcache.Engine(model, page_size=4, prefix_cache=cache)
+    b = kvcache.Engine(model, page_size=4, prefix_cache=cache)
+    assert a.store is b.store is cache.store
+    system = _prompts()[0][:29]
+    a.generate([system + [40]], max_new_tokens=6)
+    got = b.generate([system + [50]], max_new_tokens=6)[0]
+    assert got.cached_tokens == 29 and got.tokens == _reference(model, system + [50], 6)
+
+    with pytest.raises(ValueError, match=r"prefix_cache: its pages are stored as model dtype.*asks for int8"):
+        kvcache.Engine(model, page_size=4, prefix_cache=cache, kv_format="int8")
+    with pytest.raises(ValueError, match=r"prefix_cache: its pages are 4 tokens .* not page_size=8"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache)
+    torch.manual_seed(1)
+    narrow = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match=r"prefix_cache: .*another model geometry: this model has k_dim=8 \(its "
+                                         r"pages: 16\), v_dim=8 \(its pages: 16\)"):
+        kvcache.Engine(narrow, page_size=4, prefix_cache=cache)
+    with pytest.raises(ValueError, match=r"prefix_cache: this PrefixCache already caches the pages of another "
+                                         r"PagedStore.*store=prefix_cache.store"):
+        kvcache.PagedCache(model.config, prefix_cache=cache, page_size=4)
+    assert kvcache.PagedCache(model.config, store=cache.store).store is a.store
+
+    # other weights under the same default namespace (no name_or_path: the class name) would hit a's prefixes
+    torch.manual_seed(5)
+    other = transformers.LlamaForCausalLM(model.config).eval()
+    with pytest.raises(ValueError, match=r"namespace: this model has no name_or_path.*'LlamaForCausalLM'"):
+        kvcache.Engine(other, page_size=4, prefix_cache=cache)
+    c = kvcache.Engine(other, page_size=4, prefix_cache=cache, namespace=kvcache.Namespace(model="other"))
+    mine = c.generate([system + [60]], max_new_tokens=6)[0]
+    assert mine.cached_tokens == 0 and mine.tokens == _reference(other, system + [60], 6)
+
+    assert cache.store is a.store  # the refusals changed nothing
+    again = a.generate([system + [80]], max_new_tokens=6)[0]
+    assert again.cached_tokens == 29 and again.tokens == _reference(model, system + [80], 6)
+    cache.check()

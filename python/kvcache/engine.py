@@ -20,6 +20,7 @@ cached, and cache their prompt for the next ones.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from . import _html, residual as res
 from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, is_mla_config, packed_attention_mask
 from .step import plan_step
 from .store import PagedStore
-from .prefix import Match, Namespace, OutOfBlocksError, Sequence
+from .prefix import Match, Namespace, OutOfBlocksError, PrefixCache, Sequence
 
 __all__ = ["Engine", "Result"]
 
@@ -42,6 +43,37 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if len(diff) else n
+
+
+def _shared_store(cache: PrefixCache, geometry: dict, *, page_size: int, kv_format, residual_length,
+                  residual_sink_tokens: int) -> PagedStore:
+    """The store whose pools hold the pages ``cache`` already indexes (another Engine's or PagedCache's), for an
+    Engine given that cache: its block ids are only valid there. Refused unless this Engine's pages would be the
+    same: page size, format and residual settings, and the model's kv heads, row widths, dtype and device."""
+    store = cache.store
+    if page_size != store.page_size:
+        raise ValueError(f"prefix_cache: its pages are {store.page_size} tokens (the store it is bound to), not "
+                         f"page_size={page_size}; give the same page_size, or a new PrefixCache")
+    # the settings this Engine would give its own store (checked as for one), over the cache's allocator
+    wanted = PagedStore(page_size=page_size, kv_format=kv_format, allocator=cache.allocator,
+                        residual_length=residual_length, residual_sink_tokens=residual_sink_tokens)
+    mine = (str(wanted.kv_format or "model dtype"), wanted.residual_label or "no residual pages")
+    theirs = (str(store.kv_format or "model dtype"), store.residual_label or "no residual pages")
+    if mine != theirs:
+        raise ValueError(f"prefix_cache: its pages are stored as {', '.join(theirs)} (the store it is bound to), this "
+                         f"Engine asks for {', '.join(mine)}; give the same kv_format / residual settings, or a new "
+                         f"PrefixCache")
+    bound = dict(getattr(store, "engine_geometry", None) or {})
+    for pool in store.pools.values():  # a PagedCache's store: what its pools were made for
+        bound.update(kv_heads=pool.num_kv_heads, k_dim=pool.head_dim, v_dim=pool.v_head_dim or pool.head_dim,
+                     device=pool.k.device)
+        if store.kv_format is None:
+            bound["dtype"] = pool.k.dtype
+    diff = [f"{k}={geometry[k]} (its pages: {v})" for k, v in bound.items() if geometry[k] != v]
+    if diff:
+        raise ValueError(f"prefix_cache: its pages are in the pools of another store, made for another model "
+                         f"geometry: this model has {', '.join(diff)}; give this model a new PrefixCache")
+    return store
 
 
 # seconds a generate call runs before its bar appears: short calls (tests, a loop of small batches) stay quiet
@@ -101,7 +133,12 @@ class Engine:
         kv_format: storage format of the pages (default: the model's dtype).
         prefix_cache: share cached prompt prefixes between requests (and across ``generate`` calls); or a
             :class:`kvcache.PrefixCache` to use (its allocator's size bounds the pool; its ``disk`` / ``remote``
-            tier options apply unless given here).
+            tier options apply unless given here). The cache's pages live in one store's pools
+            (``prefix_cache.store``): an Engine given a cache that another Engine (or a PagedCache) already uses
+            shares that store, pools and allocator, so prefixes either computed are hits for both. That store's
+            page size, format and residual settings, and the model's kv heads, head dims, dtype and device must
+            then match, else a ValueError naming ``prefix_cache`` (use a new PrefixCache); its namespace (the
+            model's name) keeps the prefixes of different models apart.
         page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows). A bounded
             pool schedules: a request waits until its prompt's pages fit (after evicting unlocked cached
             prefixes), and when the running requests outgrow the pool the youngest is *preempted*: its
@@ -130,16 +167,32 @@ class Engine:
                  chunk_tokens: int | None = None):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
         config = model.config.get_text_config(decoder=True)
-        self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
-                                prefix_cache=prefix_cache, residual_length=residual_length,
-                                residual_sink_tokens=residual_sink_tokens)
+        heads, k_dim, v_dim = cache_geometry(config)
+        param = next(model.parameters())
+        geometry = dict(layers=config.num_hidden_layers, kv_heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=param.dtype,
+                        device=param.device)
+        if isinstance(prefix_cache, PrefixCache) and prefix_cache.store is not None:
+            self.store = _shared_store(prefix_cache, geometry, page_size=page_size, kv_format=kv_format,
+                                       residual_length=residual_length, residual_sink_tokens=residual_sink_tokens)
+        else:
+            self.store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
+                                    prefix_cache=prefix_cache, residual_length=residual_length,
+                                    residual_sink_tokens=residual_sink_tokens)
+            self.store.engine_geometry = geometry  # what a second Engine sharing this store's pools must match
         fmt = "+".join(filter(None, ("" if kv_format is None else str(self.store.kv_format), self.store.residual_label)))
         self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
                                                 kv_format=fmt)
+        unnamed = namespace is None and not getattr(config, "_name_or_path", "")
+        models = self.store.__dict__.setdefault("engine_models", {})  # namespace key -> the model it was made for
+        other = models.get(self.namespace.key)
+        if unnamed and other is not None and other() is not None and other() is not model:
+            raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
+                             f"{self.namespace.model!r}, as another model's in the shared prefix_cache (other weights: "
+                             f"their K/V would be hits here); give it namespace=kvcache.Namespace(model=..., salt=...)")
+        models.setdefault(self.namespace.key, weakref.ref(model))
         self.store.namespace = self.namespace
         self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans
         self._dtype_bytes = next(model.parameters()).element_size()
-        heads, k_dim, v_dim = cache_geometry(config)
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
         self.latent = is_mla_config(config)  # MLA latents, read by the absorbed kernel (hf_mla); not k_dim != v_dim:
         # a latent as wide as the rotary part is MLA too

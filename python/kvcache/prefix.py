@@ -331,6 +331,11 @@ class PrefixCache:
             (``Engine(model, prefix_cache=cache)``) fetches into it and writes from it, and :meth:`stats`
             then carries the tiers' counters under ``"tiers"``.
 
+    The tree holds block ids; their K/V live in the pools of one :class:`kvcache.PagedStore`, the first made over
+    it (an Engine's or PagedCache's), ``cache.store`` from then on. Further Engines given this cache share that
+    store's pools (same model geometry and format, else a ValueError); a second ``PagedStore`` or
+    ``PagedCache(prefix_cache=cache)`` is refused: share the pages with ``PagedCache(config, store=cache.store)``.
+
     A match returns blocks without taking references: either take them (``allocator.sequence(m)``),
     which keeps the data alive, and/or lock the node (``lock=True`` or :meth:`lock`), which keeps the
     prefix in the cache until :meth:`unlock`.
@@ -351,6 +356,9 @@ class PrefixCache:
             raise ValueError(str(err).splitlines()[0]) from None
         self.host_allocator: BlockAllocator | None = None
         self.tiers = None  # the kvcache.tiers.PrefixTiers an Engine binds to this tree
+        # the kvcache.PagedStore whose pools hold the K/V of the blocks this tree caches: bound by the first store
+        # made over it, for good (its block ids mean nothing in another store's pools)
+        self.store = None
         self.tier_options = {}
         if chunk_tokens is not None:
             from .tiers import check_chunk_tokens

@@ -27,7 +27,9 @@ class PagedStore:
     """The pages of every layer plus the allocator of their block ids (and an optional prefix cache).
 
     One store may back several :class:`PagedCache` objects (copies, an :class:`kvcache.Engine`'s
-    requests): each holds references on the blocks it uses. Pools are allocated per layer on first use,
+    requests): each holds references on the blocks it uses. A :class:`PrefixCache` given as ``prefix_cache``
+    is bound to the store for good (``prefix_cache.store``): a second store over it is refused, since the
+    tree's block ids hold K/V in the first store's pools. Pools are allocated per layer on first use,
     with that layer's kv heads, head_dim and device, and grow (doubling) as block ids are handed out,
     unless ``max_tokens`` fixes their size up front.
 
@@ -56,6 +58,12 @@ class PagedStore:
         self.max_tokens = max_tokens
         budget = _UNBOUNDED_BLOCKS if max_tokens is None else -(-max_tokens // self.page_size)
         if isinstance(prefix_cache, PrefixCache):
+            if prefix_cache.store is not None:
+                raise ValueError(
+                    "prefix_cache: this PrefixCache already caches the pages of another PagedStore (its block ids "
+                    "hold K/V in that store's pools, not in a new one's); share that store instead: "
+                    "PagedCache(config, store=prefix_cache.store), or for an Engine kvcache.Engine(model, "
+                    "prefix_cache=prefix_cache), which shares it")
             self.prefix_cache = prefix_cache
             self.allocator = prefix_cache.allocator
             if self.allocator.page_size != self.page_size:
@@ -81,6 +89,8 @@ class PagedStore:
         if quantized and (residual_length or residual_sink_tokens or kivi):
             self.residual = ResidualPages(self.page_size, residual_length, -(-residual_sink_tokens // self.page_size))
             self.residual.is_live = lambda block: self.allocator.refcount(block) > 0
+        if self.prefix_cache is not None:  # its blocks' K/V are this store's (checked above: not another's)
+            self.prefix_cache.store = self
 
     @property
     def residual_label(self) -> str:
