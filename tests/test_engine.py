@@ -281,3 +281,24 @@ def test_engines_given_one_prefix_cache_share_its_pages(model):
     again = a.generate([system + [80]], max_new_tokens=6)[0]
     assert again.cached_tokens == 29 and again.tokens == _reference(model, system + [80], 6)
     cache.check()
+
+
+def test_requests_sharing_a_cached_prefix_are_batched_together(model):
+    """Cache-aware scheduling holds back a request only for what it would share with a prompt prefilled in the
+    same step and not cached yet: once the shared system prompt is cached, 32 requests over max_batch=16 run in
+    two batches (as without a prefix cache), not one admission per step, and give the same tokens."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (20,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 7, (32,), generator=g)]
+    plain = kvcache.Engine(model, page_size=4, max_batch=16, prefix_cache=False)
+    expected = [r.tokens for r in plain.generate(prompts, max_new_tokens=4)]
+    assert plain.stats()["steps"] == 8  # 2 batches x 4 tokens
+    engine = kvcache.Engine(model, page_size=4, max_batch=16)
+    first = engine.generate(prompts, max_new_tokens=4)
+    # the first call: the system prompt is computed once (the others wait a step for it), then hit 31 times
+    assert engine.stats()["prefix_hit_tokens"] >= 31 * 20 and engine.stats()["steps"] <= 9
+    second = engine.generate(prompts, max_new_tokens=4)
+    s = engine.stats()
+    assert s["steps"] == 8 and s["prefix_hit_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert [r.tokens for r in first] == [r.tokens for r in second] == expected

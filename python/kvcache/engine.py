@@ -361,22 +361,37 @@ class Engine:
 
     def _admit_waiting(self, waiting: deque, running: list[_Running], stats: dict) -> None:
         """Admits waiting requests, in queue order, up to ``max_batch`` and while their pages fit the pool (a
-        request that does not fit waits, and so do the ones behind it). A new request that shares more than a
-        page with a prompt being prefilled right now (and not cached yet) waits one step: it will then reuse that
-        prefix instead of computing it again (cache-aware scheduling)."""
-        prefilling = [torch.tensor(r.result.prompt) for r in running if not r.result.tokens]
-        popped, admitted = [], []
-        while waiting and len(running) + len(admitted) < self.max_batch:
+        request that does not fit waits, and so do the ones behind it). A new request whose prompt shares at least
+        a page more than it finds cached with a prompt being prefilled in this step waits one step: it will then
+        reuse that prefix instead of computing it again (cache-aware scheduling). What of the shared part is
+        cached already is not counted: requests that share a cached prefix are admitted together."""
+        tree, page = self.store.prefix_cache, self.store.page_size
+        # the prompts prefilled in this step (and cached after it), with how many of their tokens were cached
+        prefilling = [(torch.tensor(r.result.prompt), r.result.cached_tokens) for r in running if not r.result.tokens]
+        popped, admitted, new = [], [], []
+        while waiting and len(running) + len(new) + len(admitted) < self.max_batch:
             entry = waiting.popleft()
             popped.append(entry)
             result = entry[1]
-            if self.store.prefix_cache is not None and prefilling and not result.tokens:
+            if tree is not None and not result.tokens:
                 p = torch.tensor(result.prompt)
-                if max(_common_prefix(p, other) for other in prefilling) >= self.store.page_size:
+                # its key for a lookup keeps its last token to compute
+                shared = [min(_common_prefix(p, other), len(p) - 1) for other, _ in prefilling]
+                if any(n >= page for n in shared) and any(c is None for _, c in prefilling):
+                    looked_up = self._admit(admitted, stats)  # the admitted ones: what they find cached
+                    new += looked_up
+                    admitted = []
+                    prefilling = [(q, c) for q, c in prefilling if c is not None]
+                    prefilling += [(torch.tensor(r.result.prompt), r.result.cached_tokens) for r in looked_up
+                                   if not r.result.tokens]
+                    shared = [min(_common_prefix(p, other), len(p) - 1) for other, _ in prefilling]
+                # p finds min(n, cached) of a shared n cached (the tree's path along both); the rest only after
+                # the other one's prefill is cached
+                if any(n >= page and n - min(n, cached) >= page for n, (_, cached) in zip(shared, prefilling)):
                     continue
+                prefilling.append((p, None))  # its cached length is known once it is looked up
             admitted.append(entry)
-            prefilling.append(torch.tensor(result.prompt))  # an admitted request always has its last prompt token to compute
-        new = self._admit(admitted, stats) if admitted else []
+        new += self._admit(admitted, stats) if admitted else []
         for k, req in enumerate(new):
             try:
                 self._take_pages(req)
