@@ -87,6 +87,32 @@ def test_engine_sampling_is_seeded_and_stops_at_eos(model):
     assert stop[0].tokens == first[:2]
 
 
+def test_engine_stops_at_any_eos_id_and_by_default_at_the_generation_configs(model):
+    """eos_token_id as HF generate takes it: an int, a list / tuple or a tensor of ids, any of which ends the
+    request (kept as its last token); by default the model's generation_config.eos_token_id, as HF stops at."""
+    engine = kvcache.Engine(model, prefix_cache=False)
+    prompt = _prompts()[1]
+    free = engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0].tokens
+    stop, never = free[3], next(t for t in range(128) if t not in free)
+    cut = free[:free.index(stop) + 1]
+    assert len(cut) < 8
+    for eos in (stop, [stop], (never, stop), torch.tensor([stop]), torch.tensor(stop)):
+        assert engine.generate([prompt], max_new_tokens=8, eos_token_id=eos)[0].tokens == cut, eos
+    before = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [never, stop]
+    try:
+        assert engine.generate([prompt], max_new_tokens=8)[0].tokens == cut == _reference(model, prompt, 8)
+        assert engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0].tokens == free
+    finally:
+        model.generation_config.eos_token_id = before
+    for bad, pattern in ((1.5, r"eos_token_id=1\.5 must be an int, a list / tuple of ints or an int tensor"),
+                         ("2", r"eos_token_id='2' must be an int"), ([2, 1.0], r"eos_token_id=\[2, 1\.0\]: 1\.0 is not a "
+                                                                      r"token id"),
+                         (torch.tensor([2.0]), r"eos_token_id: .*torch\.float32")):
+        with pytest.raises(TypeError, match=pattern):
+            engine.generate([prompt], max_new_tokens=8, eos_token_id=bad)
+
+
 def test_engine_bad_input(model):
     engine = kvcache.Engine(model)
     with pytest.raises(ValueError, match="at least one token"):

@@ -19,6 +19,7 @@ cached, and cache their prompt for the next ones.
 
 from __future__ import annotations
 
+import numbers
 import time
 import weakref
 from collections import deque
@@ -214,22 +215,26 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, eos_token_id: int | None = None, seed: int = 0,
+                 top_k: int | None = None, eos_token_id=None, seed: int = 0,
                  progress: bool = True) -> list[Result]:
         """Generates for every prompt (token-id lists, or strings with a tokenizer); results in prompt order.
         With several prompts a tqdm bar counts finished requests on stderr once the call has run for
-        ``kvcache.engine.PROGRESS_DELAY_S`` (1 s); ``progress=False`` turns it off."""
+        ``kvcache.engine.PROGRESS_DELAY_S`` (1 s); ``progress=False`` turns it off.
+
+        A request stops after ``max_new_tokens`` or at an end-of-sequence token, kept as its last token:
+        ``eos_token_id`` is an int, a list / tuple of ints or an int tensor (any of them stops, as in HF
+        generate; ``[]``: none). By default (None) the ids of the model's ``generation_config.eos_token_id``,
+        which HF generate stops at too, and the tokenizer's ``eos_token_id``."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (the first token comes with the prefill)")
         if do_sample and not temperature > 0:
             raise ValueError(f"temperature={temperature} must be > 0 when sampling (do_sample=False is greedy)")
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
+        stop = self._stop_ids(eos_token_id)
         prompts = [self._encode(p) for p in prompts]
         self._check_fits(prompts, max_new_tokens)
         bar = _progress_bar(len(prompts), progress)
-        if eos_token_id is None and self.tokenizer is not None:
-            eos_token_id = self.tokenizer.eos_token_id
         generator = torch.Generator().manual_seed(seed)
         waiting = deque((i, Result(p)) for i, p in enumerate(prompts))
         running: list[_Running] = []
@@ -257,7 +262,7 @@ class Engine:
                         self._cache_prompt(req)
                     res.tokens.append(token)
                     req.pending = [token]
-                    if len(res.tokens) >= max_new_tokens or token == eos_token_id:
+                    if len(res.tokens) >= max_new_tokens or token in stop:
                         res.done_s = now
                         self._finish(req)
                         results[req.index] = res
@@ -291,6 +296,31 @@ class Engine:
         if not (self.latent and fmt is not None and (fmt.k.hadamard or fmt.v.hadamard)):
             return ATTENTION_NAME
         return current if current in ("eager", "sdpa") else "sdpa"
+
+    def _stop_ids(self, eos_token_id) -> frozenset[int]:
+        """The token ids that end a request: ``eos_token_id`` (an int, a list / tuple of ints or an int tensor), or
+        by default the model's ``generation_config.eos_token_id`` and the tokenizer's ``eos_token_id``."""
+        if eos_token_id is None:
+            config = getattr(self.model, "generation_config", None)
+            defaults = [getattr(config, "eos_token_id", None)]
+            if self.tokenizer is not None:
+                defaults.append(self.tokenizer.eos_token_id)
+            return frozenset().union(*(self._stop_ids(d) for d in defaults if d is not None))
+        ids = eos_token_id
+        if torch.is_tensor(ids):
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() > 1:
+                raise TypeError(f"eos_token_id: a tensor of stop ids must be of integers, 0-D or 1-D; got "
+                                f"{ids.dtype} of shape {tuple(ids.shape)}")
+            ids = ids.reshape(-1).tolist()
+        elif isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+            ids = [ids]
+        elif not isinstance(ids, (list, tuple)):
+            raise TypeError(f"eos_token_id={eos_token_id!r} must be an int, a list / tuple of ints or an int tensor, "
+                            f"not {type(eos_token_id).__name__}")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+        if bad:
+            raise TypeError(f"eos_token_id={eos_token_id!r}: {bad[0]!r} is not a token id (an int >= 0)")
+        return frozenset(int(t) for t in ids)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
