@@ -132,14 +132,15 @@ def test_bounded_pool_preempts_and_every_request_finishes(model, kv_format, pref
     resumes later (computing its tokens again), so every request finishes with the tokens it gets alone."""
     # short prompts that grow: 6 admitted at once (2 pages each), 4-6 pages each by the end, in a pool of 16
     prompts = [p[-n:] for p, n in zip(_prompts(), (3, 12, 7, 9, 4, 10))]
+    grow = dict(max_new_tokens=36, eos_token_id=[])  # every request grows to its full length (no early stop)
     free = kvcache.Engine(model, kv_format=kv_format, prefix_cache=False, page_size=8)
-    want = [r.tokens for r in free.generate(prompts, max_new_tokens=36)]
+    want = [r.tokens for r in free.generate(prompts, **grow)]
     engine = kvcache.Engine(model, kv_format=kv_format, prefix_cache=prefix_cache, page_size=8, max_tokens=128,
                             max_batch=6)
     fed = []  # tokens of each forward
     hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
-        results = engine.generate(prompts, max_new_tokens=36)
+        results = engine.generate(prompts, **grow)
     finally:
         hook.remove()
     assert [r.tokens for r in results] == want
@@ -159,7 +160,7 @@ def test_bounded_pool_preempts_and_every_request_finishes(model, kv_format, pref
     # the same requests one at a time never need a preemption
     one = kvcache.Engine(model, kv_format=kv_format, prefix_cache=prefix_cache, page_size=8, max_tokens=128,
                          max_batch=1)
-    assert [r.tokens for r in one.generate(prompts, max_new_tokens=36)] == want
+    assert [r.tokens for r in one.generate(prompts, **grow)] == want
     assert one.stats()["preemptions"] == 0
 
 
