@@ -125,6 +125,48 @@ def test_engine_bad_input(model):
     assert small.store.allocator.num_free == small.store.allocator.num_blocks  # nothing leaked
 
 
+class _CharTokenizer:
+    """A tokenizer of one id per character (mod 128), enough for the Engine's string prompts."""
+
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_engine_refuses_bad_arguments_by_name_before_any_work(model):
+    """Each bad argument is refused with its name and value before anything runs: the pool, the prefix cache and
+    the next call are as if it had not been made."""
+    with pytest.raises(ValueError, match=r"max_batch=0 must be >= 1"):
+        kvcache.Engine(model, max_batch=0)
+    with pytest.raises(TypeError, match=r"max_batch=2\.5 must be an int"):
+        kvcache.Engine(model, max_batch=2.5)
+    engine = kvcache.Engine(model, _CharTokenizer(), page_size=4)
+    ok = engine.generate(["hello"], max_new_tokens=3)[0].tokens
+    state = (engine.store.allocator.num_free, engine.store.prefix_cache.stats()["device_blocks"])
+    cases = [
+        (ValueError, r"prompts\[0\]='': the tokenizer gives no tokens", dict(prompts=[""])),
+        (ValueError, r"prompts\[1\]='': the tokenizer gives no tokens", dict(prompts=["hello", ""])),
+        (IndexError, r"prompts\[0\]\[2\]=128 is not a token id of the model's vocabulary of 128",
+         dict(prompts=[[1, 2, 128]])),
+        (IndexError, r"prompts\[1\]\[0\]=-3 is not a token id .* \(0 <= id < 128\)", dict(prompts=[[1], [-3, 2]])),
+        (TypeError, r"prompts\[0\]\[0\]=1\.7: token ids must be ints, not float", dict(prompts=[[1.7, 2.2]])),
+        (TypeError, r"prompts\[0\]: token ids must be integers, got a tensor of torch\.float32",
+         dict(prompts=[torch.tensor([1.0, 2.0])])),
+        (TypeError, r"prompts\[0\]=1: a prompt is a list of token ids", dict(prompts=[1, 2, 3])),
+        (TypeError, r"max_new_tokens=2\.5 must be an int", dict(prompts=[[1, 2]], max_new_tokens=2.5)),
+        (ValueError, r"max_new_tokens=0 must be >= 1", dict(prompts=[[1, 2]], max_new_tokens=0)),
+    ]
+    for error, pattern, kw in cases:
+        with pytest.raises(error, match=pattern):
+            engine.generate(**kw)
+        assert (engine.store.allocator.num_free, engine.store.prefix_cache.stats()["device_blocks"]) == state, kw
+    assert engine.generate(["hello"], max_new_tokens=3)[0].tokens == ok
+
+
 @pytest.mark.parametrize("kv_format", [None, "int8"])
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_bounded_pool_preempts_and_every_request_finishes(model, kv_format, prefix_cache):

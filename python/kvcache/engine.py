@@ -151,7 +151,7 @@ class Engine:
             ``max_new_tokens`` cannot fit the pool even alone is refused up front with
             :class:`OutOfBlocksError`, before any work. ``stats()`` counts ``preemptions`` and
             ``recomputed_tokens``; each :class:`Result` its own ``preemptions``.
-        max_batch: requests decoded together.
+        max_batch: requests decoded together (an int >= 1).
         residual_length, residual_sink_tokens: with a quantized format, the newest / first tokens of every
             request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
             token as written; see :class:`kvcache.PagedCache`).
@@ -166,6 +166,11 @@ class Engine:
                  max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None,
                  residual_length: int | None = None, residual_sink_tokens: int = 0, disk=None, remote=None,
                  chunk_tokens: int | None = None):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral):
+            raise TypeError(f"max_batch={max_batch!r} must be an int (the requests decoded together), not "
+                            f"{type(max_batch).__name__}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1 (the requests decoded together)")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
         config = model.config.get_text_config(decoder=True)
         heads, k_dim, v_dim = cache_geometry(config)
@@ -224,7 +229,15 @@ class Engine:
         A request stops after ``max_new_tokens`` or at an end-of-sequence token, kept as its last token:
         ``eos_token_id`` is an int, a list / tuple of ints or an int tensor (any of them stops, as in HF
         generate; ``[]``: none). By default (None) the ids of the model's ``generation_config.eos_token_id``,
-        which HF generate stops at too, and the tokenizer's ``eos_token_id``."""
+        which HF generate stops at too, and the tokenizer's ``eos_token_id``.
+
+        Bad input (a prompt without tokens, a token id that is not an int or outside the model's vocabulary, a
+        ``max_new_tokens`` that is not an int >= 1, an ``eos_token_id`` of another type) is refused before any
+        work, naming the argument."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an int (tokens per request), not "
+                            f"{type(max_new_tokens).__name__}")
+        max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (the first token comes with the prefill)")
         if do_sample and not temperature > 0:
@@ -232,7 +245,10 @@ class Engine:
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
         stop = self._stop_ids(eos_token_id)
-        prompts = [self._encode(p) for p in prompts]
+        if isinstance(prompts, str) or torch.is_tensor(prompts) and prompts.dim() < 2:
+            raise TypeError("prompts must be a list of prompts (token-id lists, or strings with a tokenizer); for "
+                            "one prompt pass [prompt]")
+        prompts = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         self._check_fits(prompts, max_new_tokens)
         bar = _progress_bar(len(prompts), progress)
         generator = torch.Generator().manual_seed(seed)
@@ -322,15 +338,42 @@ class Engine:
             raise TypeError(f"eos_token_id={eos_token_id!r}: {bad[0]!r} is not a token id (an int >= 0)")
         return frozenset(int(t) for t in ids)
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, name: str = "prompt") -> list[int]:
+        """A prompt's token ids, checked: at least one, every one an int of the model's vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need Engine(model, tokenizer=...)")
-            return list(self.tokenizer(prompt)["input_ids"])
-        ids = [int(t) for t in (prompt.reshape(-1).tolist() if torch.is_tensor(prompt) else prompt)]
+            ids = list(self.tokenizer(prompt)["input_ids"])
+            if not ids:
+                raise ValueError(f"{name}={prompt!r}: the tokenizer gives no tokens for it; a prompt must have at "
+                                 f"least one token")
+            return ids
+        if torch.is_tensor(prompt):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise TypeError(f"{name}: token ids must be integers, got a tensor of {prompt.dtype}")
+            prompt = prompt.reshape(-1).tolist()
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise TypeError(f"{name}={prompt!r}: a prompt is a list of token ids (or a string with a tokenizer); for "
+                            f"one prompt pass [prompt]") from None
         if not ids:
-            raise ValueError("a prompt must have at least one token")
-        return ids
+            raise ValueError(f"{name}: a prompt must have at least one token")
+        vocab = self._vocab_size()
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{name}[{j}]={t!r}: token ids must be ints, not {type(t).__name__}")
+            if not 0 <= t < vocab:
+                raise IndexError(f"{name}[{j}]={t} is not a token id of the model's vocabulary of {vocab} "
+                                 f"(0 <= id < {vocab})")
+        return [int(t) for t in ids]
+
+    def _vocab_size(self) -> int:
+        """Rows of the model's input embedding (the ids it can read), else its config's ``vocab_size``."""
+        try:
+            return int(self.model.get_input_embeddings().num_embeddings)
+        except (AttributeError, NotImplementedError, TypeError):
+            return int(self.model.config.get_text_config(decoder=True).vocab_size)
 
     def _check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Refuses, before any work, a request that a bounded pool cannot hold even alone (prompt and every
