@@ -216,7 +216,7 @@ def test_engine_with_residual_pages_equals_generate():
         assert r.tokens == out[0, len(p):].tolist()
     # with the prefix cache, later requests share the system prompt's pages (open or sealed) and skip it
     engine = kvcache.Engine(model, kv_format="kivi2", page_size=8, max_batch=2, residual_length=16)
-    results = engine.generate(prompts, max_new_tokens=8)
+    results = engine.generate(prompts, max_new_tokens=8, eos_token_id=[])  # all 8 tokens (no stop at eos)
     assert engine.stats()["prefix_hit_tokens"] == 3 * 40 and all(len(r.tokens) == 8 for r in results)
     assert engine.store.residual.num_slots < sum(-(-(len(p) + 8) // 8) for p in prompts)
 
