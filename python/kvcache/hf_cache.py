@@ -226,7 +226,9 @@ class PagedCache(Cache):
         residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
-            (its allocator then numbers the pages); see :meth:`load_prefix` / :meth:`save_prefix`.
+            (its allocator then numbers the pages); see :meth:`load_prefix` / :meth:`save_prefix`. A PrefixCache
+            already used by another cache or Engine holds pages in that one's store: it is refused here (a
+            ValueError naming ``prefix_cache``); share the store instead, ``store=prefix_cache.store``.
         allocator: number the pages with this :class:`kvcache.BlockAllocator` (its size bounds the pool).
     """
 
