@@ -64,7 +64,7 @@ def _shared_store(cache: PrefixCache, geometry: dict, *, page_size: int, kv_form
         raise ValueError(f"prefix_cache: its pages are stored as {', '.join(theirs)} (the store it is bound to), this "
                          f"Engine asks for {', '.join(mine)}; give the same kv_format / residual settings, or a new "
                          f"PrefixCache")
-    bound = dict(getattr(store, "engine_geometry", None) or {})
+    bound = dict(store.engine_geometry or {})
     for pool in store.pools.values():  # a PagedCache's store: what its pools were made for
         bound.update(kv_heads=pool.num_kv_heads, k_dim=pool.head_dim, v_dim=pool.v_head_dim or pool.head_dim,
                      device=pool.k.device)
@@ -189,9 +189,9 @@ class Engine:
         self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
                                                 kv_format=fmt)
         unnamed = namespace is None and not getattr(config, "_name_or_path", "")
-        models = self.store.__dict__.setdefault("engine_models", {})  # namespace key -> the model it was made for
+        models = self.store.engine_models  # namespace key -> the model caching under it
         other = models.get(self.namespace.key)
-        if unnamed and other is not None and other() is not None and other() is not model:
+        if unnamed and other is not None and other() not in (None, model):
             raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
                              f"{self.namespace.model!r}, as another model's in the shared prefix_cache (other weights: "
                              f"their K/V would be hits here); give it namespace=kvcache.Namespace(model=..., salt=...)")

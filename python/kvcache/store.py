@@ -78,6 +78,10 @@ class PagedStore:
         if allocator is not None or isinstance(prefix_cache, PrefixCache):
             self.max_tokens = self.allocator.num_blocks * self.page_size  # someone else's budget: fixed
         self.namespace = namespace
+        # set by the kvcache.Engine that made the store: the model geometry its pools hold, and per namespace key a
+        # weak reference to the model caching under it (for Engines that share the store through its prefix cache)
+        self.engine_geometry: dict | None = None
+        self.engine_models: dict = {}
         self.pools: dict[int, KVPool] = {}
         self.fixed_size = self.max_tokens is not None
         family = None if self.kv_format is None else self.kv_format.family  # one family: checked above
