@@ -155,7 +155,7 @@ class PagedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
-        if self.cache.fused:  # the mask function comes next: it plans the step there (PagedCache._plan_ahead)
+        if self.cache.fused and PLAN_AHEAD:  # the mask function comes next: it plans the step there (_plan_ahead)
             _leave_for_mask(self.cache)
         return self.length + q, 0
 
@@ -188,6 +188,12 @@ class PagedLayer(CacheLayerMixin):
     def __repr__(self) -> str:
         return f"PagedLayer(index={self.index}, length={self.length})"
 
+
+
+# Whether the "kvcache" mask function plans a step before the layer loop (so torch.compile compiles the loop).
+# Not with torch < 2.14: its inductor loses the symbol of a layer's new length in the loop's compiled graph
+# (NameError in the generated code); there the step is planned at the first layer, as before.
+PLAN_AHEAD = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
 @torch.compiler.disable
