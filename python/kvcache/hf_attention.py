@@ -86,9 +86,7 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                  f"{getattr(module.config, 'attention_chunk_size', None)}); run it with "
                                  "model.generate and a kvcache.PagedCache")
             key, value = cache._packed(layer_idx, plan, query.dtype)
-            attention_mask = packed_attention_mask(plan, query.dtype)
-            if sliding_window:  # (the packed mask keeps rows apart; the window on top of it)
-                attention_mask = attention_mask + _packed_window(plan, int(sliding_window), query.dtype)
+            attention_mask = packed_attention_mask(plan, query.dtype, window=sliding_window)
         else:
             key, value = cache._dense(layer_idx, query.dtype, key, value)
     out = _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
@@ -205,17 +203,3 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
             scale=scaling)
     return out.transpose(1, 2).contiguous()
 
-
-def _packed_window(plan: StepPlan, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive sliding-window part of a packed step's mask (as :func:`kvcache.hf_cache.packed_attention_mask`
-    lays it out): query at position ``p`` sees keys at positions ``> p - window``."""
-    seq_lens = plan._host[1] if plan._host is not None else plan.seq_lens.cpu()
-    cu_q = plan._host[2] if plan._host is not None else plan.cu_q_lens.cpu()
-    lens, q_lens = seq_lens.to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
-    row_q = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
-    row_k = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pos_q = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[row_q] + (lens - q_lens)[row_q]
-    pos_k = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[row_k]
-    outside = pos_k.view(1, -1) <= pos_q.view(-1, 1) - window
-    mask = torch.zeros(outside.shape, dtype=dtype).masked_fill_(outside, torch.finfo(dtype).min)
-    return mask.view(1, 1, *outside.shape).to(plan.seq_lens.device)

@@ -825,11 +825,8 @@ class PagedCache(Cache):
         if self.store.residual is not None and layer_idx in self.store.residual_pools:
             k, v = res.gather_now(self.store.residual, pool, self.store.residual_pools[layer_idx], tables, lens,
                                   length, dtype)
-        elif pool.k.is_floating_point():
-            k, v = pool.gather(tables, lens, max_len=length)
-            k, v = k.to(dtype), v.to(dtype)
         else:
-            k, v = pool.gather(tables, lens, max_len=length, dtype=dtype)
+            k, v = _gather_pool(pool, tables, lens, length, dtype)
         return self._right_align(k, v, length)
 
     def _right_align(self, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -859,18 +856,25 @@ class PagedCache(Cache):
         if plan.residual is not None:
             k, v = res.gather(plan.residual, pool, self.store.residual_pools[layer_idx], plan.block_tables,
                               plan.seq_lens, length, dtype)
-        elif pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
-            k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length)
-            k, v = (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
         else:
-            k, v = pool.gather(plan.block_tables, plan.seq_lens, max_len=length, dtype=dtype)
+            k, v = _gather_pool(pool, plan.block_tables, plan.seq_lens, length, dtype)
         return k, v
 
 
-def packed_attention_mask(plan: StepPlan, dtype: torch.dtype) -> torch.Tensor:
+def _gather_pool(pool, tables: torch.Tensor, seq_lens: torch.Tensor, length: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pool's K/V of ``tables``' rows, ``[batch, kv_heads, length, head_dim]`` in ``dtype``."""
+    if pool.k.is_floating_point():  # full precision: gather as stored, then cast if the model differs
+        k, v = pool.gather(tables, seq_lens, max_len=length)
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+    return pool.gather(tables, seq_lens, max_len=length, dtype=dtype)
+
+
+def packed_attention_mask(plan: StepPlan, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """The additive ``[1, 1, total_q, total_kv]`` mask of a packed step whose K/V are :meth:`PagedCache._packed`'s
     (row after row): query ``i`` of row ``b`` (at position ``seq_lens[b] - q_len_b + i``) sees the keys of row
-    ``b`` at positions up to its own; 0 where it may attend, the dtype's lowest value elsewhere."""
+    ``b`` at positions up to its own (and, with a sliding ``window``, after ``position - window``); 0 where it
+    may attend, the dtype's lowest value elsewhere."""
     seq_lens = plan._host[1] if plan._host is not None else plan.seq_lens.cpu()
     cu_q = plan._host[2] if plan._host is not None else plan.cu_q_lens.cpu()
     lens, q_lens = seq_lens.to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
@@ -880,6 +884,8 @@ def packed_attention_mask(plan: StepPlan, dtype: torch.dtype) -> torch.Tensor:
     pos_q = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[row_q] + (lens - q_lens)[row_q]
     pos_k = torch.arange(int(lens.sum())) - kv_start[row_k]
     allowed = (row_q.view(-1, 1) == row_k.view(1, -1)) & (pos_k.view(1, -1) <= pos_q.view(-1, 1))
+    if window:  # a sliding window: keys at positions > p - window
+        allowed &= pos_k.view(1, -1) > pos_q.view(-1, 1) - window
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.view(1, 1, *allowed.shape).to(plan.seq_lens.device)
 
