@@ -246,6 +246,15 @@ def test_planned_attention_refuses_floats_that_overflow_float32(backend, pools):
                       (dict(softcap=1e39), r"^softcap = 1e\+39 must be 0 \(off\) or positive, in \[")):
         expect_rejected([out, *pools], ValueError, match,
                         lambda: kvcache.paged_attention_planned(plan, q, *pools, out=out, **kw))
+    # a Python int too large for a double (float() raised an OverflowError naming nothing), or no number at all
+    for kw, err, match in ((dict(scale=10**400), ValueError, r"^scale = an integer of 1329 bits is out of range"),
+                           (dict(softcap=-10**400), ValueError, r"^softcap = an integer of 1329 bits is out of range"),
+                           (dict(scale="0.5"), TypeError, r"^scale must be a float, got str")):
+        expect_rejected([out, *pools], err, match,
+                        lambda: kvcache.paged_attention_planned(plan, q, *pools, out=out, **kw))
+        bt, sl, cu = T([[0, 1]]), T([5]), T([0, 1])
+        expect_rejected([out, *pools], err, match,
+                        lambda: kvcache.paged_attention(q, *pools, bt, sl, cu, out=out, **kw))
     # the largest finite float32s are still taken
     kvcache.paged_attention_planned(plan, q, *pools, softcap=3.4e38, out=out)
     assert torch.isfinite(out).all()

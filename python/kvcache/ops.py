@@ -44,6 +44,23 @@ def _name_bad_int(**ints) -> None:
                              f"[-2**63, 2**63)") from None
 
 
+def _name_bad_float(**floats) -> None:
+    """Raises an error naming the first float argument that is no float: an int too large for a double
+    (``float()`` answers it with an OverflowError that names nothing) or another type (a str that ``float()``
+    would parse included). None (the default) and Python floats pass at once."""
+    for name, value in floats.items():
+        if value is None or type(value) is float:
+            continue
+        if isinstance(value, (str, bytes, bool)) or not hasattr(type(value), "__float__"):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        try:
+            if isinstance(value, int):  # (not SymFloats under torch.compile: no specialization)
+                float(value)
+        except OverflowError:
+            raise ValueError(f"{name} = an integer of {value.bit_length()} bits is out of range: it must be a "
+                             f"finite float") from None
+
+
 def _format_of(kernel_id: int, name: str) -> KVFormat:
     """The format a kernel id names; a bad id is an error that names the argument."""
     try:
@@ -214,6 +231,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     many are a prefill chunk; a batch may mix both. GQA/MQA: query head ``h`` reads KV head
     ``h // (q_heads // kv_heads)``.
     """
+    _name_bad_float(scale=scale, softcap=softcap)
     scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
     op = _native.paged_attention if _direct(query, k_cache) else _ops.paged_attention.default
     try:
@@ -266,6 +284,7 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, k_cache: torch.T
     >>> torch.allclose(out[0], torch.softmax(s, -1) @ c[0, 0], atol=1e-5)
     True
     """
+    _name_bad_float(scale=scale)
     if out is None:
         out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if return_lse and lse is None:
@@ -340,6 +359,7 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
                             v_format: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
     host, device = plan
+    _name_bad_float(scale=scale, softcap=softcap)
     if return_lse and lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     try:
