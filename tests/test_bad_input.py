@@ -376,6 +376,33 @@ def test_page_layout_rejects(kwargs, exc, match):
         kvcache.PageLayout(**args)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_kv_pool_methods_name_bad_arguments(fmt):
+    """Outside-in probes of KVPool: a pool too large for memory, negative lengths and an integer gather dtype
+    failed with torch's words or were taken; copy_blocks took int32 ids for quantized pools only."""
+    with pytest.raises(MemoryError, match=r"num_blocks=4611686018427387904 pages of 16 tokens x 2 kv heads in "
+                                          r".* need .* GiB"):
+        kvcache.KVPool.allocate(2**62, 16, 2, 64, format=fmt)
+    with pytest.raises(ValueError, match=r"page_size=True must be a power of two"):
+        kvcache.KVPool.allocate(4, True, 2, 64, format=fmt)
+    pool = kvcache.KVPool.allocate(4, 4, 2, 64, format=fmt)
+    x = torch.randn(1, 2, 6, 64, dtype=torch.bfloat16)
+    pool.append(x, x, torch.arange(6)[None])
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_len must be a non-negative int, got -1"):
+        pool.gather(table, torch.tensor([6], dtype=torch.int32), max_len=-1)
+    with pytest.raises(ValueError, match=r"seq_lens holds a negative length \(-3\)"):
+        pool.gather(table, torch.tensor([-3], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int32"):
+        pool.gather(table, torch.tensor([6], dtype=torch.int32), dtype=torch.int32)
+    before = [t.clone() for t in (pool.k, pool.v)]
+    pool.copy_blocks(torch.tensor([[0, 2]], dtype=torch.int32))  # int32 ids for every format
+    assert torch.equal(pool.k[2], before[0][0]) and torch.equal(pool.v[2], before[1][0])
+    k, v = pool.gather(torch.tensor([[2]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32))
+    k0, v0 = pool.gather(torch.tensor([[0]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32))
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 # ---- the Python layer: formats, the engine's sampling arguments, a hand-built prefix ------------------------
 @pytest.mark.parametrize("text", ["k=int8,v=int4,k=fp16", "k=int8,k=int4", "v=int8", "k=int8,v=int4,w=int8"])
 def test_cache_format_keys_each_once(text):

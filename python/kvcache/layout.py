@@ -50,11 +50,12 @@ class PageLayout:
     def __post_init__(self) -> None:
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
-        if self.page_size not in SUPPORTED_PAGE_SIZES:
-            raise ValueError(f"page_size={self.page_size} must be a power of two from 1 to 256")
+        if (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
+                or self.page_size not in SUPPORTED_PAGE_SIZES):  # (True == 1 and 16.0 == 16 would pass "in")
+            raise ValueError(f"page_size={self.page_size!r} must be a power of two from 1 to 256, an int")
         for name in ("num_blocks", "num_kv_heads", "head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "num_blocks" else 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_blocks" else 1):
                 raise ValueError(f"{name}={value!r} must be a {'non-negative' if name == 'num_blocks' else 'positive'} int")
         if self.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype={self.dtype} is not supported; use one of {SUPPORTED_DTYPES}")

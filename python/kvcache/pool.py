@@ -90,18 +90,25 @@ class KVPool:
                 raise ValueError(f"{role.upper()} rows: {name}={dim} must be a multiple of 32 for {f.kind} "
                                  f"({role}_format={f} keeps its scales per 32 dims)")
         tensors = {}
-        for role, f in (("k", fmt.k), ("v", fmt.v)):
-            dim = layout.dim(role)
-            shape = f.code_shape(num_blocks, num_kv_heads, page_size, dim)
-            # full precision starts uninitialized (every slot is written before it is read); codes at zero
-            codes = (torch.empty if not f.quantized else torch.zeros)(shape, dtype=f.code_dtype, device=device)
-            scale = None
-            if f.quantized:
-                scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, dim, role)
-                # fp8: one scale per kv head, given or computed from the first tokens
-                fill = (f.scale or 1.0) if f.kind.startswith("fp8") else 0.0
-                scale = torch.full(scale_shape, fill, dtype=f.scale_dtype, device=device)
-            tensors[role], tensors[f"{role}_scale"] = codes, scale
+        try:
+            for role, f in (("k", fmt.k), ("v", fmt.v)):
+                dim = layout.dim(role)
+                shape = f.code_shape(num_blocks, num_kv_heads, page_size, dim)
+                # full precision starts uninitialized (every slot is written before it is read); codes at zero
+                codes = (torch.empty if not f.quantized else torch.zeros)(shape, dtype=f.code_dtype, device=device)
+                scale = None
+                if f.quantized:
+                    scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, dim, role)
+                    # fp8: one scale per kv head, given or computed from the first tokens
+                    fill = (f.scale or 1.0) if f.kind.startswith("fp8") else 0.0
+                    scale = torch.full(scale_shape, fill, dtype=f.scale_dtype, device=device)
+                tensors[role], tensors[f"{role}_scale"] = codes, scale
+        except (RuntimeError, MemoryError) as err:  # torch's words name neither the argument nor the size
+            need = (fmt.k.bytes_per_token_head(layout.head_dim, page_size, "k")
+                    + fmt.v.bytes_per_token_head(layout.v_head_dim, page_size, "v")) * num_blocks * page_size * num_kv_heads
+            raise MemoryError(f"KVPool.allocate: num_blocks={num_blocks} pages of {page_size} tokens x {num_kv_heads} "
+                              f"kv heads in {fmt} need {need / 2**30:.4g} GiB, which {device} could not allocate: "
+                              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
         pool = cls(num_blocks, page_size, num_kv_heads, head_dim, fmt, **tensors, v_head_dim=layout.v_head_dim)
         pool._scales_set = {"k": fmt.k.scale is not None, "v": fmt.v.scale is not None}
         return pool
@@ -184,10 +191,16 @@ class KVPool:
         by default the dtype of the pool's full-precision side (a full-precision pool's own dtype, or V's in
         ``k=int8,v=bf16``), float32 when both sides are quantized. Any other float ``dtype`` is converted to
         from that one (the op writes a full-precision side in its own dtype)."""
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"gather: dtype must be a floating-point torch.dtype, got {dtype!r}")
         full = [t.dtype for t, f in ((self.k, self.format.k), (self.v, self.format.v)) if not f.quantized]
         native = full[0] if full else (dtype or torch.float32)
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+            if max_len < 0:
+                raise ValueError(f"gather: seq_lens holds a negative length ({max_len}); lengths are >= 0")
+        elif isinstance(max_len, bool) or not hasattr(max_len, "__index__") or max_len < 0:
+            raise ValueError(f"gather: max_len must be a non-negative int, got {max_len!r}")
         shape = (seq_lens.shape[0], self.num_kv_heads, max_len)
         out = (torch.empty(shape + (self.head_dim,), dtype=native, device=self.k.device),
                torch.empty(shape + (self.v_head_dim,), dtype=native, device=self.k.device))
@@ -200,11 +213,12 @@ class KVPool:
         """Copies whole blocks within this pool (copy-on-write), codes and the per-row / per-group scales that
         travel with them: ``block_mapping`` ``[n, 2]`` of (src, dst) pairs, destinations distinct and never also
         sources. Full-precision pools go through :func:`kvcache.copy_blocks`; quantized ones (whose codes that
-        op does not take) are checked the same way before anything is written."""
-        if not (self.format.k.quantized or self.format.v.quantized):
-            ops.copy_blocks(self.k, self.v, block_mapping)
-            return
+        op does not take) are checked the same way before anything is written. int32 or int64 ids, for every
+        format."""
         mapping = torch.as_tensor(block_mapping)
+        if not (self.format.k.quantized or self.format.v.quantized):
+            ops.copy_blocks(self.k, self.v, mapping.long() if mapping.dtype == torch.int32 else mapping)
+            return
         if mapping.dim() != 2 or mapping.shape[1] != 2 or mapping.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"block_mapping must be an [n, 2] integer tensor of (src, dst) pairs, got "
                              f"{mapping.dtype} of shape {tuple(mapping.shape)}")
