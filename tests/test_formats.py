@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvcache
 from kvcache import CacheFormat, KVFormat, memory
 
 
@@ -44,6 +45,26 @@ def test_cache_format_text():
 def test_bad_formats(bad, match):
     with pytest.raises(ValueError, match=match):
         CacheFormat.parse(bad)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 1e-50, 1e39, -0.5, 0.0, 10**400, "inf"],
+                         ids=["inf", "nan", "1e-50", "1e39", "-0.5", "0", "10**400", "str"])
+def test_fp8_scale_must_be_a_positive_float32_normal(scale):
+    """An outside-in probe: scale=inf was taken (every value then read back NaN), 1e-50 became 0 in the float32
+    pool, 1e39 failed inside the kernel with an error naming nothing."""
+    err = TypeError if isinstance(scale, str) else ValueError
+    with pytest.raises(err, match=r"scale"):
+        KVFormat("fp8_e4m3", scale=scale)
+    if not isinstance(scale, str):
+        with pytest.raises(ValueError, match=r"scale=.* must be a positive float32 normal number"):
+            CacheFormat.parse(f"fp8_e5m2(scale={scale})")
+    # the extremes that are still float32 normals store and read back finite values
+    for ok in (torch.finfo(torch.float32).tiny, 1e38):
+        pool = kvcache.KVPool.allocate(2, 4, 1, 16, format=f"fp8_e4m3(scale={ok!r})")
+        x = torch.full((1, 1, 1, 16), ok, dtype=torch.bfloat16)
+        pool.append(x, x, torch.tensor([[0]]))
+        k, v = pool.gather(torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()
 
 
 def test_bytes_per_token_head_by_hand():

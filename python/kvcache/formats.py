@@ -62,8 +62,21 @@ class KVFormat:
             raise ValueError(f"unknown KV format {self.kind!r}; known: {', '.join(_KINDS)}")
         if self.group not in (16, 32, 64, 128):
             raise ValueError(f"group={self.group} must be 16, 32, 64 or 128")
-        if self.scale is not None and not (self.kind.startswith("fp8") and self.scale > 0):
-            raise ValueError(f"scale={self.scale} is only for fp8 formats and must be positive")
+        if self.scale is not None:
+            if not self.kind.startswith("fp8"):
+                raise ValueError(f"scale={self.scale!r} is only for fp8 formats, not {self.kind}")
+            if isinstance(self.scale, (bool, str, bytes)) or not hasattr(type(self.scale), "__float__"):
+                raise TypeError(f"scale must be a float, got {type(self.scale).__name__}")
+            # The pools keep it in float32 and the kernels divide by it: a scale that is not a positive
+            # normal float32 (inf, NaN, 1e-50 -> 0, 1e39 -> inf) would turn every stored value into NaN or inf.
+            f32 = torch.finfo(torch.float32)
+            try:
+                s = float(self.scale)
+            except OverflowError:  # (an int past a double)
+                s = float("inf")
+            if not f32.tiny <= s <= f32.max:
+                raise ValueError(f"scale={self.scale!r} must be a positive float32 normal number "
+                                 f"({f32.tiny:.3g} to {f32.max:.3g}), which the pools and kernels store it as")
         if self.hadamard and self.kind not in ("int8", "fp8_e4m3", "fp8_e5m2", "int4"):
             raise ValueError(f"hadamard is only for int8, fp8 and int4 formats, not {self.kind} "
                              "(KIVI keys are quantized per channel, which a rotation would mix)")
