@@ -12,6 +12,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -156,8 +157,25 @@ def test_from_config_multi_query_flag_falcon_style():
     shape = KVShape.from_config(cfg)
     assert shape == KVShape(32, 1, 64)  # 4544 // 71 = 64
     assert memory.bytes_per_token(shape) == 32 * 1 * 64 * 4 == 8192
-    cfg.new_decoder_architecture, cfg.num_kv_heads = True, 8  # Falcon-40B style GQA
-    assert KVShape.from_config(cfg).num_kv_heads == 8
+    # Falcon-40B: 8 K/V groups projected, but broadcast to all 71 query heads before the cache's update
+    cfg.new_decoder_architecture, cfg.num_kv_heads = True, 8
+    assert KVShape.from_config(cfg).num_kv_heads == 71
+
+
+@pytest.mark.parametrize("new_decoder_architecture, multi_query", [(True, False), (True, True), (False, True)])
+def test_from_config_counts_the_heads_transformers_caches_for_falcon(new_decoder_architecture, multi_query):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                    num_kv_heads=2, new_decoder_architecture=new_decoder_architecture,
+                                    multi_query=multi_query)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+    keys = cache.layers[0].keys if hasattr(cache, "layers") else cache.key_cache[0]
+    shape = KVShape.from_config(cfg)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (2, keys.shape[1], keys.shape[3])
 
 
 def test_from_config_errors_name_the_missing_attribute():

@@ -332,7 +332,11 @@ class KVShape:
             return cls(num_layers, 1, rank, windows, v_head_dim=rope, mla=True, **extra)
         num_heads = _first(config, "num_attention_heads", "n_head")
         kv_names = ("num_key_value_heads", "num_kv_heads", "num_attention_heads", "n_head")
-        if _get(config, "multi_query") and not _get(config, "new_decoder_architecture"):
+        if _get(config, "new_decoder_architecture") and num_heads is not None:
+            # Falcon-40B/180B: K and V are projected for num_kv_heads groups but broadcast to every query head
+            # before the cache's update, so the cache holds num_attention_heads of each
+            num_kv_heads = num_heads
+        elif _get(config, "multi_query"):
             num_kv_heads = 1  # Falcon-7B / GPTBigCode: the flag wins over their kv-head counts
         elif (num_kv_heads := _first(config, *kv_names)) is None:
             raise _missing(*kv_names)
