@@ -185,6 +185,32 @@ def test_fp8_scale_from_the_first_tokens_ignores_bad_values(backend, fmt):
         assert same(quant.fp8_scale_for(bad[0], fmt[4:8], dim=(0, 2, 3)), pool_inf.k_scale)
 
 
+@pytest.mark.parametrize("bad", ["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("fmt", ["int8(hadamard)", "int4(hadamard)", "fp8_e4m3(hadamard)"])
+def test_a_rotated_row_with_a_bad_value_reads_back_as_the_readme_says(backend, fmt, bad):
+    """README, "Bad values", hadamard: a NaN row reads back NaN; a +-Inf row reads back as zeros (int8, int4: no
+    finite value is left to scale it) or, for fp8, as a spike of the Inf's sign at its dim (an outside-in probe
+    found the README claiming NaN for both)."""
+    x = page_kv(torch.float32, seed=8)
+    x[:, 0, HEAD, T, DIMS[0]] = BAD[bad]
+    pool = filled(fmt, x)
+    k, v = pool.gather(torch.tensor([[1]], dtype=torch.int32), torch.tensor([P], dtype=torch.int32))
+    for got in (k[0, HEAD, T], v[0, HEAD, T]):
+        if bad == "nan":
+            assert got.isnan().all()
+        elif fmt.startswith("fp8"):
+            sign = 1.0 if bad == "+inf" else -1.0
+            others = torch.ones(D, dtype=torch.bool)
+            others[DIMS[0]] = False
+            assert sign * got[DIMS[0]] > 10 * got[others].abs().max()
+        else:
+            assert torch.equal(got, torch.zeros_like(got))
+    # every other token of the page reads back finite
+    rest = torch.ones(P, dtype=torch.bool)
+    rest[T] = False
+    assert torch.isfinite(k[0, :, rest]).all() and torch.isfinite(v[0, :, rest]).all()
+
+
 # ---- huge finite values --------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi4", "kivi2", "int8(hadamard)"])
 @pytest.mark.parametrize("in_dtype, huge", [(torch.float32, 3e38), (torch.float32, 1e6), (torch.bfloat16, 3e38),
