@@ -369,6 +369,10 @@ def test_device_mismatch_is_named():
     (dict(head_dim=-4), ValueError, r"head_dim=-4 must be a positive int"),
     (dict(num_blocks=-1), ValueError, r"num_blocks=-1 must be a non-negative int"),
     (dict(dtype=torch.int8), TypeError, r"dtype=torch.int8 is not supported"),
+    # bools and floats equal to a valid int were taken (True == 1, 16.0 == 16)
+    (dict(page_size=True), ValueError, r"page_size=True must be a power of two from 1 to 256, an int"),
+    (dict(page_size=16.0), ValueError, r"page_size=16.0 must be a power of two"),
+    (dict(num_kv_heads=True), ValueError, r"num_kv_heads=True must be a positive int"),
 ])
 def test_page_layout_rejects(kwargs, exc, match):
     args = dict(num_blocks=4, page_size=16, num_kv_heads=2, head_dim=64, dtype=F16) | kwargs
