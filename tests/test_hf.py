@@ -206,6 +206,50 @@ def test_batch_select_indices_refuses_what_indexing_refuses():
     assert [torch.equal(a, seq.blocks) for a, seq in zip(tables, cache.rows)] == [True] * 3  # unchanged
 
 
+def test_row_selections_that_would_leave_no_row_or_misread_indices_are_refused():
+    """An outside-in probe: batch_repeat_interleave(0) or an empty batch_select_indices left no row but the layers'
+    length, and the next forward read stale pages; a float beam_idx was truncated to rows, a 2-D one failed
+    deep inside. Each is refused before anything moves, naming the argument."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
+    alloc = cache.store.allocator
+    tables, free = [seq.blocks.clone() for seq in cache.rows], alloc.num_free
+    for call, err, match in (
+            (lambda: cache.batch_repeat_interleave(0), ValueError, r"repeats must be >= 1, got 0"),
+            (lambda: cache.batch_repeat_interleave(-1), ValueError, r"repeats must be >= 1, got -1"),
+            (lambda: cache.batch_repeat_interleave(1.5), TypeError, r"repeats must be an integer, got 1.5"),
+            (lambda: cache.batch_select_indices(torch.tensor([], dtype=torch.long)), ValueError,
+             r"indices selects no row of the cache's 3"),
+            (lambda: cache.batch_select_indices(torch.tensor([False, False, False])), ValueError,
+             r"indices selects no row"),
+            (lambda: cache.reorder_cache(torch.tensor([0.0, 1.7, 2.0])), TypeError,
+             r"beam_idx must be a 1-D tensor of integer row indices, got shape \(3,\) and dtype torch.float32"),
+            (lambda: cache.reorder_cache(torch.tensor([[0, 1, 2]])), TypeError, r"got shape \(1, 3\)"),
+            (lambda: cache.reorder_cache(torch.tensor([], dtype=torch.long)), ValueError, r"beam_idx selects no row"),
+            (lambda: cache.reorder_cache(torch.tensor([0, -1, 2])), IndexError,
+             r"beam_idx: row index -1 is out of range for a cache of 3 rows"),
+            (lambda: cache.crop(), TypeError, r"crop\(\) needs tokens_to_remove \(an integer\), got no argument")):
+        with pytest.raises(err, match=match):
+            call()
+        assert cache.get_seq_length() == 6 and alloc.num_free == free
+        assert [torch.equal(a, seq.blocks) for a, seq in zip(tables, cache.rows)] == [True] * 3  # unchanged
+    cache.batch_repeat_interleave(2)  # and a valid repeat still works as DynamicCache's
+    assert len(cache.rows) == 6 and torch.equal(cache.rows[0].blocks, cache.rows[1].blocks)
+
+
+def test_num_layers_must_agree_with_the_config():
+    model = _model("llama")
+    assert len(kvcache.PagedCache(num_layers=3).layers) == 3
+    assert len(kvcache.PagedCache(config=model.config, num_layers=model.config.num_hidden_layers).layers) == 2
+    with pytest.raises(ValueError, match=r"num_layers=5 disagrees with the config's num_hidden_layers=2"):
+        kvcache.PagedCache(config=model.config, num_layers=5)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"num_layers=.* must be a non-negative int"):
+            kvcache.PagedCache(num_layers=bad)
+
+
 @pytest.mark.parametrize("fmt", [None, "int8"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
 def test_gradients_reach_the_forwards_own_keys_and_values(impl, fmt):
@@ -618,6 +662,13 @@ def test_layer_keys_and_values_read_the_pages(impl, fmt, residual):
     check(18, range(2) if impl == "sdpa" else range(1))
     if hasattr(transformers.Cache, "__getitem__"):  # transformers 4.x: past_key_values[i] is (keys, values)
         assert torch.equal(cache[0][0], cache.layers[0].keys) and torch.equal(cache[0][1], cache.layers[0].values)
+    # iterating yields what DynamicCache's iteration yields, item for item (transformers 5 dropped Cache.__iter__:
+    # `for k, v, _ in cache` raised TypeError); (keys, values[, window]) per layer
+    items, want = list(cache), list(ref)
+    assert len(items) == len(want) == 2 and all(len(a) == len(b) for a, b in zip(items, want))
+    for i, (got, exp) in enumerate(zip(items, want)):
+        assert torch.equal(got[0], cache.layers[i].keys) and torch.equal(got[1], cache.layers[i].values)
+        assert got[0].shape == exp[0].shape and all(g is None for g, e in zip(got[2:], exp[2:]) if e is None)
     keys = cache.layers[0].keys
     keys.zero_()  # a copy: the cache is unchanged
     assert cache.layers[0].keys.abs().max() > 0
@@ -675,3 +726,33 @@ def test_crop_refuses_what_is_not_an_integer(bad):
     assert cache.get_seq_length() == 9
     cache.crop(torch.tensor(-2))  # an integer tensor is an integer
     assert cache.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_cache_made_for_kvcache_attention_refuses_a_model_attending_otherwise(name):
+    """A cache whose config says "kvcache" hands each layer only the forward's own K/V (the kernel reads the pages);
+    a model attending with sdpa then saw none of the cache, silently (an outside-in probe found wrong logits). Now
+    the next layer refuses, the cache is emptied, and the same cache then serves the model correctly."""
+    model = _model(name)
+    model.set_attn_implementation("sdpa")
+    fused_config = copy.deepcopy(model.config)
+    fused_config._attn_implementation = "kvcache"
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = kvcache.PagedCache(config=fused_config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache)  # a prompt alone: its own tokens are all there is to see
+        with pytest.raises(RuntimeError, match=r"layer 0 .*\"kvcache\" attention.*another implementation"):
+            model(ids[:, 8:9], past_key_values=cache)  # a decode step (no mask: SDPA's causal skip) missed the prompt
+        assert cache.get_seq_length() == 0 and not cache.rows
+        assert cache.store.allocator.num_free == cache.store.allocator.num_blocks
+        # the model run with the attention the cache was made for, on the same cache: as DynamicCache
+        model.set_attn_implementation("kvcache")
+        try:
+            got = [model(ids[:, :8], past_key_values=cache).logits, model(ids[:, 8:9], past_key_values=cache).logits]
+        finally:
+            model.set_attn_implementation("sdpa")
+        ref_cache = DynamicCache()
+        want = [model(ids[:, :8], past_key_values=ref_cache).logits,
+                model(ids[:, 8:9], past_key_values=ref_cache).logits]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -59,12 +59,14 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if hf_mla.is_mla(module):  # latents in the pages; the key and value here are this forward's expansion
         pending = hf_mla.pending_write(module)  # (taken in any case: it is this layer's)
         tag = tag or pending
-        if tag is not None and hf_mla.holds_latents(module, tag[0].store.pools[tag[1]]):
-            if weights:
-                warnings.warn("the \"kvcache\" attention of MLA latents returns no attention weights "
-                              "(output_attentions=True); use attn_implementation=\"eager\" for them", stacklevel=2)
-            return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
-                        scaling), None
+    if tag is not None and not torch.compiler.is_compiling():
+        tag[0]._unattended = None  # this layer's K/V reached the "kvcache" attention (PagedCache._check_attended)
+    if hf_mla.is_mla(module) and tag is not None and hf_mla.holds_latents(module, tag[0].store.pools[tag[1]]):
+        if weights:
+            warnings.warn("the \"kvcache\" attention of MLA latents returns no attention weights "
+                          "(output_attentions=True); use attn_implementation=\"eager\" for them", stacklevel=2)
+        return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
+                    scaling), None
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     # learned per-head sink logits (gpt-oss and the models built like it): a softmax term of their own, which

@@ -52,9 +52,23 @@ def cache_geometry(config) -> tuple[int, int, int]:
     return int(heads), int(dim), int(dim)
 
 
+def check_pageable(config) -> None:
+    """Refuses a model with layers whose cache PagedCache cannot hold (a ValueError naming the layer): DeepSeek
+    sparse attention's indexer keys (layer type ``"indexed_attention"``: DeepSeek-V3.2, GLM-5 and kin), which the
+    model caches through ``update_indexer`` beside its K/V. Said when the cache (or Engine) is made, not at the
+    first forward."""
+    types = getattr(config, "layer_types", None) if config is not None else None
+    indexed = next((i for i, t in enumerate(types or ()) if t == "indexed_attention"), None)
+    if indexed is not None:
+        raise ValueError(f"layer {indexed} of {type(config).__name__} is of type 'indexed_attention' (DeepSeek "
+                         f"sparse attention, whose indexer keys the model caches through update_indexer): PagedCache "
+                         f"does not page indexer keys; use transformers' DynamicCache for this model")
+
+
 def _state_layers(config) -> list | None:
     """For a hybrid model (``config.layer_types`` naming linear-attention / conv / Mamba layers): one entry per
     layer, HF's own state layer or None where the layer pages its K/V; None for a model of attention only."""
+    check_pageable(config)
     types = getattr(config, "layer_types", None) if config is not None else None
     if not types or not any(t in ("linear_attention", "conv") or t.startswith("hybrid") for t in types):
         return None  # attention only (layers without attention never call update: PagedLayers are fine)
@@ -236,6 +250,8 @@ class PagedCache(Cache):
             already used by another cache or Engine holds pages in that one's store: it is refused here (a
             ValueError naming ``prefix_cache``); share the store instead, ``store=prefix_cache.store``.
         allocator: number the pages with this :class:`kvcache.BlockAllocator` (its size bounds the pool).
+        num_layers: the number of layers when there is no ``config`` (with one, it must agree with the
+            config's ``num_hidden_layers``); without either, layers are created as the model reaches them.
     """
 
     def __init__(self, config=None, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
@@ -244,8 +260,16 @@ class PagedCache(Cache):
                  allocator: BlockAllocator | None = None, num_layers: int | None = None,
                  residual_length: int | None = None, residual_sink_tokens: int = 0):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if num_layers is None and text_config is not None:
-            num_layers = getattr(text_config, "num_hidden_layers", None)
+        states = _state_layers(text_config)  # (first: a refused config leaves a given store or prefix cache unbound)
+        configured = getattr(text_config, "num_hidden_layers", None) if text_config is not None else None
+        if num_layers is not None:
+            if isinstance(num_layers, bool) or not hasattr(num_layers, "__index__") or num_layers < 0:
+                raise ValueError(f"num_layers={num_layers!r} must be a non-negative int")
+            if configured is not None and num_layers != configured:
+                raise ValueError(f"num_layers={num_layers} disagrees with the config's num_hidden_layers={configured}; "
+                                 f"pass one of them")
+        else:
+            num_layers = configured
         if store is None:
             store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
                                prefix_cache=prefix_cache, allocator=allocator, residual_length=residual_length,
@@ -269,11 +293,13 @@ class PagedCache(Cache):
         self._planned_ahead = False  # the coming forward's step was planned by the mask function
         self._external_plan: StepPlan | None = None
         self._dense_row_mode = False
+        # (step version, layer) of K/V tagged for the "kvcache" attention and not yet attended to by it: a model
+        # attending with another implementation (sdpa, eager) would see only the forward's own tokens
+        self._unattended: tuple[int, int] | None = None
         # while autograd records: per layer, (start, K, V) of each recorded forward's tokens, so that a later
         # forward's gradient reaches them as DynamicCache's concatenation would; dropped by crop / reorder / reset
         self._graph: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._graph_dropped = False
-        states = _state_layers(text_config)
         if states is not None:  # a hybrid model: HF's state layers where the model keeps states, pages elsewhere
             layers = [PagedLayer(self, i) if st is None else st for i, st in enumerate(states)]
         else:
@@ -377,6 +403,9 @@ class PagedCache(Cache):
 
     def _tagged(self, key_states, value_states, layer_idx: int, plan: StepPlan):
         """The new K/V, the key tagged for the ``"kvcache"`` attention function: (cache, layer, plan)."""
+        if not torch.compiler.is_compiling():  # (eager only: a value guard would recompile every step)
+            self._check_attended(plan)
+            self._unattended = (plan.version, layer_idx)
         k = key_states.view(key_states.shape)  # a fresh tensor object to carry the tag
         k._kvcache = (self, layer_idx, plan)
         # MLA latents: the module expands them (the tag is lost). Known by the config, not by the widths: latents
@@ -385,6 +414,25 @@ class PagedCache(Cache):
         if key_states.shape[-1] != value_states.shape[-1] or is_mla_config(self.config):
             hf_mla.leave_pending(self, layer_idx, plan)
         return k, value_states
+
+    def _check_attended(self, plan: StepPlan) -> None:
+        """Refuses a forward whose previous layer took its K/V tagged for the ``"kvcache"`` attention but attended
+        with another implementation: that attention saw only the forward's own tokens, not the cache's."""
+        if self._unattended is None or self._unattended[0] != plan.version:
+            return  # (a step that raised before its attention leaves a stale mark: not this step's)
+        layer = self._unattended[1]
+        self._unattended = None
+        owned = self._external_plan is not None
+        if plan.length == 0 and not owned:
+            return  # a prompt: its own tokens are all there is to see, so the other attention was right
+        if not owned:  # its layers now hold this forward's tokens up to that layer only
+            self.reset()
+        raise RuntimeError(
+            f"kvcache.PagedCache: layer {layer} stored its K/V for the \"kvcache\" attention (the cache's config has "
+            f"_attn_implementation={ATTENTION_NAME!r}) but the model attended with another implementation, which saw "
+            f"only this forward's {plan.q_len} token(s), not the cache: build the cache from the model's own config "
+            f"(PagedCache(config=model.config)) or run the model with model.set_attn_implementation("
+            f"{ATTENTION_NAME!r})" + ("" if owned else "; the cache was emptied"))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
@@ -414,6 +462,18 @@ class PagedCache(Cache):
         if self.store.prefix_cache is None and self.store.allocator.num_free == self.store.allocator.num_blocks:
             self.store.clear()
 
+    if not hasattr(Cache, "__iter__"):  # transformers 5 took __iter__ from Cache and kept it on DynamicCache (4.x's
+        # Cache iterates through layers[i].keys / .values, which PagedLayer reads from the pages)
+        def __iter__(self):
+            """Each layer's ``(keys, values, None)``, as transformers 5's ``DynamicCache`` yields them (its third item,
+            a sliding layer's window, is None: the pages keep every token), read from the pages as
+            :attr:`PagedLayer.keys`. A hybrid model's state layers yield ``(None, None, None)``."""
+            for layer in self.layers:
+                if isinstance(layer, PagedLayer):
+                    yield layer.keys, layer.values, None
+                else:
+                    yield None, None, None
+
     def __enter__(self) -> "PagedCache":
         return self
 
@@ -422,8 +482,13 @@ class PagedCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``beam_idx[i]``: block tables are rewired, pages shared copy-on-write
-        (a hybrid model's state layers are reordered as transformers does)."""
-        self._select_rows([int(i) for i in beam_idx.tolist()])
+        (a hybrid model's state layers are reordered as transformers does). ``beam_idx`` is a 1-D tensor (or
+        sequence) of integer row indices, at least one."""
+        index = torch.as_tensor(beam_idx)
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise TypeError(f"reorder_cache: beam_idx must be a 1-D tensor of integer row indices, got shape "
+                            f"{tuple(index.shape)} and dtype {index.dtype}")
+        self._select_rows(index.tolist(), "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps the rows ``indices`` selects, as tensor indexing does (``DynamicCache`` indexes its tensors
@@ -439,11 +504,18 @@ class PagedCache(Cache):
             picked = rows[index]
         except IndexError as e:
             raise IndexError(f"indices {index.tolist()} out of range for a cache of {n} rows") from e
-        self._select_rows(picked.reshape(-1).tolist())
+        self._select_rows(picked.reshape(-1).tolist(), "indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Row ``i`` becomes rows ``i * repeats .. i * repeats + repeats - 1`` (copy-on-write), as
+        ``DynamicCache`` repeats its tensors; ``repeats`` is an integer >= 1."""
+        if isinstance(repeats, bool) or not hasattr(repeats, "__index__"):
+            raise TypeError(f"batch_repeat_interleave: repeats must be an integer, got {repeats!r}")
+        r = operator.index(repeats)
+        if r < 1:  # (0 would leave a cache of no rows, which still claims its tokens)
+            raise ValueError(f"batch_repeat_interleave: repeats must be >= 1, got {r}")
         n = len(self.rows) or self._state_batch()
-        self._select_rows([i for i in range(n) for _ in range(int(repeats))])
+        self._select_rows([i for i in range(n) for _ in range(r)], "repeats")
 
     def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
         """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
@@ -452,7 +524,10 @@ class PagedCache(Cache):
         (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
         back, so cropping tokens then raises a ValueError."""
         if tokens_to_remove is None:  # older keyword names
-            tokens_to_remove = next(kwargs[k] for k in ("max_length", "maximum_length", "tokens_to_remove") if k in kwargs)
+            tokens_to_remove = next((kwargs[k] for k in ("max_length", "maximum_length") if k in kwargs), None)
+            if tokens_to_remove is None:
+                raise TypeError(f"crop() needs tokens_to_remove (an integer), got "
+                                f"{'no argument' if not kwargs else 'only ' + ', '.join(map(repr, kwargs))}")
         if isinstance(tokens_to_remove, bool) or not hasattr(tokens_to_remove, "__index__"):
             raise TypeError(f"crop: tokens_to_remove must be an integer, got {tokens_to_remove!r}")
         n = operator.index(tokens_to_remove)
@@ -704,9 +779,18 @@ class PagedCache(Cache):
         self.rows, self.pads = [], []
         self._plan = None
         self._planned_ahead = False
+        self._unattended = None
         self._version += 1
 
-    def _select_rows(self, sources: list[int]) -> None:
+    def _select_rows(self, sources: list[int], name: str) -> None:
+        # Checked before anything moves: a refused selection leaves rows, pages and states as they were.
+        n = len(self.rows) or self._state_batch()
+        if n and not sources:  # a cache of no rows would still claim its tokens, and the next forward read them
+            raise ValueError(f"{name} selects no row of the cache's {n}: a PagedCache keeps at least one row "
+                             f"(reset() or free() empties it)")
+        bad = [s for s in sources if not 0 <= s < n]
+        if n and bad:
+            raise IndexError(f"{name}: row index {bad[0]} is out of range for a cache of {n} rows")
         if self.state_layers and self._state_batch():  # a hybrid model's states follow the rows
             index = torch.tensor(sources, dtype=torch.long)
             for layer in self.state_layers:
@@ -714,10 +798,6 @@ class PagedCache(Cache):
                     layer.reorder_cache(index)
         if not self.rows:
             return
-        n = len(self.rows)
-        bad = [s for s in sources if not 0 <= s < n]
-        if bad:
-            raise IndexError(f"row index {bad[0]} is out of range for a cache of {n} rows")
         alloc = self.store.allocator
         new_rows = [alloc.fork(self.rows[s]) for s in sources]
         new_pads = [self.pads[s] for s in sources]
