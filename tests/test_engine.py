@@ -3,6 +3,9 @@ prefix cache removes the shared part of the prefill."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -371,3 +374,141 @@ def test_requests_sharing_a_cached_prefix_are_batched_together(model):
     s = engine.stats()
     assert s["steps"] == 8 and s["prefix_hit_tokens"] == sum(len(p) - 1 for p in prompts)
     assert [r.tokens for r in first] == [r.tokens for r in second] == expected
+
+
+def test_max_tokens_conflicting_with_a_given_prefix_cache_is_refused(model):
+    """A given PrefixCache's allocator is the pool (its size fixed when it was made, maybe shared): a max_tokens for
+    another number of pages used to be ignored without a word, and a request too long for the pool was then refused
+    quoting a max_tokens the caller never gave. Now the conflict is refused naming both sizes, before the cache is
+    bound; a max_tokens of the allocator's pages is taken, and the too-long message names the real bound."""
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(8, 8))
+    with pytest.raises(ValueError, match=r"max_tokens=1000 \(125 pages of 8 tokens\) conflicts with prefix_cache, whose "
+                                         r"allocator is the pool: 8 pages \(64 tokens\)"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, max_tokens=1000)
+    with pytest.raises(ValueError, match=r"max_tokens=32 \(4 pages of 8 tokens\) conflicts .* 8 pages \(64 tokens\)"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, max_tokens=32)
+    assert cache.store is None  # refused before the cache was bound to a store
+
+    long = _prompts()[0] + [9] * 30                  # 75 tokens: more than the 64 the allocator holds
+    plain = kvcache.Engine(model, page_size=8, prefix_cache=cache)  # no max_tokens: the allocator bounds the pool
+    with pytest.raises(kvcache.OutOfBlocksError, match=r"more than the pool's 8 \(the size of prefix_cache's "
+                                                       r"allocator\); nothing was run"):
+        plain.generate([long], max_new_tokens=2)
+    same = kvcache.Engine(model, page_size=8, prefix_cache=cache, max_tokens=60)  # 8 pages too: agrees
+    assert same.store is plain.store and same.store.allocator is cache.allocator
+    with pytest.raises(kvcache.OutOfBlocksError, match=r"more than the pool's 8 \(max_tokens=60, in whole pages\)"):
+        same.generate([long], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"max_tokens=128 \(16 pages of 8 tokens\) conflicts"):  # bound cache too
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, max_tokens=128)
+    assert cache.store is plain.store and len(same.generate([_prompts()[0]], max_new_tokens=2)[0].tokens) == 2
+
+    grows = kvcache.Engine(model, page_size=8)  # a store whose pool grows: a second Engine cannot bound it
+    with pytest.raises(ValueError, match=r"max_tokens=64 conflicts with prefix_cache, whose pool .* grows without a "
+                                         r"bound"):
+        kvcache.Engine(model, page_size=8, prefix_cache=grows.store.prefix_cache, max_tokens=64)
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("page_size", 2.0), ("page_size", True), ("page_size", "8"), ("max_tokens", 16.5), ("max_tokens", 64.0),
+    ("max_tokens", True), ("max_batch", True), ("max_batch", torch.tensor(2.0)), ("residual_length", 1.5),
+    ("residual_sink_tokens", 4.0), ("chunk_tokens", 256.0),
+])
+def test_engine_refuses_sizes_that_are_not_ints(model, name, bad):
+    """A float size was truncated (page_size=2.0 made pages of 2, max_tokens=16.5 a pool of 16.5 tokens' pages) and a
+    bool read as 1; now a TypeError names the argument and the value, before a given PrefixCache is bound."""
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(8, 8))
+    # (with max_tokens, a given cache's allocator sizes the pool: only its own store is tried)
+    for prefix_cache in (True,) if name == "max_tokens" else (True, cache):
+        with pytest.raises(TypeError, match=rf"^{name}={re.escape(repr(bad))} must be an int \(.*\), not "
+                                            rf"{type(bad).__name__}$"):
+            kvcache.Engine(model, kv_format="int8", **{"page_size": 8, "prefix_cache": prefix_cache, name: bad})
+    assert cache.store is None
+
+
+def test_engine_takes_numpy_and_torch_integer_sizes(model):
+    """Integer scalars of numpy / torch are taken as Python ints: a np.uint8(8) of sink tokens used to reach the
+    store's page arithmetic as is, where -np.uint8(8) wraps around: 225 sink pages instead of 1."""
+    engine = kvcache.Engine(model, page_size=np.int64(8), max_tokens=torch.tensor(64), max_batch=np.int32(2),
+                            kv_format="int8", residual_length=torch.tensor(16, dtype=torch.int32),
+                            residual_sink_tokens=np.uint8(8))
+    store = engine.store
+    assert (store.page_size, store.allocator.num_blocks, engine.max_batch) == (8, 8, 2)
+    assert type(store.page_size) is int and type(engine.max_batch) is int
+    assert (store.residual.window, store.residual.sink_pages) == (16, 1)
+    with pytest.raises(ValueError, match=r"page_size=0 must be >= 1"):
+        kvcache.Engine(model, page_size=0)
+    with pytest.raises(ValueError, match=r"max_tokens=0 must be >= 1"):
+        kvcache.Engine(model, max_tokens=np.int64(0))
+    with pytest.raises(TypeError, match=r"prefix_cache='yes' must be True, False or a kvcache.PrefixCache"):
+        kvcache.Engine(model, prefix_cache="yes")
+
+
+@pytest.mark.parametrize("kw, error, pattern", [
+    (dict(top_k=1.5, do_sample=True), TypeError, r"top_k=1\.5 must be an int"),
+    (dict(top_k=1.5), TypeError, r"top_k=1\.5 must be an int"),          # greedy: it was ignored
+    (dict(top_k=True, do_sample=True), TypeError, r"top_k=True must be an int"),
+    (dict(top_k=torch.tensor(3.0), do_sample=True), TypeError, r"top_k=tensor\(3\.\) must be an int"),
+    (dict(temperature="0.7", do_sample=True), TypeError, r"temperature='0\.7' must be a number"),
+    (dict(temperature=None, do_sample=True), TypeError, r"temperature=None must be a number"),
+    (dict(temperature=float("nan"), do_sample=True), ValueError, r"temperature=nan must be > 0 when sampling, and "
+                                                                  r"finite"),
+    (dict(temperature=float("inf"), do_sample=True), ValueError, r"temperature=inf must be > 0"),
+    (dict(do_sample="yes"), TypeError, r"do_sample='yes' must be True or False, not str"),
+    (dict(do_sample=None), TypeError, r"do_sample=None must be True or False"),
+    (dict(seed=1.5, do_sample=True), TypeError, r"seed=1\.5 must be an int"),
+    (dict(seed=2 ** 64, do_sample=True), ValueError, r"seed=18446744073709551616 must be in \[-2\*\*63, 2\*\*64\)"),
+    (dict(progress="no"), TypeError, r"progress='no' must be True or False"),
+    (dict(max_new_tokens=3.0), TypeError, r"max_new_tokens=3\.0 must be an int"),
+    (dict(max_new_tokens=True), TypeError, r"max_new_tokens=True must be an int"),
+])
+def test_engine_refuses_bad_sampling_arguments_before_any_work(model, kw, error, pattern):
+    """top_k=1.5 used to pass the up-front checks and fail in torch.topk after the first forward (or be ignored
+    when greedy); the others were read by truthiness or failed late. Now each is refused naming the argument and
+    its value, before a forward, a lookup or a page."""
+    engine = kvcache.Engine(model, page_size=4)
+    prompts = [_prompts()[0], _prompts()[1]]
+    engine.generate(prompts[:1], max_new_tokens=2)
+    before = (engine.store.allocator.num_free, engine.store.prefix_cache.stats())
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with pytest.raises(error, match=pattern):
+            engine.generate(prompts, **{"max_new_tokens": 4, **kw})
+    finally:
+        hook.remove()
+    assert forwards == [] and (engine.store.allocator.num_free, engine.store.prefix_cache.stats()) == before
+
+
+def test_engine_takes_numpy_and_torch_sampling_arguments(model):
+    """Integer scalars of numpy / torch are ints: the same tokens as the plain ints (np.int64 seeds used to fail in
+    torch.Generator.manual_seed)."""
+    engine = kvcache.Engine(model, prefix_cache=False)
+    prompts = _prompts()[:2]
+    want = [r.tokens for r in engine.generate(prompts, max_new_tokens=4, do_sample=True, top_k=10, seed=3,
+                                              temperature=0.7)]
+    got = engine.generate(prompts, max_new_tokens=torch.tensor(4), do_sample=np.bool_(True), top_k=np.int64(10),
+                          seed=np.int64(3), temperature=np.float64(0.7), progress=np.bool_(False))
+    assert [r.tokens for r in got] == want
+
+
+def test_engine_refuses_a_disk_path_that_is_a_file(model, tmp_path):
+    """disk= naming an existing regular file (or a path below one) raised the tier's raw FileExistsError /
+    NotADirectoryError after a given PrefixCache had been bound; now a ValueError names disk and the path, and the
+    cache is left unbound (a bad remote= URL too)."""
+    file = tmp_path / "prefixes.bin"
+    file.write_bytes(b"not a directory")
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(64, 8))
+    with pytest.raises(ValueError, match=rf"disk={re.escape(repr(str(file)))} must be a directory \(made if missing\), "
+                                         rf"but it is a file"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, disk=file)
+    below = file / "tier"
+    with pytest.raises(ValueError, match=rf"disk={re.escape(repr(str(below)))} must be a directory .*, but "
+                                         rf"{re.escape(repr(str(file)))} exists and is not a directory"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, disk=str(below))
+    with pytest.raises(ValueError, match=r"remote='http://localhost' must be a redis:// URL"):
+        kvcache.Engine(model, page_size=8, prefix_cache=cache, remote="http://localhost")
+    assert cache.store is None and file.read_bytes() == b"not a directory"
+    engine = kvcache.Engine(model, page_size=8, prefix_cache=cache, disk=tmp_path / "tier", chunk_tokens=np.int64(16),
+                            namespace=kvcache.Namespace(model="test-llama"))  # (tiers need a named model)
+    assert (tmp_path / "tier").is_dir() and engine.tiers.chunk_tokens == 16
+    engine.close()

@@ -343,7 +343,8 @@ def test_disk_tier_stores_and_loads_latent_pages(model, tmp_path, kv_format, res
     # int8 with residual_length=0: sealed pages (codes and scales); with the default window: open pages
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 128, (16,), generator=g).tolist() + [5, 6, 7]]
-    kw = dict(kv_format=kv_format, residual_length=residual, page_size=4, chunk_tokens=8)
+    kw = dict(kv_format=kv_format, residual_length=residual, page_size=4, chunk_tokens=8,
+              namespace=kvcache.Namespace(model=type(model).__name__ + "-tiny"))  # made in code: the tiers need a name
     expected = [r.tokens for r in kvcache.Engine(model, **kw).generate(prompts, max_new_tokens=4, progress=False)]
     a = kvcache.Engine(model, disk=tmp_path, **kw)
     a.generate(prompts, max_new_tokens=4, progress=False)
@@ -356,3 +357,24 @@ def test_disk_tier_stores_and_loads_latent_pages(model, tmp_path, kv_format, res
     import json
     description = json.loads(next(tmp_path.glob("*/namespace.json")).read_text())
     assert (description["num_kv_heads"], description["head_dim"], description["v_head_dim"]) == (1, 16, 8)
+
+
+def test_deepseek_sparse_attention_is_refused_when_the_cache_is_made():
+    """DeepSeek-V3.2 (and GLM-5, the other "indexed_attention" models) cache indexer keys through update_indexer
+    beside their latents; PagedCache does not page them. It used to fail at the first forward with transformers'
+    words ("Cannot call update_indexer on layer 0 which is a PagedLayer"); now the cache and the Engine refuse
+    the model when they are made, naming the layer type, before a given prefix cache is bound."""
+    if not hasattr(transformers, "DeepseekV32Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3.2")
+    config = transformers.DeepseekV32Config(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                            v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, **_MLA)
+    assert "indexed_attention" in config.layer_types
+    with pytest.raises(ValueError, match=r"layer 0 of DeepseekV32Config is of type 'indexed_attention'.*DynamicCache"):
+        kvcache.PagedCache(config=config)
+    model = transformers.DeepseekV32ForCausalLM(config).eval()
+    prefix = kvcache.PrefixCache(kvcache.BlockAllocator(16, 4))
+    with pytest.raises(ValueError, match=r"'indexed_attention'"):
+        kvcache.Engine(model, page_size=4, prefix_cache=prefix)
+    assert prefix.store is None
+    with torch.no_grad():  # DynamicCache, the advice, serves the model
+        model(torch.tensor([[1, 2, 3]]), past_key_values=transformers.DynamicCache(config=config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -449,7 +450,7 @@ def test_an_engine_dropped_without_close_is_collected(model, tmp_path):
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "kivi2", "fp8_e4m3", "k=int8(hadamard),v=int4"])
+@pytest.mark.parametrize("fmt", ["int4", "kivi2", "fp8_e4m3", "fp8_e4m3(scale=0.05)", "k=int8(hadamard),v=int4"])
 def test_every_format_loads_the_stored_state(tmp_path, fmt):
     model = tiny_model(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32, for the grouped formats
     local = _engine(model, kv_format=fmt)
@@ -463,3 +464,153 @@ def test_every_format_loads_the_stored_state(tmp_path, fmt):
     s = b.stats()
     assert s["disk_hit_tokens"] == PREFIX_TOKENS and s["bad_blobs"] == 0
     b.close()
+
+
+# ---- fp8 scales ------------------------------------------------------------------------------------
+def _prefix_kv(engine, tokens) -> list:
+    """Every layer's K and V of the cached prefix ``tokens`` (whole pages), dequantized as attention reads them."""
+    m = engine.store.prefix_cache.match(tokens, engine.namespace)
+    pages = len(tokens) // PAGE
+    assert m.length >= pages * PAGE, (m.length, len(tokens))
+    table = m.blocks[:pages].to(torch.int32).view(1, -1)
+    lens = torch.tensor([pages * PAGE], dtype=torch.int32)
+    return [engine.store.pools[layer].gather(table, lens) for layer in sorted(engine.store.pools)]
+
+
+def test_fp8_chunks_stored_under_other_scales_are_misses(model, tmp_path):
+    """fp8 without a given scale takes each process's per-head scales from its first tokens. Worker A writes
+    the chunks of X; worker B, whose scales came from another prompt, extends X by Y and writes Y's chunks
+    under its own scales. A fresh worker C loading X + Y used to read every chunk with the first one's scales,
+    so Y's K/V were wrong by B's scale over A's; now Y's first chunk is a miss and C computes it."""
+    g = torch.Generator().manual_seed(11)
+    X, Y = (torch.randint(3, 128, (2 * CHUNK,), generator=g).tolist() for _ in range(2))
+    tail1, tail2 = [4, 5, 6], [7, 8, 9]  # Y[0] != tail1[0]: a local cache of X + tail1 matches X only
+    Y[0] = 3
+    Q = torch.randint(3, 128, (CHUNK + 5,), generator=g).tolist()
+    kw = dict(kv_format="fp8_e4m3", residual_length=0)  # every page sealed: every chunk holds fp8 codes
+
+    def worker(*ps, **extra):
+        e = _engine(model, **kw, **extra)
+        for p in ps:
+            e.generate([p], max_new_tokens=2)
+        return e
+
+    a = worker(X + tail1, disk=tmp_path)
+    a.close()
+    b = worker(Q, disk=tmp_path)
+    scales_a, scales_b = a.store.pools[0].k_scale, b.store.pools[0].k_scale
+    assert not torch.equal(scales_a, scales_b)  # the premise: B's first prompt gave other scales
+    # B's pools read with other scales than A's chunks: refused before anything is allocated or written
+    before = [t.clone() for pool in b.store.pools.values() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale)]
+    free = b.store.allocator.num_free
+    assert b.tiers.fill(X + Y + tail2) == 0
+    after = [t for pool in b.store.pools.values() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)) and b.store.allocator.num_free == free
+    assert b.tiers.stats()["bad_blob_reasons"] == {"scales": 1}
+    b.generate([X + Y + tail2], max_new_tokens=2)
+    b.close()
+    t = b.tiers
+    keys = t.chain(X + Y)
+    stored = [tiers.decode_blob(t.disk.fetch(t.ns, [keys[i]])[0], ns=t.ns, key=keys[i],
+                                tokens=(X + Y)[i * CHUNK:(i + 1) * CHUNK], meta=t.meta,
+                                expect_tensors=t._expected_tensors)[1]["0.k_scale"] for i in range(4)]
+    assert torch.equal(stored[0], scales_a) and torch.equal(stored[1], scales_a)  # X's chunks: A's
+    assert torch.equal(stored[2], scales_b) and torch.equal(stored[3], scales_b)  # Y's: B's (X's existed)
+
+    c = worker(X + Y + tail2, disk=tmp_path)
+    local = worker(X + tail1, X + Y + tail2)  # what C should hold: X as A computed it, Y computed under A's scales
+    for layer, ((ck, cv), (lk, lv)) in enumerate(zip(_prefix_kv(c, X + Y), _prefix_kv(local, X + Y))):
+        assert torch.equal(ck, lk) and torch.equal(cv, lv), f"layer {layer}: loaded K/V differ from computed"
+    assert torch.equal(c.store.pools[0].k_scale, scales_a)
+    s = c.stats()
+    assert s["disk_hit_tokens"] == 2 * CHUNK  # X only
+    assert s["tiers"]["bad_blob_reasons"] == {"scales": 1}
+    assert len(t.disk.lookup(t.ns, keys)) == 4  # Y's first chunk kept: it is right for B's scales
+    c.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "k=fp8_e5m2,v=int8"])
+def test_a_chunk_of_open_pages_sets_no_fp8_scales(model, tmp_path, fmt):
+    """A chunk of open pages only (the sink pages here) holds no fp8 codes, and the scales stored with it are
+    whatever its writer's pool held, set or not. Worker 1, whose prompt sealed nothing, writes such a chunk 0;
+    worker 2, whose scales came from another prompt, writes the chunks after it. A fresh reader used to take
+    chunk 0's meaningless scales and read worker 2's codes with them; now the scales of the first chunk with a
+    sealed page are taken."""
+    kw = dict(kv_format=fmt, residual_length=CHUNK, residual_sink_tokens=CHUNK)  # a prompt's chunk 0: its sinks
+    w1 = _engine(model, disk=tmp_path, **kw)
+    w1.generate([FIRST[0][:CHUNK + 8]], max_new_tokens=2)  # sinks + 10 tokens in the window: nothing sealed
+    w1.close()
+    assert 0 not in w1.store.pools or not w1.store.pools[0]._scales_set["k"]
+    other = prompts(7, 1, prefix_seed=7)  # seals pages: sets worker 2's scales
+
+    def steps(e, *batches):
+        return [[r.tokens for r in e.generate(b, max_new_tokens=4)] for b in batches][-1]
+
+    w2 = _engine(model, disk=tmp_path, **kw)
+    steps(w2, other, FIRST)
+    w2.close()
+    scales = w2.store.pools[0].k_scale
+    t = w2.tiers
+    keys = t.chain(FIRST[0])
+    assert len(t.disk.lookup(t.ns, keys)) == PREFIX_TOKENS // CHUNK
+    chunk0 = tiers.decode_blob(t.disk.fetch(t.ns, keys[:1])[0], ns=t.ns, key=keys[0], tokens=FIRST[0][:CHUNK],
+                               meta=t.meta, expect_tensors=t._expected_tensors)
+    assert chunk0[0] == "O" * (CHUNK // PAGE) and not torch.equal(chunk0[1]["0.k_scale"], scales)  # the premise
+    expected = steps(_engine(model, **kw), other, FIRST, SECOND)  # the same pages, computed in one process
+    r = _engine(model, disk=tmp_path, **kw)
+    assert steps(r, SECOND) == expected
+    assert torch.equal(r.store.pools[0].k_scale, scales)  # worker 2's, with which its codes were written
+    s = r.stats()
+    assert s["disk_hit_tokens"] == PREFIX_TOKENS and s["bad_blobs"] == 0
+    r.close()
+
+
+# ---- model identity ---------------------------------------------------------------------------------
+def test_tiers_refuse_an_unnamed_model(tmp_path):
+    """Two models made in code (no name_or_path) of one class were both keyed by the class name: sharing a
+    disk directory or Redis, each loaded the other's K/V as its own. They are refused unless namespace= is given."""
+    first, second = tiny_model(seed=0, name=""), tiny_model(seed=1, name="")  # other weights, same class
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(256, PAGE), disk=tmp_path, chunk_tokens=CHUNK)
+    for kw, arg in (({"disk": tmp_path}, f"disk={str(tmp_path)!r}"), ({"remote": "redis://127.0.0.1:1/0"}, "remote="),
+                    ({"prefix_cache": cache}, f"disk={str(tmp_path)!r}")):
+        for m in (first, second):
+            with pytest.raises(ValueError, match=rf"^{re.escape(arg)}: this model has no name_or_path .* class name "
+                                                 rf"'LlamaForCausalLM' alone.* pass namespace=kvcache\.Namespace"):
+                _engine(m, **kw)
+    assert cache.store is None  # refused before the cache was bound
+    assert not list(tmp_path.glob("*/*.kvc"))
+    # named by the user, each finds its own chunks only
+    expected = {i: _tokens(_engine(m, prefix_cache=False)) for i, m in enumerate((first, second))}
+    for i, m in enumerate((first, second)):
+        w = _engine(m, disk=tmp_path, namespace=kvcache.Namespace(model=f"tiny-{i}"))
+        w.generate(FIRST, max_new_tokens=4)
+        w.close()
+    for i, m in enumerate((first, second)):
+        e = _engine(m, prefix_cache=cache if i == 0 else True, disk=None if i == 0 else tmp_path,
+                    namespace=kvcache.Namespace(model=f"tiny-{i}"))
+        assert _tokens(e) == expected[i]
+        assert e.stats()["disk_hit_tokens"] == PREFIX_TOKENS and e.stats()["bad_blobs"] == 0
+        e.close()
+
+
+def test_tiers_of_engines_sharing_a_store_keep_their_namespaces(model, tmp_path, reference):
+    """Two Engines over one PrefixCache (one store), other models: the second sets store.namespace to its own,
+    and the first one's tiers inserted the chunks they fetched under it, where they were the second model's hits
+    (and no hits for the first)."""
+    other = tiny_model(seed=1)
+    w = _engine(model, disk=tmp_path)
+    w.generate(FIRST, max_new_tokens=4)
+    w.close()
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(512, PAGE), disk=tmp_path, chunk_tokens=CHUNK)
+    first = kvcache.Engine(model, page_size=PAGE, prefix_cache=cache)
+    second = kvcache.Engine(other, page_size=PAGE, prefix_cache=cache)
+    assert _tokens(first) == reference["None"]
+    s = first.stats()
+    assert s["disk_hit_tokens"] == PREFIX_TOKENS
+    assert s["prefill_tokens"] == s["prompt_tokens"] - PREFIX_TOKENS - _local_hits(SECOND)  # the hits were used
+    expected = _tokens(_engine(other, prefix_cache=False))
+    assert _tokens(second) == expected
+    s = second.stats()
+    assert s["disk_hit_tokens"] == 0 and s["prefix_hit_tokens"] == _local_hits(SECOND)  # none of the first's
+    first.close()
+    second.close()

@@ -8,14 +8,20 @@ PAGE, CHUNK = 16, 32
 PREFIX_TOKENS = 6 * CHUNK  # 192: with the int8 window of 128, a mix of sealed and open pages
 
 
-def tiny_model(num_attention_heads: int = 4, num_key_value_heads: int = 2):
+def tiny_model(num_attention_heads: int = 4, num_key_value_heads: int = 2, seed: int = 0, name: str | None = None):
+    """A 2-layer Llama with random weights (``seed``), named as from_pretrained would (the tiers refuse an
+    unnamed model): by default after its seed and shape, the same in every process; ``name=""`` leaves it
+    unnamed."""
     import transformers
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=num_attention_heads,
                                       num_key_value_heads=num_key_value_heads)
-    return transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval()
+    default = f"kvcache-tests/tiny-llama-h{num_attention_heads}-kv{num_key_value_heads}-seed{seed}"
+    model.config._name_or_path = default if name is None else name
+    return model
 
 
 def prompts(seed: int, n: int, prefix_seed: int = 1) -> list[list[int]]:

@@ -19,16 +19,21 @@ cached, and cache their prompt for the next ones.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import _html, residual as res
-from .hf_cache import ATTENTION_NAME, PagedCache, cache_geometry, is_mla_config, packed_attention_mask
+from .hf_cache import (ATTENTION_NAME, PagedCache, cache_geometry, check_pageable, is_mla_config,
+                       packed_attention_mask)
 from .step import plan_step
 from .store import PagedStore
 from .prefix import Match, Namespace, OutOfBlocksError, PrefixCache, Sequence
@@ -44,6 +49,57 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if len(diff) else n
+
+
+def _integer(name: str, value, what: str) -> int:
+    """``value`` as an int: ints and numpy / torch integer scalars pass. A bool, a float (even ``2.0``) or
+    anything else is a TypeError naming the argument: a float would be truncated silently, a bool read as 0 / 1."""
+    if torch.is_tensor(value) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                                             or value.dtype == torch.bool):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int ({what}), not {type(value).__name__}")
+    return int(value)
+
+
+def _real(name: str, value, what: str) -> float:
+    """``value`` as a float: ints, floats and numpy / torch real scalars pass; a bool or a string is a TypeError."""
+    if torch.is_tensor(value) and value.dim() == 0 and not (value.is_complex() or value.dtype == torch.bool):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number ({what}), not {type(value).__name__}")
+    return float(value)
+
+
+def _flag(name: str, value) -> bool:
+    """``value`` as a bool: True / False (or a numpy bool). Anything else is refused: ``do_sample="no"`` or
+    ``progress=None`` would otherwise be read by truthiness."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return bool(value)
+
+
+def _check_disk_path(disk) -> None:
+    """Refuses a ``disk=`` path that cannot become the tier's directory (a regular file, or below one) with its
+    name and path, before the Engine changes anything; the tier itself makes the directory if it is missing."""
+    if not isinstance(disk, (str, os.PathLike)):
+        return  # a DiskTier, or a wrong type: kvcache.tiers says which
+    path = Path(disk)
+    for p in (path, *path.parents):  # the nearest part of the path that exists must be a directory
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                what = "it is a file" if p == path and p.is_file() else f"{str(p)!r} exists and is not a directory"
+                raise ValueError(f"disk={str(disk)!r} must be a directory (made if missing), but {what}: the disk "
+                                 f"tier writes its prefix chunks as files under it")
+            return
+
+
+def _model_name(model) -> str:
+    """The model's ``name_or_path``: its text config's, else its own config's (a multimodal model's text config
+    carries none); "" for a model whose config was made in code."""
+    config = model.config
+    return str(getattr(config.get_text_config(decoder=True), "_name_or_path", "")
+               or getattr(config, "_name_or_path", "") or "")
 
 
 def _shared_store(cache: PrefixCache, geometry: dict, *, page_size: int, kv_format, residual_length,
@@ -139,9 +195,12 @@ class Engine:
             shares that store, pools and allocator, so prefixes either computed are hits for both. That store's
             page size, format and residual settings, and the model's kv heads, head dims, dtype and device must
             then match, else a ValueError naming ``prefix_cache`` (use a new PrefixCache); its namespace (the
-            model's name) keeps the prefixes of different models apart.
-        page_size, max_tokens: the pages (``max_tokens`` bounds the pool; by default it grows). A bounded
-            pool schedules: a request waits until its prompt's pages fit (after evicting unlocked cached
+            model's name) keeps the prefixes of different models apart. A ``max_tokens`` that asks for another
+            number of pages than that allocator has is refused (a ValueError naming both).
+        page_size, max_tokens: the pages, ints (numpy / torch integer scalars too; a bool or a float is refused
+            with a TypeError): ``page_size`` tokens each, and ``max_tokens`` (rounded up to whole pages) bounds
+            the pool; by default it grows, or with a :class:`kvcache.PrefixCache` given is that cache's allocator.
+            A bounded pool schedules: a request waits until its prompt's pages fit (after evicting unlocked cached
             prefixes), and when the running requests outgrow the pool the youngest is *preempted*: its
             pages are given back and it waits at the head of the queue with the tokens it has generated,
             which are computed again (as a prefill, from whatever of its prompt is still cached) when it
@@ -156,9 +215,12 @@ class Engine:
             request stay in the model's dtype (default 128 newest, the accurate configuration; 0 quantizes every
             token as written; see :class:`kvcache.PagedCache`).
         disk, remote: prefix tiers beyond this process (:mod:`kvcache.tiers`): ``disk`` a directory (or a
-            :class:`kvcache.tiers.DiskTier`), ``remote`` a ``redis://host:port/db`` URL (or a
+            :class:`kvcache.tiers.DiskTier`; made if missing, a path to a file is refused naming ``disk``),
+            ``remote`` a ``redis://host:port/db`` URL (or a
             :class:`kvcache.tiers.RedisTier`). A prompt's chunks beyond the local match are fetched from them;
-            a finished request's full chunks are written to them in the background. Need ``prefix_cache``.
+            a finished request's full chunks are written to them in the background. Need ``prefix_cache``, and
+            a model with a ``name_or_path`` or a ``namespace`` naming it: the chunks outlive the process, and
+            two unnamed models of one class would load each other's (a ValueError naming ``disk`` / ``remote``).
         chunk_tokens: tokens per tier chunk (a multiple of ``page_size``; default 256).
     """
 
@@ -166,12 +228,59 @@ class Engine:
                  max_tokens: int | None = None, max_batch: int = 16, namespace: Namespace | None = None,
                  residual_length: int | None = None, residual_sink_tokens: int = 0, disk=None, remote=None,
                  chunk_tokens: int | None = None):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral):
-            raise TypeError(f"max_batch={max_batch!r} must be an int (the requests decoded together), not "
-                            f"{type(max_batch).__name__}")
+        # The arguments are all checked before anything is made or bound: a given PrefixCache is bound to the store
+        # made below for good, so a bad argument found after it would leave the cache tied to a dead Engine's store.
+        check_pageable(model.config.get_text_config(decoder=True))
+        max_batch = _integer("max_batch", max_batch, "the requests decoded together")
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1 (the requests decoded together)")
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, int(max_batch)
+        page_size = _integer("page_size", page_size, "tokens per page")
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1 (tokens per page)")
+        if max_tokens is not None:
+            max_tokens = _integer("max_tokens", max_tokens, "the tokens the pool holds; None: it grows")
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens={max_tokens} must be >= 1 (the tokens the pool holds; None: it grows)")
+        if residual_length is not None:  # (negative values: refused by the store, before it binds anything)
+            residual_length = _integer("residual_length", residual_length, "newest tokens kept in the model's dtype")
+        residual_sink_tokens = _integer("residual_sink_tokens", residual_sink_tokens,
+                                        "first tokens kept in the model's dtype")
+        if chunk_tokens is not None:
+            chunk_tokens = _integer("chunk_tokens", chunk_tokens, "tokens per tier chunk")
+        if not isinstance(prefix_cache, (bool, np.bool_, PrefixCache)):
+            raise TypeError(f"prefix_cache={prefix_cache!r} must be True, False or a kvcache.PrefixCache, not "
+                            f"{type(prefix_cache).__name__}")
+        if not isinstance(prefix_cache, PrefixCache):
+            prefix_cache = bool(prefix_cache)
+        if namespace is not None and not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace={namespace!r} must be a kvcache.Namespace, not {type(namespace).__name__}")
+        if isinstance(prefix_cache, PrefixCache) and max_tokens is not None:
+            # the cache's allocator is the pool (shared, sized when it was made): another size cannot be honoured
+            alloc = prefix_cache.allocator
+            pages = -(-max_tokens // page_size)
+            bound_store = prefix_cache.store
+            if bound_store is not None and not bound_store.fixed_size:
+                raise ValueError(f"max_tokens={max_tokens} conflicts with prefix_cache, whose pool (that of the store "
+                                 f"it is bound to) grows without a bound, shared; leave max_tokens out, or give a new "
+                                 f"PrefixCache")
+            if alloc.page_size == page_size and pages != alloc.num_blocks:  # (another page size: refused below)
+                raise ValueError(
+                    f"max_tokens={max_tokens} ({pages} pages of {page_size} tokens) conflicts with prefix_cache, whose "
+                    f"allocator is the pool: {alloc.num_blocks} pages ({alloc.num_blocks * page_size} tokens); leave "
+                    f"max_tokens out, or make the PrefixCache over a BlockAllocator({pages}, {page_size})")
+        options = getattr(prefix_cache, "tier_options", None) or {}
+        if disk is None and remote is None:
+            disk, remote = options.get("disk"), options.get("remote")
+            chunk_tokens = options.get("chunk_tokens") if chunk_tokens is None else chunk_tokens
+        if disk is not None or remote is not None:
+            from .tiers import DEFAULT_CHUNK_TOKENS, _as_tier, check_chunk_tokens, check_identity
+            _check_disk_path(disk)
+            chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+            check_chunk_tokens(chunk_tokens, page_size)
+            disk, remote = _as_tier(disk, "disk"), _as_tier(remote, "remote")  # a bad path or URL fails here
+            check_identity(namespace, _model_name(model), type(model).__name__, disk=disk, remote=remote)
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self._max_tokens = max_tokens  # as given (the pool may be a given prefix_cache's allocator instead)
         config = model.config.get_text_config(decoder=True)
         heads, k_dim, v_dim = cache_geometry(config)
         param = next(model.parameters())
@@ -186,9 +295,9 @@ class Engine:
                                     residual_sink_tokens=residual_sink_tokens)
             self.store.engine_geometry = geometry  # what a second Engine sharing this store's pools must match
         fmt = "+".join(filter(None, ("" if kv_format is None else str(self.store.kv_format), self.store.residual_label)))
-        self.namespace = namespace or Namespace(model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
-                                                kv_format=fmt)
-        unnamed = namespace is None and not getattr(config, "_name_or_path", "")
+        name = _model_name(model)
+        self.namespace = namespace or Namespace(model=name or type(model).__name__, kv_format=fmt)
+        unnamed = namespace is None and not name
         models = self.store.engine_models  # namespace key -> the model caching under it
         other = models.get(self.namespace.key)
         if unnamed and other is not None and other() not in (None, model):
@@ -205,15 +314,11 @@ class Engine:
         self._stats: dict = {}
         self._forwards = 0
         self.tiers = None
-        options = getattr(self.store.prefix_cache, "tier_options", None) or {}
-        if disk is None and remote is None:
-            disk, remote = options.get("disk"), options.get("remote")
-            chunk_tokens = options.get("chunk_tokens") if chunk_tokens is None else chunk_tokens
         if disk is not None or remote is not None:
-            from .tiers import DEFAULT_CHUNK_TOKENS, PrefixTiers
+            from .tiers import PrefixTiers
             param = next(model.parameters())
             self.tiers = PrefixTiers(self.store, config, param.dtype, param.device, disk=disk, remote=remote,
-                                     chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
+                                     chunk_tokens=chunk_tokens)
             if self.store.prefix_cache is not None:
                 self.store.prefix_cache.tiers = self.tiers
 
@@ -231,19 +336,32 @@ class Engine:
         generate; ``[]``: none). By default (None) the ids of the model's ``generation_config.eos_token_id``,
         which HF generate stops at too, and the tokenizer's ``eos_token_id``.
 
+        ``do_sample=True`` samples from the logits divided by ``temperature`` (> 0), among the ``top_k`` most
+        likely tokens (0 or None: all), from a generator seeded with ``seed``.
+
         Bad input (a prompt without tokens, a token id that is not an int or outside the model's vocabulary, a
-        ``max_new_tokens`` that is not an int >= 1, an ``eos_token_id`` of another type) is refused before any
-        work, naming the argument."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an int (tokens per request), not "
-                            f"{type(max_new_tokens).__name__}")
-        max_new_tokens = int(max_new_tokens)
+        ``max_new_tokens`` that is not an int >= 1, a ``top_k`` that is not None or an int >= 0, a ``temperature``
+        that is not a finite number (> 0 when sampling), a ``seed`` that is not an int, a ``do_sample`` or
+        ``progress`` that is not a bool, an ``eos_token_id`` of another type) is refused before any work, naming
+        the argument and its value; arguments that greedy decoding does not use are checked too."""
+        # every argument is checked, used or not (a top_k=1.5 would otherwise fail inside the first step's sampling,
+        # or be ignored when greedy), before any work
+        max_new_tokens = _integer("max_new_tokens", max_new_tokens, "tokens per request")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 (the first token comes with the prefill)")
-        if do_sample and not temperature > 0:
-            raise ValueError(f"temperature={temperature} must be > 0 when sampling (do_sample=False is greedy)")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
+        do_sample = _flag("do_sample", do_sample)
+        temperature = _real("temperature", temperature, "what the logits are divided by when sampling")
+        if math.isnan(temperature) or math.isinf(temperature) or do_sample and not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be > 0 when sampling, and finite (do_sample=False is "
+                             f"greedy)")
+        if top_k is not None:
+            top_k = _integer("top_k", top_k, "the most likely tokens sampled from; 0 or None: all")
+            if top_k < 0:
+                raise ValueError(f"top_k={top_k} must be >= 0 (0 or None: no top-k filter)")
+        seed = _integer("seed", seed, "of the sampling generator")
+        if not -(1 << 63) <= seed < 1 << 64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed={seed} must be in [-2**63, 2**64)")
+        progress = _flag("progress", progress)
         stop = self._stop_ids(eos_token_id)
         if isinstance(prompts, str) or torch.is_tensor(prompts) and prompts.dim() < 2:
             raise TypeError("prompts must be a list of prompts (token-id lists, or strings with a tokenizer); for "
@@ -381,13 +499,16 @@ class Engine:
         if not self.store.fixed_size:
             return
         page, capacity = self.store.page_size, self.store.allocator.num_blocks
+        # the bound this Engine was given: its max_tokens, else its prefix_cache's allocator (the store's max_tokens
+        # is then that allocator's size, or the max_tokens of the Engine that made a shared store: not this one's)
+        bound = ("the size of prefix_cache's allocator" if self._max_tokens is None
+                 else f"max_tokens={self._max_tokens}, in whole pages")
         for i, prompt in enumerate(prompts):
             need = -(-(len(prompt) + max_new_tokens - 1) // page)
             if need > capacity:
                 raise OutOfBlocksError(
                     f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens={max_new_tokens} need up to {need} pages of "
-                    f"{page} tokens, more than the pool's {capacity} (max_tokens={self.store.max_tokens}, in whole "
-                    f"pages); nothing was run")
+                    f"{page} tokens, more than the pool's {capacity} ({bound}); nothing was run")
 
     def _make_room(self, running: list[_Running], waiting: deque, stats: dict) -> bool:
         """Takes the pages of every running request's pending tokens, oldest request first. When the pool is

@@ -11,7 +11,13 @@ Each chunk is one self-describing blob (format in ``docs/tiers.md``): a fixed he
 the chunk's token ids, then every layer's pages exactly as stored (codes and scales; pages still open in
 a quantized cache's full-precision window travel as they are too). Loading checks every field and size
 and the checksum before a pool is touched; a bad blob is a miss, counted in the stats, and deleted (the next
-write of its chunk replaces it). No pickle.
+write of its chunk replaces it). fp8 codes are read with their pool's per-head scales, so a chunk stored under
+other scales than the ones the loading pool reads with is a miss too (kept: it is right for the processes that
+share its scales). No pickle.
+
+Tier chunks outlive the process and serve whoever opens the same directory or Redis server, so the namespace
+must say which weights computed them: an :class:`kvcache.Engine` over a model without a ``name_or_path`` (a
+config made in code) is refused with ``disk=`` / ``remote=`` unless ``namespace=`` names the model.
 
 :class:`DiskTier` keeps the blobs as files (atomic writes, LRU bounded in bytes, safe to share between
 processes of one machine); :class:`RedisTier` keeps them in Redis (``SET NX`` with a TTL, one pipelined
@@ -451,6 +457,25 @@ def check_chunk_tokens(chunk_tokens, page_size: int) -> None:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive multiple of page_size={page_size}")
 
 
+def check_identity(namespace, model_name: str, model_class: str, *, disk=None, remote=None) -> None:
+    """Refuses tiers for a model that nothing names. Tier chunks outlive the process and serve whoever opens
+    the same directory or Redis server: without a ``name_or_path`` (a config made in code rather than loaded
+    with ``from_pretrained``) and without an explicit ``namespace``, the chain root would carry the model's
+    class name alone, which every other model of that class shares, and each would load the other's K/V as
+    its own. (In one process the prefix cache tells models apart by the objects; across processes nothing
+    can.)"""
+    if namespace is not None or model_name:
+        return
+    # the Redis URL is not repeated: it may hold a password
+    given = " and ".join(filter(None, (f"disk={str(getattr(disk, 'path', disk))!r}" if disk is not None else "",
+                                       "remote=" if remote is not None else "")))
+    raise ValueError(f"{given}: this model has no name_or_path (its config was not loaded with from_pretrained), "
+                     f"so its tier chunks would be keyed by its class name {model_class!r} alone, as those of any "
+                     f"other {model_class} sharing the tier: one would load the other's K/V as its own; pass "
+                     f"namespace=kvcache.Namespace(model=..., revision=...) naming these weights, the same in "
+                     f"every process that should share the chunks")
+
+
 def _as_tier(spec, kind: str):
     if spec is None or isinstance(spec, (DiskTier, RedisTier)):
         return spec
@@ -486,7 +511,11 @@ def _item_bytes(item) -> int:
 @dataclass
 class PrefixTiers:
     """A disk and/or Redis tier bound to a :class:`kvcache.PagedStore` (its pages, allocator, prefix
-    tree and namespace). :class:`kvcache.Engine` makes one from its ``disk=`` / ``remote=`` options."""
+    tree and namespace). :class:`kvcache.Engine` makes one from its ``disk=`` / ``remote=`` options.
+
+    The namespace is the store's when the tiers are made (``store.namespace``, which must be set: it names
+    the model whose K/V the chunks hold); chunks are fetched into, and matched in, that namespace of the
+    tree even when another Engine sharing the store later sets its own."""
 
     store: object
     config: object
@@ -505,6 +534,12 @@ class PrefixTiers:
         check_chunk_tokens(self.chunk_tokens, page)
         if self.store.prefix_cache is None:
             raise ValueError("disk and remote tiers need the prefix cache (prefix_cache=True)")
+        # kept: an Engine sharing the store sets store.namespace to its own, and chunks of this model's chain
+        # inserted there would be hits for that model
+        self.namespace = self.store.namespace
+        if self.namespace is None:
+            raise ValueError("namespace: the store has none, and tier chunks must say which model computed them; "
+                             "make it with PagedStore(namespace=kvcache.Namespace(model=..., revision=...))")
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
         from .hf_cache import cache_geometry
@@ -514,7 +549,7 @@ class PrefixTiers:
         rope = json.dumps({k: getattr(cfg, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters",
                                                               "max_position_embeddings", "sliding_window")},
                           sort_keys=True, default=str)
-        self.description = describe(self.store.namespace, page_size=page, num_layers=self.num_layers,
+        self.description = describe(self.namespace, page_size=page, num_layers=self.num_layers,
                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                                     k_format=str(self.format.k), v_format=str(self.format.v),
                                     residual=self.store.residual_label, rope=rope, v_head_dim=self.v_head_dim)
@@ -549,7 +584,7 @@ class PrefixTiers:
         ``local_tokens`` (the radix tree), ``disk_tokens`` / ``remote_tokens`` (whole chunks present from
         the start of the chain) and ``diverged_at`` (the first token no tier holds)."""
         tokens = list(tokens)
-        local = self.store.prefix_cache.match(tokens, self.store.namespace).length
+        local = self.store.prefix_cache.match(tokens, self.namespace).length
         keys = self.chain(tokens)
         disk = len(self.disk.lookup(self.ns, keys)) * self.chunk_tokens if self.disk else 0
         remote = len(self.remote.lookup(self.ns, keys)) * self.chunk_tokens if self.remote else 0
@@ -561,7 +596,7 @@ class PrefixTiers:
         Redis, up to the first miss (or bad blob) and only where the cost model expects a gain. Returns
         the tokens added. Never raises for a tier's failure."""
         tokens = list(tokens)
-        tree, ns_local = self.store.prefix_cache, self.store.namespace
+        tree, ns_local = self.store.prefix_cache, self.namespace
         keys = self.chain(tokens)
         s = self.stats_
         s["lookups"] += 1
@@ -622,8 +657,9 @@ class PrefixTiers:
             tree.unlock(m.node)
 
     def _load(self, tokens, keys, m, start: int, blobs, info) -> int:
-        """Validates every blob (up to the first bad one), then writes them into new blocks of every
-        layer and inserts the prefix into the tree. Nothing is written before all are validated."""
+        """Validates every blob (up to the first bad one, or the first whose fp8 scales differ), then writes
+        them into new blocks of every layer and inserts the prefix into the tree. Nothing is written before
+        all are validated."""
         C, P = self.chunk_tokens, self.store.page_size
         decoded = []
         for i, blob, tier_name in blobs:
@@ -636,6 +672,11 @@ class PrefixTiers:
                 # blob kept would block its chunk and every later one of the chain for every process
                 (self.disk if tier_name == "disk" else self.remote).discard(self.ns, keys[i])
                 break
+        agree, new_scales = self._fp8_agreement(decoded)
+        if agree < len(decoded):
+            # not deleted: the blob is sound, and right for every process whose pools read with its scales
+            self._bad("scales")
+            decoded = decoded[:agree]
         if not decoded:
             return 0
         from .prefix import OutOfBlocksError
@@ -647,13 +688,13 @@ class PrefixTiers:
             return 0
         try:
             try:
-                self._write_pages(blocks, decoded)
-            except BlobError as err:  # fp8 scales that differ from this pool's: nothing was inserted
+                self._write_pages(blocks, decoded, new_scales)
+            except BlobError as err:  # refused before any page is written: nothing was inserted
                 self._bad(err.reason)
                 return 0
             end = (start + len(decoded)) * C
             table = torch.cat([m.blocks[:start * (C // P)].to(torch.int32), blocks])
-            self.store.prefix_cache.insert(torch.tensor(tokens[:end]), table, self.store.namespace)
+            self.store.prefix_cache.insert(torch.tensor(tokens[:end]), table, self.namespace)
         finally:
             alloc.free(blocks)  # the tree holds its own references now
         loaded = blobs[:len(decoded)]
@@ -693,10 +734,46 @@ class PrefixTiers:
                     out.append((f"{layer}.open_{role}", self.dtype, (n_open, H, P, dims[role])))
         return out
 
-    def _write_pages(self, blocks: torch.Tensor, decoded) -> None:
+    def _fp8_agreement(self, decoded) -> tuple[int, dict]:
+        """How many of the ``decoded`` chunks, from the first, were stored under the fp8 per-head scales
+        this cache reads with, and the scales to give the pools whose own are still unset.
+
+        An fp8 code means ``code * scale`` with one scale per kv head for the whole pool, so a chunk stored
+        under other scales would be read as other K/V (processes that took their scales from different first
+        tokens write such chunks into one chain). The reference, per layer and side, is the pool's scales
+        once set (given in the format, or taken from the first tokens stored or loaded), else those of the
+        first chunk being loaded that holds a sealed page (a chunk of open pages only holds no fp8 codes:
+        its scales are not compared, nor taken)."""
+        sides = [(layer, role, f) for layer in range(self.num_layers)
+                 for role, f in (("k", self.format.k), ("v", self.format.v)) if f.kind.startswith("fp8")]
+        if not sides:
+            return len(decoded), {}
+        ref, new = {}, {}
+        for layer, role, f in sides:
+            pool = self.store.pools.get(layer)
+            if pool is not None and pool._scales_set[role]:
+                ref[layer, role] = getattr(pool, f"{role}_scale").detach().cpu()
+            elif pool is None and f.scale is not None:  # what the pool will hold once made
+                ref[layer, role] = torch.full((self.num_kv_heads,), f.scale, dtype=f.scale_dtype)
+        for n, (pages, tensors) in enumerate(decoded):
+            if "S" not in pages:
+                continue
+            taken = {}  # the scales this chunk sets, kept only if all of its sides agree
+            for layer, role, _ in sides:
+                scale = tensors[f"{layer}.{role}_scale"]
+                want = ref.get((layer, role))
+                if want is None:
+                    taken[layer, role] = scale
+                elif not torch.equal(want, scale):  # bit for bit: any difference changes the codes' meaning
+                    return n, new
+            ref.update(taken)
+            new.update(taken)
+        return len(decoded), new
+
+    def _write_pages(self, blocks: torch.Tensor, decoded, new_scales: dict) -> None:
         """Writes validated chunks into ``blocks`` of every layer's pools (sealed pages into the pools,
-        open ones into residual slots); fp8's per-head scales must agree with the pool's, checked for
-        every layer before anything is written."""
+        open ones into residual slots). The chunks' fp8 scales were checked (:meth:`_fp8_agreement`);
+        ``new_scales`` are the ones the pools whose scales are unset take."""
         store = self.store
         pages = "".join(p for p, _ in decoded)
         ids = blocks.tolist()
@@ -714,12 +791,6 @@ class PrefixTiers:
         def cat(layer, name):
             return torch.cat([t[f"{layer}.{name}"] for p, t in decoded if f"{layer}.{name}" in t])
 
-        for layer, pool in enumerate(pools):  # per-pool scales first: a mismatch writes nothing
-            for role in ("k", "v"):
-                scale_t = getattr(pool, f"{role}_scale")
-                if scale_t is not None and scale_t.dim() == 1 and pool._scales_set[role]:
-                    if any(not torch.equal(scale_t.cpu(), t[f"{layer}.{role}_scale"]) for _, t in decoded):
-                        raise BlobError("scales", f"layer {layer}: fp8 {role} scales differ from this pool's")
         residual = store.residual
         if residual is not None:
             for b in sealed.tolist():
@@ -733,9 +804,9 @@ class PrefixTiers:
                 scale_t = getattr(pool, f"{role}_scale")
                 if scale_t is None:
                     continue
-                if scale_t.dim() == 1:  # fp8: one scale per kv head for the whole pool
-                    if not pool._scales_set[role]:
-                        scale_t.copy_(decoded[0][1][f"{layer}.{role}_scale"])
+                if scale_t.dim() == 1:  # fp8: one scale per kv head for the whole pool, unset until now
+                    if (layer, role) in new_scales and not pool._scales_set[role]:
+                        scale_t.copy_(new_scales[layer, role])
                         pool._scales_set[role] = True
                 elif sealed.numel():
                     scale_t.index_copy_(0, sealed.to(dev), cat(layer, f"{role}_scale").to(dev))
