@@ -507,6 +507,11 @@ def test_engine_refuses_a_disk_path_that_is_a_file(model, tmp_path):
         kvcache.Engine(model, page_size=8, prefix_cache=cache, disk=str(below))
     with pytest.raises(ValueError, match=r"remote='http://localhost' must be a redis:// URL"):
         kvcache.Engine(model, page_size=8, prefix_cache=cache, remote="http://localhost")
+    # the same refusal where a disk tier is made without an Engine: on the tree, or by hand
+    with pytest.raises(ValueError, match=rf"disk={re.escape(repr(str(file)))} must be a directory"):
+        kvcache.PrefixCache(kvcache.BlockAllocator(64, 8), disk=file, chunk_tokens=16)
+    with pytest.raises(ValueError, match=rf"disk={re.escape(repr(str(below)))} must be a directory"):
+        kvcache.tiers.DiskTier(below)
     assert cache.store is None and file.read_bytes() == b"not a directory"
     engine = kvcache.Engine(model, page_size=8, prefix_cache=cache, disk=tmp_path / "tier", chunk_tokens=np.int64(16),
                             namespace=kvcache.Namespace(model="test-llama"))  # (tiers need a named model)

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,21 +75,6 @@ def _flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
     return bool(value)
-
-
-def _check_disk_path(disk) -> None:
-    """Refuses a ``disk=`` path that cannot become the tier's directory (a regular file, or below one) with its
-    name and path, before the Engine changes anything; the tier itself makes the directory if it is missing."""
-    if not isinstance(disk, (str, os.PathLike)):
-        return  # a DiskTier, or a wrong type: kvcache.tiers says which
-    path = Path(disk)
-    for p in (path, *path.parents):  # the nearest part of the path that exists must be a directory
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                what = "it is a file" if p == path and p.is_file() else f"{str(p)!r} exists and is not a directory"
-                raise ValueError(f"disk={str(disk)!r} must be a directory (made if missing), but {what}: the disk "
-                                 f"tier writes its prefix chunks as files under it")
-            return
 
 
 def _model_name(model) -> str:
@@ -274,7 +257,6 @@ class Engine:
             chunk_tokens = options.get("chunk_tokens") if chunk_tokens is None else chunk_tokens
         if disk is not None or remote is not None:
             from .tiers import DEFAULT_CHUNK_TOKENS, _as_tier, check_chunk_tokens, check_identity
-            _check_disk_path(disk)
             chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
             check_chunk_tokens(chunk_tokens, page_size)
             disk, remote = _as_tier(disk, "disk"), _as_tier(remote, "remote")  # a bad path or URL fails here

@@ -283,6 +283,13 @@ class DiskTier:
         if int(max_bytes) <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
         self.path, self.max_bytes = Path(path), int(max_bytes)
+        for p in (self.path, *self.path.parents):  # the nearest part of the path that exists must be a directory
+            if p.exists() or p.is_symlink():
+                if not p.is_dir():  # (mkdir answers with a bare FileExistsError / NotADirectoryError)
+                    what = "it is a file" if p == self.path and p.is_file() else f"{str(p)!r} exists and is not a directory"
+                    raise ValueError(f"disk={str(path)!r} must be a directory (made if missing), but {what}: the disk "
+                                     f"tier writes its prefix chunks as files under it")
+                break
         self.path.mkdir(parents=True, exist_ok=True)
         self.cost = CostModel(round_trip_s=1e-4, bytes_per_s=1e9)
         self._written_since_scan = 0
