@@ -359,22 +359,68 @@ def test_disk_tier_stores_and_loads_latent_pages(model, tmp_path, kv_format, res
     assert (description["num_kv_heads"], description["head_dim"], description["v_head_dim"]) == (1, 16, 8)
 
 
-def test_deepseek_sparse_attention_is_refused_when_the_cache_is_made():
-    """DeepSeek-V3.2 (and GLM-5, the other "indexed_attention" models) cache indexer keys through update_indexer
-    beside their latents; PagedCache does not page them. It used to fail at the first forward with transformers'
-    words ("Cannot call update_indexer on layer 0 which is a PagedLayer"); now the cache and the Engine refuse
-    the model when they are made, naming the layer type, before a given prefix cache is bound."""
-    if not hasattr(transformers, "DeepseekV32Config"):
-        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3.2")
-    config = transformers.DeepseekV32Config(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                            v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2, **_MLA)
+def _dsa_model(model_type: str = "deepseek_v32"):
+    """A tiny DeepSeek-V3.2 (or GLM-MoE-DSA): MLA latents plus the indexer of DeepSeek sparse attention, whose top 4
+    tokens (of 12-20) are all each query attends to, so a wrong indexer key changes the logits."""
+    try:
+        config = transformers.AutoConfig.for_model(
+            model_type, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            index_topk=4, index_head_dim=16, index_n_heads=2, **_MLA)
+    except (KeyError, ValueError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}: {e}")
     assert "indexed_attention" in config.layer_types
-    with pytest.raises(ValueError, match=r"layer 0 of DeepseekV32Config is of type 'indexed_attention'.*DynamicCache"):
-        kvcache.PagedCache(config=config)
-    model = transformers.DeepseekV32ForCausalLM(config).eval()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_deepseek_sparse_attention_matches_dynamic_cache(model_type, impl, mode):
+    """DeepSeek-V3.2 caches its indexer's keys through update_indexer beside the latents (PagedLayer had no such
+    method: transformers raised at the first forward). The layers keep them as DynamicCache's indexed layers do,
+    through beam reorders, crops and padding: the same tokens, bit-identical logits, the same indexer keys."""
+    model = _dsa_model(model_type)
+    kwargs = MODES[mode](*_inputs())
+    ref_cache = DynamicCache(config=model.config)
+    ref = _generate(model, ref_cache, impl, **kwargs)
+    cache = kvcache.PagedCache(config=model.config, page_size=4)
+    got = _generate(model, cache, impl, **kwargs)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert _max_diff(ref, got) == 0.0
+    for mine, theirs in zip(cache.layers, ref_cache.layers):
+        assert torch.equal(mine.indexer_keys, theirs.indexer_keys)
+    assert cache.stats()["indexer_bytes"] == sum(layer.indexer_keys.nbytes for layer in ref_cache.layers) > 0
+    copied = copy.deepcopy(cache)  # a copy shares the (never written in place) indexer keys; reset drops its own
+    copied.reset()
+    assert copied.layers[0].indexer_keys is None and torch.equal(cache.layers[0].indexer_keys,
+                                                                 ref_cache.layers[0].indexer_keys)
+
+
+def test_deepseek_sparse_attention_is_refused_where_the_kvcache_attention_would_run_it():
+    """The "kvcache" kernel reads every token of the pages: it has no place for the indexer's choice (eager and sdpa
+    get it as a mask). A cache made for that attention, an Engine, a model switched to it, and prefix reuse (the
+    indexer keys are not paged) are refused by name, a given prefix cache left unbound."""
+    model = _dsa_model()
+    fused = copy.deepcopy(model.config)
+    fused._attn_implementation = "kvcache"
+    with pytest.raises(ValueError, match=r"PagedCache: layer 0 of DeepseekV32Config is of type 'indexed_attention'"):
+        kvcache.PagedCache(config=fused)
     prefix = kvcache.PrefixCache(kvcache.BlockAllocator(16, 4))
-    with pytest.raises(ValueError, match=r"'indexed_attention'"):
+    with pytest.raises(ValueError, match=r"Engine .*'indexed_attention'"):
         kvcache.Engine(model, page_size=4, prefix_cache=prefix)
     assert prefix.store is None
-    with torch.no_grad():  # DynamicCache, the advice, serves the model
-        model(torch.tensor([[1, 2, 3]]), past_key_values=transformers.DynamicCache(config=config))
+    ids = _inputs()[0][:1]
+    model.set_attn_implementation("sdpa")
+    cache = kvcache.PagedCache(config=model.config, page_size=4, prefix_cache=True)
+    with pytest.raises(ValueError, match=r"load_prefix is not supported for DeepSeek sparse attention"):
+        cache.load_prefix(ids)
+    made_for_sdpa = kvcache.PagedCache(config=model.config, page_size=4)
+    model.set_attn_implementation("kvcache")  # switched after the cache was made
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=r"does not run DeepSeek sparse attention"):
+            model(ids, past_key_values=made_for_sdpa)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"does not run DeepSeek sparse attention"):
+            model(ids, use_cache=False)  # (no cache: SDPA would have ignored the indexer's choice too)
+    finally:
+        model.set_attn_implementation("sdpa")

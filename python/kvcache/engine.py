@@ -213,7 +213,7 @@ class Engine:
                  chunk_tokens: int | None = None):
         # The arguments are all checked before anything is made or bound: a given PrefixCache is bound to the store
         # made below for good, so a bad argument found after it would leave the cache tied to a dead Engine's store.
-        check_pageable(model.config.get_text_config(decoder=True))
+        check_pageable(model.config.get_text_config(decoder=True), "Engine (its steps use the \"kvcache\" attention)")
         max_batch = _integer("max_batch", max_batch, "the requests decoded together")
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1 (the requests decoded together)")

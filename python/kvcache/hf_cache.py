@@ -52,23 +52,30 @@ def cache_geometry(config) -> tuple[int, int, int]:
     return int(heads), int(dim), int(dim)
 
 
-def check_pageable(config) -> None:
-    """Refuses a model with layers whose cache PagedCache cannot hold (a ValueError naming the layer): DeepSeek
-    sparse attention's indexer keys (layer type ``"indexed_attention"``: DeepSeek-V3.2, GLM-5 and kin), which the
-    model caches through ``update_indexer`` beside its K/V. Said when the cache (or Engine) is made, not at the
-    first forward."""
+def indexed_layer(config) -> int | None:
+    """The first layer of DeepSeek sparse attention (layer type ``"indexed_attention"``: DeepSeek-V3.2, GLM-5 and
+    kin), whose indexer keys the model caches through ``update_indexer`` beside its K/V; None without one."""
     types = getattr(config, "layer_types", None) if config is not None else None
-    indexed = next((i for i, t in enumerate(types or ()) if t == "indexed_attention"), None)
-    if indexed is not None:
-        raise ValueError(f"layer {indexed} of {type(config).__name__} is of type 'indexed_attention' (DeepSeek "
-                         f"sparse attention, whose indexer keys the model caches through update_indexer): PagedCache "
-                         f"does not page indexer keys; use transformers' DynamicCache for this model")
+    return next((i for i, t in enumerate(types or ()) if t == "indexed_attention"), None)
+
+
+def check_pageable(config, what: str) -> None:
+    """Refuses DeepSeek sparse attention where the ``"kvcache"`` attention would run it (a ValueError naming the
+    layer, when the cache or Engine is made): the kernel reads every token of the pages and has no place for the
+    indexer's choice of tokens, which eager / sdpa apply as a mask."""
+    layer = indexed_layer(config)
+    if layer is not None:
+        raise ValueError(f"{what}: layer {layer} of {type(config).__name__} is of type 'indexed_attention' (DeepSeek "
+                         f"sparse attention: the model's indexer picks the tokens each query attends to), which the "
+                         f"\"kvcache\" attention does not run; use PagedCache with attn_implementation=\"eager\" or "
+                         f"\"sdpa\" (the indexer's choice applied as a mask), or DynamicCache")
 
 
 def _state_layers(config) -> list | None:
     """For a hybrid model (``config.layer_types`` naming linear-attention / conv / Mamba layers): one entry per
     layer, HF's own state layer or None where the layer pages its K/V; None for a model of attention only."""
-    check_pageable(config)
+    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+        check_pageable(config, "PagedCache")
     types = getattr(config, "layer_types", None) if config is not None else None
     if not types or not any(t in ("linear_attention", "conv") or t.startswith("hybrid") for t in types):
         return None  # attention only (layers without attention never call update: PagedLayers are fine)
@@ -186,6 +193,41 @@ class PagedLayer(CacheLayerMixin):
     # layer API complete for code that walks ``cache.layers``.
     def reset(self) -> None:
         self.length = 0
+        self._reset_indexer()
+
+    # DeepSeek sparse attention (layer type "indexed_attention": DeepSeek-V3.2, GLM-5 and kin): the indexer's keys
+    # ``[batch, tokens, index_head_dim]``, kept as transformers' DynamicIndexedLayer keeps them (one tensor, grown
+    # by concatenation, never written in place: copies of the cache may share it). The model scores them itself
+    # to pick the tokens its attention reads; they are not paged. ``indexer_position_ids`` is set by the models
+    # that keep their positions (``[position_dims, batch, tokens]``).
+    indexer_keys: torch.Tensor | None = None
+    indexer_position_ids: torch.Tensor | None = None
+    is_indexer_initialized: bool = False
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Appends this forward's indexer keys ``[batch, q_len, index_head_dim]``; returns all of them."""
+        if not self.is_indexer_initialized:
+            self.indexer_keys = indexer_key_states[:, :0]
+            self.is_indexer_initialized = True
+        self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+    def _reset_indexer(self) -> None:
+        self.indexer_keys = self.indexer_position_ids = None
+        self.is_indexer_initialized = False
+
+    def _crop_indexer(self, length: int) -> None:
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, :length]
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids[..., :length]
+
+    def _select_indexer(self, index: torch.Tensor) -> None:
+        if self.indexer_keys is not None and self.indexer_keys.numel():
+            self.indexer_keys = self.indexer_keys.index_select(0, index.to(self.indexer_keys.device))
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids.index_select(
+                1, index.to(self.indexer_position_ids.device))
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("reorder a PagedCache as a whole: cache.reorder_cache(beam_idx)")
@@ -451,10 +493,7 @@ class PagedCache(Cache):
         self._release_rows()
         self.store.forget_scales()
         for layer in self.layers:
-            if isinstance(layer, PagedLayer):
-                layer.length = 0
-            else:
-                layer.reset()
+            layer.reset()  # (a PagedLayer's: its length and indexer keys)
 
     def free(self) -> None:
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
@@ -558,6 +597,7 @@ class PagedCache(Cache):
             seq.num_tokens = stored
         for layer in self.paged_layers:
             layer.length = new_len
+            layer._crop_indexer(new_len)
         self._version += 1
 
     def activate_past_recording(self) -> None:
@@ -658,7 +698,8 @@ class PagedCache(Cache):
         in a sliding-window layer DynamicCache keeps only the newest ``sliding_window - 1`` tokens of each
         row, where the pages hold every token, so on such models ``bytes`` can exceed it). With residual
         pages, ``residual_blocks`` of the blocks are also held in full precision, and ``bytes`` counts both
-        copies."""
+        copies. Held beside the pages, as DynamicCache holds them, and counted in neither: a hybrid model's
+        states (``state_bytes``) and DeepSeek sparse attention's indexer keys (``indexer_bytes``)."""
         page = self.store.page_size
         length = self.get_seq_length()
         tokens = sum(length - p for p in self.pads)
@@ -696,6 +737,9 @@ class PagedCache(Cache):
             "waste_fraction": (blocks * page - tokens) / (blocks * page) if blocks else 0.0,
             "dynamic_cache_bytes": dense,
             "state_bytes": self._state_bytes(),  # a hybrid model's own linear-attention/Mamba states (not paged)
+            # DeepSeek sparse attention's indexer keys, held beside the pages (DynamicCache holds the same)
+            "indexer_bytes": sum(layer.indexer_keys.numel() * layer.indexer_keys.element_size()
+                                 for layer in self.paged_layers if layer.indexer_keys is not None),
         }
 
     def __repr__(self) -> str:
@@ -735,6 +779,11 @@ class PagedCache(Cache):
             raise ValueError(f"{what} is not supported for a hybrid model: layer {states[0][0]} is a {states[0][1]} "
                              f"(a linear-attention/Mamba state of the whole history, not paged per token); use "
                              f"model.generate with a PagedCache of its own")
+        indexed = indexed_layer(self.config)
+        if indexed is not None:
+            raise ValueError(f"{what} is not supported for DeepSeek sparse attention: layer {indexed} keeps indexer keys "
+                             f"beside its pages (not paged, so not shared); use model.generate with a PagedCache of "
+                             f"its own")
 
     def _state_tensors(self):
         for layer in self.state_layers:
@@ -791,6 +840,9 @@ class PagedCache(Cache):
         bad = [s for s in sources if not 0 <= s < n]
         if n and bad:
             raise IndexError(f"{name}: row index {bad[0]} is out of range for a cache of {n} rows")
+        index = torch.tensor(sources, dtype=torch.long)
+        for layer in self.paged_layers:  # DeepSeek sparse attention's indexer keys follow the rows
+            layer._select_indexer(index)
         if self.state_layers and self._state_batch():  # a hybrid model's states follow the rows
             index = torch.tensor(sources, dtype=torch.long)
             for layer in self.state_layers:
