@@ -199,7 +199,10 @@ class KVPool:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
             if max_len < 0:
                 raise ValueError(f"gather: seq_lens holds a negative length ({max_len}); lengths are >= 0")
-        elif isinstance(max_len, bool) or not hasattr(max_len, "__index__") or max_len < 0:
+        elif not torch.compiler.is_compiling() and (isinstance(max_len, bool) or not hasattr(max_len, "__index__")
+                                                     or max_len < 0):
+            # (eager only: traced, these checks on the layer's symbolic length break the graph, and torch 2.13's
+            # inductor then loses the symbol, a NameError in its generated code; the op checks the length anyway)
             raise ValueError(f"gather: max_len must be a non-negative int, got {max_len!r}")
         shape = (seq_lens.shape[0], self.num_kv_heads, max_len)
         out = (torch.empty(shape + (self.head_dim,), dtype=native, device=self.k.device),
