@@ -9,16 +9,11 @@ import warnings
 import torch
 
 from . import hf_mla, residual as res
-from .hf_cache import PagedCache, indexed_layer, packed_attention_mask, wants_grad
+from .hf_cache import PagedCache, check_pageable, packed_attention_mask, sparse_attention_refusal, wants_grad
 from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .step import StepPlan
 
 __all__ = ["kvcache_attention", "kvcache_mask"]
-
-
-_NO_SPARSE = ("the \"kvcache\" attention does not run DeepSeek sparse attention ({}): its kernel reads every token, "
-              "where the model's indexer picks the tokens each query attends to; use attn_implementation=\"eager\" or "
-              "\"sdpa\", which apply the indexer's choice as a mask (with a PagedCache too)")
 
 
 def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, **kwargs):
@@ -27,9 +22,7 @@ def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, 
     from transformers import masking_utils
 
     config = kwargs.get("config")
-    layer = indexed_layer(config)
-    if layer is not None:  # (the model would index this mask for its indexer, and hand the kernel its picks)
-        raise ValueError(_NO_SPARSE.format(f"layer {layer} of {type(config).__name__} is of type 'indexed_attention'"))
+    check_pageable(config, "the \"kvcache\" mask")  # (the model would index this mask, and hand the kernel its picks)
     mask = masking_utils.flash_attention_mask(batch_size, *args, attention_mask=attention_mask, **kwargs)
     q_length = args[0] if args else kwargs.get("q_length", kwargs.get("cache_position"))
     q_length = int(q_length.shape[0]) if torch.is_tensor(q_length) else int(q_length)
@@ -60,7 +53,7 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """Attention over the pages of a :class:`PagedCache` (the tag ``update`` left on ``key``); anything
     else (no cache, another cache, masks the kernel cannot express) goes through PyTorch's SDPA."""
     if kwargs.get("indices") is not None:  # DeepSeek sparse attention hands its indexer's picks to other kernels
-        raise ValueError(_NO_SPARSE.format(f"{type(module).__name__} passed the indexer's chosen tokens as indices="))
+        raise sparse_attention_refusal(f"{type(module).__name__} passed the indexer's chosen tokens as indices=")
     tag = getattr(key, "_kvcache", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -59,16 +59,23 @@ def indexed_layer(config) -> int | None:
     return next((i for i, t in enumerate(types or ()) if t == "indexed_attention"), None)
 
 
+def sparse_attention_refusal(where: str) -> ValueError:
+    """The one error of DeepSeek sparse attention meeting the ``"kvcache"`` attention (cache, mask function, attention
+    function, Engine): the kernel reads every token of the pages and has no place for the indexer's choice of
+    tokens, which eager / sdpa apply as a mask."""
+    return ValueError(f"{where}: the \"kvcache\" attention does not run DeepSeek sparse attention (the model's indexer "
+                      f"picks the tokens each query attends to, where its kernel reads every token); use PagedCache "
+                      f"with attn_implementation=\"eager\" or \"sdpa\" (the indexer's choice applied as a mask), or "
+                      f"DynamicCache")
+
+
 def check_pageable(config, what: str) -> None:
-    """Refuses DeepSeek sparse attention where the ``"kvcache"`` attention would run it (a ValueError naming the
-    layer, when the cache or Engine is made): the kernel reads every token of the pages and has no place for the
-    indexer's choice of tokens, which eager / sdpa apply as a mask."""
+    """Refuses DeepSeek sparse attention where the ``"kvcache"`` attention would run it, naming ``what`` and the
+    layer (:func:`sparse_attention_refusal`)."""
     layer = indexed_layer(config)
     if layer is not None:
-        raise ValueError(f"{what}: layer {layer} of {type(config).__name__} is of type 'indexed_attention' (DeepSeek "
-                         f"sparse attention: the model's indexer picks the tokens each query attends to), which the "
-                         f"\"kvcache\" attention does not run; use PagedCache with attn_implementation=\"eager\" or "
-                         f"\"sdpa\" (the indexer's choice applied as a mask), or DynamicCache")
+        raise sparse_attention_refusal(f"{what}: layer {layer} of {type(config).__name__} is of type "
+                                       f"'indexed_attention'")
 
 
 def _state_layers(config) -> list | None:
