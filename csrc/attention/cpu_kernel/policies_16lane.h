@@ -174,17 +174,201 @@ inline float load_query_q8x2(const AttentionArgs& a, int64_t base, int8_t* coars
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// int8 keys against a query quantized once per row in two int8 levels (load_query_q8x2), 64 dims per
-/// vpdpbusd: the codes, offset by 128 to unsigned (one xor), multiply the signed query bytes into int32,
-/// and 128 * sum(q) comes off after: 64 products per instruction, no widening of the codes (int8 cache,
-/// Zen 4: q.k 10.7 -> 8.4 ns per key and KV head against int16 products with one level). The coarse
-/// pass's sums shift left by 7 and the fine pass adds into them: a lane sums D / 16 products, so
-/// |sum| <= 128 * 255 * 127 * D / 16 fits int32 for every head_dim (<= kMaxRotatedDim). Needs head_dim % 64 == 0. Row r's buffer: D coarse bytes, D fine bytes, then
-/// sum(128 coarse + fine) in float D - 2 and qs / 128 in float D - 1.
+/// The (scale, zero) pairs of chunk c (4 groups of 32 dims) of 16 keys' int4 rows, as columns: S[g] and
+/// Z[g] hold the scales and zeros of group 4 c + g, lane j for key j. Two 8 x 8 transposes side by side
+/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles. kTwoGroups: rows of 2 groups (head_dim
+/// 64), read no further; S and Z of groups 2-3 are 0.
+template <bool kTwoGroups = false>
+inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4], __m512 Z[4]) {
+  const auto pairs = [&](int i) {
+    const uint16_t* m = meta[i] + 8 * c;
+    const __m128i x = kTwoGroups ? _mm_maskz_loadu_epi16(0x0f, m) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+    return _mm256_cvtph_ps(x);
+  };
+  __m512 b[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(pairs(i)), pairs(i + 8), 1);
+  __m512 t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    // vunpck{l,h}ps (as shuffles: GCC 12 warns about the intrinsics' undefined pass-through operand)
+    const vf x = (vf)b[2 * i], y = (vf)b[2 * i + 1];
+    t[2 * i] = (__m512)__builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+    t[2 * i + 1] = (__m512)__builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  // 128-bit lanes (a0, b0, a2, b2) and (a1, b1, a3, b3): each 256-bit half's two lanes, as vperm2f128
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 col[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    col[i] = _mm512_permutex2var_ps(u[i], lo_idx, u[i + 4]);
+    col[i + 4] = _mm512_permutex2var_ps(u[i], hi_idx, u[i + 4]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    S[g] = col[2 * g];
+    Z[g] = col[2 * g + 1];
+  }
+}
+
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// col[i] = dword i of the 16 rows x[0..15] (lane j: row j): a 16 x 16 transpose of dwords, 64 shuffles.
+/// kHalf: only columns 0-7 (rows of 8 dwords) are made.
+template <bool kHalf = false>
+__attribute__((always_inline)) inline void transpose16x16_epi32(const __m512i x[16], __m512i col[16]) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(x[2 * k], x[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(x[2 * k], x[2 * k + 1]);
+  }
+  // u[4 k + m], 128-bit lane L: dword 4 L + m of rows 4 k .. 4 k + 3
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k + 0] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    const __m512i a = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);
+    const __m512i b = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
+    col[m] = _mm512_shuffle_i32x4(a, c, 0x88);      // lane 0 of every u: columns 0-3
+    col[4 + m] = _mm512_shuffle_i32x4(b, d, 0x88);  // lane 1: columns 4-7
+    if constexpr (!kHalf) {
+      col[8 + m] = _mm512_shuffle_i32x4(a, c, 0xdd);   // lane 2
+      col[12 + m] = _mm512_shuffle_i32x4(b, d, 0xdd);  // lane 3
+    }
+  }
+}
+
+/// int4 keys (groups of 32 dims, fp16 (scale, zero) each) against the query quantized once per row in two
+/// int8 levels (load_query_q8x2), with the tile's 16 keys in the vector lanes: the codes of 16 keys are
+/// transposed a dword (8 dims) at a time, and vpdpbusd multiplies a column's low nibbles (even dims) and
+/// high nibbles (odd dims) by the query's even and odd bytes of those dims, broadcast. A group's sums then
+/// sit one key per lane, where its scale and zero are one vector each (score_j = qs sum_g (s_jg I_jg +
+/// z_jg Q_g), Q_g the sum of the rounded query over group g): no horizontal reduction, and the per-key
+/// metadata is a 16 x 8 transpose per tile instead of shuffles per key. (With keys in rows, a reduction
+/// per 16 sums and the scales spread per key, q.k took 12.3 of an int4 step's 30.8 ns per key and KV head
+/// from DRAM; in lanes the whole step takes 0.86-0.92x as long, Zen 5.) The coarse level's sums shift
+/// left by 7 before the fine level adds into them, as in ScoreB8. Needs head_dim % 64 == 0.
+/// Row r's buffer: D / 2 even then D / 2 odd coarse query bytes, the fine ones likewise from byte D; Q_g
+/// (of 128 coarse + fine) in float D / 2 + g; qs / 128 in float D - 1.
+template <int R = 4>
+struct ScoreB4 {
+  static constexpr int kRows = R;
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    int8_t coarse[kMaxRotatedDim], fine[kMaxRotatedDim];
+    const float qs = load_query_q8x2(a, base, coarse, fine);
+    int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
+    for (int64_t d = 0; d < D; ++d) {
+      q8[(d & 1) * (D / 2) + d / 2] = coarse[d];
+      q8[D + (d & 1) * (D / 2) + d / 2] = fine[d];
+    }
+    // Q_g sums the rounded query: the zero and the codes then meet the same query, and the error is that
+    // of q8 . k (with the exact query here it was q8 . (k - zero), ~3x larger).
+    for (int64_t g = 0; g < D / 32; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < 32; ++i) sum += 128 * coarse[32 * g + i] + fine[32 * g + i];
+      q_row[D / 2 + g] = static_cast<float>(sum);  // |sum| <= 32 * 16320 < 2^24: exact
+    }
+    q_row[D - 1] = qs / 128.f;
+  }
+  static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float scale,
+                     vf rows[R]) {
+    // (head_dim 128 and 64 get their own unrolled loops: see ScoreB8)
+    if (D == 128) return scores_n<1>(q, D, krow, kmeta, scale, rows);
+    if (D == 64) return scores_n<-1>(q, D, krow, kmeta, scale, rows);
+    scores_n<0>(q, D, krow, kmeta, scale, rows);
+  }
+  template <int kBlocks>  // 128-dim blocks; -1: one half block (head_dim 64); 0: read from D
+  static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
+                       float /*scale*/, vf rows[R]) {
+    if constexpr (kBlocks != 0) D = kBlocks > 0 ? 128 * kBlocks : 64;  // (a constant: addresses fold)
+    const int8_t* qb = reinterpret_cast<const int8_t*>(q);  // rows D fp32 = 4 D bytes apart
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    __m512 sc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sc[r] = _mm512_setzero_ps();
+    const auto block = [&]<bool kHalf>(int64_t b, std::bool_constant<kHalf>) {
+      __m512i x[16], col[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) {
+        x[j] = kHalf ? _mm512_maskz_loadu_epi32(0x00ff, krow[j] + 64 * b) : _mm512_loadu_si512(krow[j] + 64 * b);
+      }
+      transpose16x16_epi32<kHalf>(x, col);
+      __m512 S[4], Z[4];
+      int4_meta_columns<kHalf>(kmeta, b, S, Z);
+#pragma GCC unroll 4
+      for (int g = 0; g < (kHalf ? 2 : 4); ++g) {
+        __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          lo[i] = _mm512_and_si512(col[4 * g + i], nib);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi32(col[4 * g + i], 4), nib);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qr = qb + r * 4 * D + 64 * b + 16 * g;  // the group's even query bytes, coarse level
+          __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 2
+          for (int level = 0; level < 2; ++level) {  // coarse query bytes at 0, fine ones at D
+            if (level == 1) acc = _mm512_slli_epi32(acc, 7);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+              int32_t even, odd;
+              std::memcpy(&even, qr + level * D + 4 * i, 4);
+              std::memcpy(&odd, qr + level * D + D / 2 + 4 * i, 4);
+              acc = _mm512_dpbusd_epi32(acc, lo[i], _mm512_set1_epi32(even));
+              acc = _mm512_dpbusd_epi32(acc, hi[i], _mm512_set1_epi32(odd));
+            }
+          }
+          const __m512 qsum = _mm512_set1_ps(q[r * D + D / 2 + 4 * b + g]);
+          sc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), S[g], _mm512_fmadd_ps(Z[g], qsum, sc[r]));
+        }
+      }
+    };
+    if constexpr (kBlocks < 0) {
+      block(0, std::true_type{});
+    } else {
+      const int64_t full = kBlocks > 0 ? kBlocks : D / 128;
+#pragma GCC unroll 1
+      for (int64_t b = 0; b < full; ++b) block(b, std::false_type{});
+      if (kBlocks == 0 && D % 128 != 0) block(full, std::true_type{});
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) rows[r] = (vf)_mm512_mul_ps(sc[r], _mm512_set1_ps(q[r * D + D - 1]));
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// int8 keys against a query quantized once per row in two int8 levels (load_query_q8x2), with the tile's
+/// 16 keys in the vector lanes: 64 bytes of 16 keys' codes are transposed a dword (4 dims) per vector, and
+/// vpdpbusd multiplies a column's codes, offset by 128 to unsigned (one xor), by the query's 4 signed bytes
+/// of those dims, broadcast; 128 * sum(q) comes off after. A score is then one lane: no horizontal
+/// reduction (keys in rows, with one reduce16 per 16 sums, made an int8 step 1.14x as long from DRAM and
+/// 1.23x from cache, Zen 5). The coarse sums shift left by 7 and the fine ones add into them: a lane sums
+/// D products of at most 255 * 127 a level, so the result fits int32 for every head_dim (<= kMaxRotatedDim).
+/// Needs head_dim % 64 == 0. Row r's buffer: D coarse bytes, D fine bytes, then sum(128 coarse + fine) in
+/// float D - 2 and qs / 128 in float D - 1.
 template <int R = 4>
 struct ScoreB8 {
   static constexpr int kRows = R;
-  static constexpr int kKeys = kTile / R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
     int8_t* coarse = reinterpret_cast<int8_t*>(q_row);
@@ -196,164 +380,45 @@ struct ScoreB8 {
   }
   static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* kmeta, float scale,
                      vf rows[R]) {
-    // NOTE: with a run-time chunk count GCC neither unrolled the chunk loop nor kept the 16 accumulators
-    // in place across it (16 register copies and 2 spills per chunk); head_dim 128 and 64 get their own.
+    // (head_dim 128 and 64 get their own unrolled loops: with a run-time count GCC unrolled nothing)
     if (D == 128) return scores_n<2>(q, D, krow, kmeta, scale, rows);
     if (D == 64) return scores_n<1>(q, D, krow, kmeta, scale, rows);
     scores_n<0>(q, D, krow, kmeta, scale, rows);
   }
-  template <int kChunks>  // D / 64, or 0: read from D
+  template <int kBlocks>  // D / 64, or 0: read from D
   static void scores_n(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* /*kmeta*/,
                        float /*scale*/, vf rows[R]) {
-    const int64_t chunks = kChunks > 0 ? kChunks : D / 64;
+    if constexpr (kBlocks > 0) D = 64 * kBlocks;  // (a constant: addresses fold)
     const int8_t* qb = reinterpret_cast<const int8_t*>(q);  // rows D fp32 = 4 D bytes apart
-    vf row_scale, row_offset;  // lane k of a reduce16 result belongs to row k / kKeys
-    for (int k = 0; k < kLanes; ++k) {
-      const float* qr = q + (k / kKeys) * D;
-      row_scale[k] = qr[D - 1];
-      row_offset[k] = 128.f * qr[D - 2];
-    }
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    vf part[R];
+    __m512i coarse[R], fine[R];
 #pragma GCC unroll 4
-    for (int g = 0; g < R; ++g) {
-      __m512i acc[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) coarse[r] = fine[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
-      for (int level = 0; level < 2; ++level) {  // coarse bytes at 0, fine ones at D
-        if (level == 1) {
+    for (int64_t b = 0; b < D / 64; ++b) {
+      __m512i x[16], col[16];
 #pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) acc[i] = _mm512_slli_epi32(acc[i], 7);
+      for (int j = 0; j < kTile; ++j) x[j] = _mm512_xor_si512(_mm512_loadu_si512(krow[j] + 64 * b), flip);  // k + 128
+      transpose16x16_epi32(x, col);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t c4, f4;
+          std::memcpy(&c4, qb + r * 4 * D + 64 * b + 4 * i, 4);
+          std::memcpy(&f4, qb + r * 4 * D + D + 64 * b + 4 * i, 4);
+          coarse[r] = _mm512_dpbusd_epi32(coarse[r], col[i], _mm512_set1_epi32(c4));
+          fine[r] = _mm512_dpbusd_epi32(fine[r], col[i], _mm512_set1_epi32(f4));
         }
-#pragma GCC unroll 4
-        for (int64_t c = 0; c < chunks; ++c) {
-#pragma GCC unroll 16
-          for (int j = 0; j < kKeys; ++j) {
-            const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(krow[g * kKeys + j] + 64 * c), flip);  // k + 128
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-              const int8_t* qr = qb + r * 4 * D + level * D + 64 * c;
-              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], k, _mm512_loadu_si512(qr));
-            }
-          }
-        }
-      }
-      vf accv[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) accv[i] = (vf)_mm512_cvtepi32_ps(acc[i]);
-      part[g] = (reduce16(accv) - row_offset) * row_scale;
-    }
-    parts_to_rows<R>(part, rows);
-  }
-};
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// Byte mask of chunk c (128 dims, 64 bytes of int4 codes) of a row of D / 2 bytes.
-inline __mmask64 int4_chunk_mask(int64_t D, int64_t c) {
-  const int64_t left = D / 2 - 64 * c;
-  return left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
-}
-
-/// int4 keys (groups of 32 dims, fp16 (scale, zero) each) against the query quantized once per row in
-/// two int8 levels (load_query_q8x2; the coarse sums shift left by 7 before the fine pass adds into
-/// them, as in ScoreB8), 128 dims per pair of vpdpbusd per level: the low nibbles (even dims) and the high nibbles (odd dims) of 64
-/// bytes of codes multiply the query's even and odd bytes. Each int32 lane then holds 4 bytes of one
-/// group, so the group's scale applies per lane before the reduction, and its zero as zero * sum of the
-/// query over the group, per lane too: score = qs * sum_g (s_g I_g + z_g Q_g), Q_g the sum of q8 over
-/// group g (of 128 coarse + fine). Needs head_dim % 64 == 0. Row r's buffer: D / 2 even then D / 2 odd
-/// coarse query bytes, the fine ones likewise from byte D; from float D / 2, per 128-dim chunk the 16
-/// lanes Q_g / 4 of its groups (4 lanes each); qs / 128 in float D - 1.
-template <int R = 4>
-struct ScoreB4 {
-  static constexpr int kRows = R;
-  static constexpr int kKeys = kTile / R;
-  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
-    const int64_t D = a.layout.head_dim;
-    int8_t coarse[kMaxRotatedDim], fine[kMaxRotatedDim];
-    const float qs = load_query_q8x2(a, base, coarse, fine);
-    int8_t* q8 = reinterpret_cast<int8_t*>(q_row);
-    for (int64_t d = 0; d < D; ++d) {
-      q8[(d & 1) * (D / 2) + d / 2] = coarse[d];
-      q8[D + (d & 1) * (D / 2) + d / 2] = fine[d];
-    }
-    // Per 128-dim chunk, 16 lanes: lane 4 g' + i holds Q_g / 4 of group g = 4 c + g'. Q_g sums the rounded
-    // query: the zero and the codes then meet the same query, and the error is that of q8 . k (with the
-    // exact query here it was q8 . (k - zero), ~3x larger).
-    float* qsum = q_row + D / 2;  // (D / 128 rounded up) x 16 floats: below D - 1 for head_dim >= 64
-    const int64_t groups = D / 32;
-    for (int64_t g = 0; g < (groups + 3) / 4 * 4; ++g) {
-      int32_t sum = 0;
-      for (int64_t i = 0; g < groups && i < 32; ++i) sum += 128 * coarse[32 * g + i] + fine[32 * g + i];
-      for (int i = 0; i < 4; ++i) qsum[(g / 4) * 16 + (g % 4) * 4 + i] = 0.25f * static_cast<float>(sum);
-    }
-    q_row[D - 1] = qs / 128.f;
-  }
-  static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float scale,
-                     vf rows[R]) {
-    // (head_dim 128 and 64 get their own unrolled loops: see ScoreB8)
-    if (D == 128) return scores_n<1>(q, D, krow, kmeta, scale, rows);
-    if (D == 64) return scores_n<-1>(q, D, krow, kmeta, scale, rows);
-    scores_n<0>(q, D, krow, kmeta, scale, rows);
-  }
-  template <int kChunks>  // 128-dim chunks; -1: one half chunk (head_dim 64); 0: read from D
-  static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
-                       float /*scale*/, vf rows[R]) {
-    const int64_t chunks = kChunks > 0 ? kChunks : (kChunks < 0 ? 1 : (D + 127) / 128);
-    const int8_t* qb = reinterpret_cast<const int8_t*>(q);  // rows D fp32 = 4 D bytes apart
-    vf row_scale;  // lane k of a reduce16 result belongs to row k / kKeys
-    for (int k = 0; k < kLanes; ++k) row_scale[k] = q[(k / kKeys) * D + D - 1];
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    const __m512i s_idx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    const __m512i z_idx = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-    vf part[R];
-#pragma GCC unroll 4
-    for (int g = 0; g < R; ++g) part[g] = vf{};
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __mmask64 m = kChunks > 0 ? ~__mmask64{0} : (kChunks < 0 ? __mmask64{0xffffffffu} : int4_chunk_mask(D, c));
-      const __mmask8 mm = static_cast<__mmask8>((1u << (std::min<int64_t>(4, (D - 128 * c) / 32) * 2)) - 1);
-#pragma GCC unroll 4
-      for (int g = 0; g < R; ++g) {
-        __m512i acc[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-        for (int level = 0; level < 2; ++level) {  // coarse query bytes at 0, fine ones at D
-          if (level == 1) {
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) acc[i] = _mm512_slli_epi32(acc[i], 7);
-          }
-#pragma GCC unroll 16
-          for (int j = 0; j < kKeys; ++j) {
-            const __m512i x = _mm512_maskz_loadu_epi8(m, krow[g * kKeys + j] + 64 * c);
-            const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-              const int8_t* qr = qb + r * 4 * D + level * D + 64 * c;
-              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], lo, _mm512_maskz_loadu_epi8(m, qr));
-              acc[r * kKeys + j] = _mm512_dpbusd_epi32(acc[r * kKeys + j], hi, _mm512_maskz_loadu_epi8(m, qr + D / 2));
-            }
-          }
-        }
-        vf f[16];
-#pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          // (scale, zero) of the chunk's 4 groups, each spread over its 4 lanes
-          const __m512 sz = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mm, kmeta[g * kKeys + j] + 8 * c)));
-          const __m512 sv = _mm512_permutexvar_ps(s_idx, sz), zv = _mm512_permutexvar_ps(z_idx, sz);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m512 qsum = _mm512_loadu_ps(q + r * D + D / 2 + 16 * c);
-            f[r * kKeys + j] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * kKeys + j]), sv, _mm512_mul_ps(zv, qsum));
-          }
-        }
-        part[g] += reduce16(f);
       }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < R; ++g) part[g] *= row_scale;
-    parts_to_rows<R>(part, rows);
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(coarse[r], 7), fine[r]);
+      const float* qr = q + r * D;
+      rows[r] = (vf)_mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(128.f * qr[D - 2])),
+                                  _mm512_set1_ps(qr[D - 1]));
+    }
   }
 };
 #endif
@@ -739,51 +804,6 @@ inline __m512 group_max4(const __m512 v[4]) {
   __m512 m = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
   m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xb1));
   return _mm512_max_ps(m, _mm512_permute_ps(m, 0x4e));
-}
-
-/// The (scale, zero) pairs of chunk c (4 groups of 32 dims) of 16 keys' int4 rows, as columns: S[g] and
-/// Z[g] hold the scales and zeros of group 4 c + g, lane j for key j. Two 8 x 8 transposes side by side
-/// (keys 0-7 in the low halves, 8-15 in the high), 24 shuffles. kTwoGroups: rows of 2 groups (head_dim
-/// 64), read no further; S and Z of groups 2-3 are 0.
-template <bool kTwoGroups = false>
-inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4], __m512 Z[4]) {
-  const auto pairs = [&](int i) {
-    const uint16_t* m = meta[i] + 8 * c;
-    const __m128i x = kTwoGroups ? _mm_maskz_loadu_epi16(0x0f, m) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
-    return _mm256_cvtph_ps(x);
-  };
-  __m512 b[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) b[i] = _mm512_insertf32x8(_mm512_castps256_ps512(pairs(i)), pairs(i + 8), 1);
-  __m512 t[8], u[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    // vunpck{l,h}ps (as shuffles: GCC 12 warns about the intrinsics' undefined pass-through operand)
-    const vf x = (vf)b[2 * i], y = (vf)b[2 * i + 1];
-    t[2 * i] = (__m512)__builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
-    t[2 * i + 1] = (__m512)__builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  // 128-bit lanes (a0, b0, a2, b2) and (a1, b1, a3, b3): each 256-bit half's two lanes, as vperm2f128
-  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  __m512 col[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    col[i] = _mm512_permutex2var_ps(u[i], lo_idx, u[i + 4]);
-    col[i + 4] = _mm512_permutex2var_ps(u[i], hi_idx, u[i + 4]);
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {
-    S[g] = col[2 * g];
-    Z[g] = col[2 * g + 1];
-  }
 }
 
 /// Where PvB4 finds a 128-dim chunk's codes: int4 rows, 64 bytes, a byte's low nibble the even dim and
