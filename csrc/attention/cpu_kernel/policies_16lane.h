@@ -711,11 +711,14 @@ struct PvDp {
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)pb);
     }
     for (int64_t c = 0; c < D / 32; ++c) {
-      __m512 oa[R], ob[R];
+      // NOTE: even and odd key pairs in two accumulator sets, 16 chains of 4 vdpbf16ps: 8 chains of 8 were
+      // bound by the instruction's latency (from DRAM: bf16 step 0.91-0.97x as long this way, fp8 0.90x, Zen 5)
+      __m512 oa[R], ob[R], oa2[R], ob2[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         oa[r] = _mm512_loadu_ps(o + r * D + 32 * c);
         ob[r] = _mm512_loadu_ps(o + r * D + 32 * c + 16);
+        oa2[r] = ob2[r] = _mm512_setzero_ps();
       }
 #pragma GCC unroll 8
       for (int jp = 0; jp < kTile / 2; ++jp) {
@@ -727,14 +730,19 @@ struct PvDp {
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
-          oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
-          ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
+          if (jp % 2 == 0) {
+            oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
+            ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
+          } else {
+            oa2[r] = _mm512_dpbf16_ps(oa2[r], lo, pp);
+            ob2[r] = _mm512_dpbf16_ps(ob2[r], hi, pp);
+          }
         }
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        _mm512_storeu_ps(o + r * D + 32 * c, oa[r]);
-        _mm512_storeu_ps(o + r * D + 32 * c + 16, ob[r]);
+        _mm512_storeu_ps(o + r * D + 32 * c, _mm512_add_ps(oa[r], oa2[r]));
+        _mm512_storeu_ps(o + r * D + 32 * c + 16, _mm512_add_ps(ob[r], ob2[r]));
       }
     }
   }
