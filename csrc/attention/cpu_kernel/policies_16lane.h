@@ -218,7 +218,6 @@ inline void int4_meta_columns(const uint16_t* const* meta, int64_t c, __m512 S[4
     Z[g] = col[2 * g + 1];
   }
 }
-
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -386,7 +385,7 @@ struct ScoreB8 {
   }
   static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* kmeta, float scale,
                      vf rows[R]) {
-    // (head_dim 128 and 64 get their own unrolled loops: with a run-time count GCC unrolled nothing)
+    // (head_dim 128 and 64 get loops of a constant count, which GCC unrolls, the addresses folded)
     if (D == 128) return scores_n<2>(q, D, krow, kmeta, scale, rows);
     if (D == 64) return scores_n<1>(q, D, krow, kmeta, scale, rows);
     scores_n<0>(q, D, krow, kmeta, scale, rows);
@@ -909,9 +908,9 @@ struct PvB4 {
         S[2] = S[0];
         S[3] = S[1];
       }
-      __m512i cb[R];  // row r: group g's 16 coefficient bytes in 128-bit lane g
-      __m512 cs[R], zv[R];             // row r: lane 4 g + m, group g's coefficient scale and zero term
-      __m512 rS[4];                    // 1 / scale (0 for a scale of 0)
+      __m512i cb[R];        // row r: group g's 16 coefficient bytes in 128-bit lane g
+      __m512 cs[R], zv[R];  // row r: lane 4 g + m, group g's coefficient scale and zero term
+      __m512 rS[4];         // 1 / scale (0 for a scale of 0)
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const __mmask16 pos = _mm512_cmp_ps_mask(S[g], _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -928,15 +927,14 @@ struct PvB4 {
         cs[r] = _mm512_mul_ps(cmax, _mm512_set1_ps(1.f / 255.f));
         const __mmask16 live = _mm512_cmp_ps_mask(cmax, _mm512_setzero_ps(), _CMP_GT_OQ);
         const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(255.f), cmax);
-        __m512i c8s[4];
+        __m512i c8[4];  // group g's coefficients as int32, lane j for key j
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
           const __m512i lane = _mm512_set1_epi32(4 * g);
-          const __m512i c8 = _mm512_cvtps_epi32(_mm512_mul_ps(C[g], _mm512_permutexvar_ps(lane, inv)));
-          c8s[g] = c8;
+          c8[g] = _mm512_cvtps_epi32(_mm512_mul_ps(C[g], _mm512_permutexvar_ps(lane, inv)));
           // The zero term takes the probabilities the codes meet, c8 * cs / s (p itself where s = 0): the
           // error is then that of p . v; with the exact p it was that of p . (v - zero), often far larger.
-          const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c8), _mm512_permutexvar_ps(lane, cs[r])), rS[g]);
+          const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c8[g]), _mm512_permutexvar_ps(lane, cs[r])), rS[g]);
           const __mmask16 flat = _mm512_cmp_ps_mask(S[g], _mm512_setzero_ps(), _CMP_LE_OQ);
           zprod[4 * r + g] = (vf)_mm512_mul_ps(_mm512_mask_blend_ps(flat, w, pr), Z[g]);
         }
@@ -944,7 +942,7 @@ struct PvB4 {
         // 64-byte load could not be forwarded (the int4 step 0.94-0.96x as long this way, Zen 5). The packs
         // leave lane L holding keys 4 L .. 4 L + 3 of each group; one vpermd puts group g in lane g.
         const __m512i packed =
-            _mm512_packus_epi16(_mm512_packus_epi32(c8s[0], c8s[1]), _mm512_packus_epi32(c8s[2], c8s[3]));
+            _mm512_packus_epi16(_mm512_packus_epi32(c8[0], c8[1]), _mm512_packus_epi32(c8[2], c8[3]));
         const __m512i by_group = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         cb[r] = _mm512_permutexvar_epi32(by_group, packed);
       }
