@@ -35,10 +35,15 @@ using vh = _Float16 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 constexpr int kTile = 16;  // keys per tile: one vector of scores per row
 constexpr int kRows = 4;   // query rows processed together
-// Tiles ahead that the P.V loop prefetches (pages are scattered, so the hardware prefetcher cannot
-// help). On Zen 1, decode from DRAM: 1 tile ahead 126 ns per (key, KV head), 2 tiles 112, 4 tiles 109
-// (in cache: 95). Every line is prefetched: every other line, relying on adjacent-line fetches, was 126.
+// How far ahead the P.V loop prefetches (pages are scattered, so the hardware prefetcher cannot help):
+// kPrefetchBytes of K and V rows of the task's heads, at least one tile and at most kPrefetchTiles.
+// On Zen 1, one head per task, bf16 from DRAM: 1 tile ahead (8 KiB) 126 ns per (key, KV head), 2 tiles
+// 112, 4 tiles 109 (in cache: 95). Every line is prefetched: every other line, relying on adjacent-line
+// fetches, was 126. NOTE: in bytes, not tiles: with 8 heads per task (decode_heads_per_page) 4 bf16 tiles
+// are 256 KiB ahead, and 1 tile (64 KiB) took bf16 decode from DRAM to 0.91-0.96x of that (Xeon with
+// AVX-512 BF16, 8 x 32k); int8 (2 tiles) moved within noise (0.97-1.06x), int4 keeps its 4 tiles.
 constexpr int64_t kPrefetchTiles = 4;
+constexpr int64_t kPrefetchBytes = 64 << 10;
 
 inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }

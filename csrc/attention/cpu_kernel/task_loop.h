@@ -113,6 +113,8 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
   constexpr int64_t kdiv = dims_per_elem<ReadK>(), vdiv = dims_per_elem<ReadV>();
   const int64_t k_row_bytes = D / kdiv * int64_t(sizeof(KElem)), v_row_bytes = D / vdiv * int64_t(sizeof(VElem));
   const int64_t row_bytes = std::max(k_row_bytes, v_row_bytes);  // prefetch: the wider of the two
+  const int64_t prefetch_keys =
+      kTile * std::clamp<int64_t>(kPrefetchBytes / (2 * tr.heads * kTile * row_bytes), 1, kPrefetchTiles);
   // int4 and kivi value rows carry (scale, zero) fp16 pairs, one per 32 dims: [rows, D / 32, 2]; kivi
   // keys carry 2 D fp16 per (block, head) page: row r of the pool reads the metadata of page r / P.
   const bool grouped_k = a.k_kind == KVKind::kInt4 || is_kivi(a.k_kind);
@@ -159,8 +161,8 @@ void run_task_vec(const AttentionArgs& a, const AttentionTask& t, const PartialS
       for (int64_t hb = 0; hb < tr.heads; ++hb) {
         const int64_t h = t.head_begin + hb;
         Prefetcher pf;
-        if (tile_in_page && t0 + kPrefetchTiles * kTile < range[1]) {
-          const int64_t ahead = t0 + kPrefetchTiles * kTile;
+        if (tile_in_page && t0 + prefetch_keys < range[1]) {
+          const int64_t ahead = t0 + prefetch_keys;
           const int64_t next = L.token_offset(table[ahead >> L.page_shift], h, ahead);
           // (K and V rows have the same width, so one line count serves both)
           pf = {reinterpret_cast<const char*>(kc + next / kdiv), reinterpret_cast<const char*>(vc + next / vdiv),
