@@ -29,7 +29,7 @@ export CCACHE_DIR ?= $(CACHE_ROOT)/ccache
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL = $(JOBS)
 
-.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan check-cuda-kernels bench bench-prefix-replay bench-decode-attention clean
+.PHONY: demo test install env sysdeps core-tests pytest test-cpu-build test-cuda-asan check-cuda-kernels bench bench-prefix-replay bench-decode-attention bench-decode-ab clean
 
 demo: install
 	$(PY) -m kvcache.demo
@@ -121,6 +121,14 @@ bench-decode-attention:
 	cmake -S benchmarks/native -B build/bench-native -G Ninja > /dev/null
 	cmake --build build/bench-native
 	build/bench-native/decode_attention $(KIND)
+
+# The same harness built from two revisions (A, B: git revisions, . = the working tree) and run in turn,
+# round by round: per-round ratios B / A and their medians (benchmarks/native/ab.sh).
+A ?= HEAD
+B ?= .
+ROUNDS ?= 4
+bench-decode-ab:
+	benchmarks/native/ab.sh $(A) $(B) $(KIND) $(ROUNDS)
 
 clean:
 	rm -rf build
