@@ -10,7 +10,7 @@ import kvcache
 from kvcache import reference as ref
 from kvcache.pool import format_id
 
-from conftest import DEVICES, assert_lse_rule, attention_vs_reference
+from conftest import DEVICES, SUPPORTED_ISAS, assert_lse_rule, attention_vs_reference
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=fp8_e4m3", "k=fp8_e5m2,v=int8", "k=int8,v=int4",
            "int8(hadamard)", "fp8_e4m3(hadamard)", "int4(hadamard)", "k=int8(hadamard),v=int4", "k=int4,v=fp8_e5m2(hadamard)"]
@@ -96,11 +96,23 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
         assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, window))
 
 
+# The builds whose kernels round a bf16 query to integers: AVX-512 BF16 + VNNI (int8 and int4 keys, two
+# 8-bit levels) and AVX2 (int8 keys, 16 bits); the others take exact fp32 products.
+INTEGER_QUERY_BUILDS = [b for b in ("avx2", "avx512bf16") if b in SUPPORTED_ISAS]
+
+
+@pytest.fixture(params=INTEGER_QUERY_BUILDS)
+def integer_build(request):
+    before = kvcache._C.cpu_isa()
+    kvcache._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache._C.set_cpu_isa(before)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int8(hadamard)", "k=int4(hadamard),v=fp8_e5m2(hadamard)"])
-def test_byte_paths_hold_the_rule_over_many_queries_and_scales(fmt, dim):
-    # The byte dot products of a bf16 query (the AVX-512 BF16 + VNNI build, this machine's best when it has
-    # them; other builds take exact fp32 products) round the query to integers. With one int8 level per row
+def test_byte_paths_hold_the_rule_over_many_queries_and_scales(integer_build, fmt, dim):
+    # The integer dot products of a bf16 query round the query to integers. With one int8 level per row
     # (max|q| / 254 per dim, ~6x bf16's rounding) a fuzzer found calls over the rule, and 10-25% of these
     # seeds were at head_dim 128, at every softmax scale; the rule must hold on all of them.
     for seed in range(12):
@@ -113,6 +125,30 @@ def test_byte_paths_hold_the_rule_over_many_queries_and_scales(fmt, dim):
                ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
         for scale in (dim ** -0.5, 0.5, 2.0):
             assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, scale=scale))
+
+
+@pytest.mark.parametrize("dim", [256, 1024])
+def test_integer_query_sums_do_not_overflow_at_large_head_dims(integer_build, dim):
+    # Every key code at +-127 with the sign of the query's dim, the query at its largest in every dim: each
+    # score is the largest sum an integer path can make (AVX2: D x 127 x the query's top code, which must
+    # stay under 2^31), and a wrapped sum would turn the largest score into the smallest.
+    pool = kvcache.KVPool.allocate(2, 16, 1, dim, "int8")
+    g = torch.Generator().manual_seed(dim)
+    sign = torch.randint(0, 2, (dim,), generator=g).float() * 2 - 1
+    k = torch.randn(1, 1, 20, dim, generator=g).abs() * 0.01 + 1  # codes of 127 or near it
+    k[:, :, 7] = 4 * sign  # key 7: every code 127, aligned with the query
+    k[:, :, 3] = -4 * sign  # key 3: every code -127, against it
+    k[:, :, 12] = k[:, :, 12] * sign
+    v = torch.randn(1, 1, 20, dim, generator=g)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    pool.append(k, v, pool.layout.token_slots(table[0], torch.arange(20)).view(1, 20))
+    q = (sign * 3).view(1, 1, dim).to(torch.bfloat16)
+    deq = [ref.dequantize_pool(t, s, format_id(f)) for t, s, f in
+           ((pool.k, pool.k_scale, pool.format.k), (pool.v, pool.v_scale, pool.format.v))]
+    lens = torch.tensor([20], dtype=torch.int32)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    for scale in (1.0, dim ** -0.5):
+        assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, scale=scale))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int4", "fp8_e4m3", "bf16"])

@@ -143,6 +143,21 @@ inline __m256 hsum8x8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
+/// The scores of R rows x 16 keys from pairs[k] (64-bit lane r: row r, keys 2 k and 2 k + 1): a 4 x 4
+/// transpose of 64-bit pairs for keys 0-7, then 8-15.
+template <int R>
+inline void pairs_to_rows(const __m256d pairs[kTile / 2], vf rows[R]) {
+  for (int half = 0; half < 2; ++half) {
+    const __m256d* x = pairs + 4 * half;
+    const __m256d t0 = _mm256_unpacklo_pd(x[0], x[1]), t1 = _mm256_unpackhi_pd(x[0], x[1]);
+    const __m256d t2 = _mm256_unpacklo_pd(x[2], x[3]), t3 = _mm256_unpackhi_pd(x[2], x[3]);
+    const __m256d r0 = _mm256_permute2f128_pd(t0, t2, 0x20), r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
+    const __m256d r2 = _mm256_permute2f128_pd(t0, t2, 0x31), r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
+    const __m256d out[4] = {r0, r1, r2, r3};
+    for (int r = 0; r < R; ++r) std::memcpy(reinterpret_cast<char*>(&rows[r]) + 32 * half, &out[r], 32);
+  }
+}
+
 /// q.k with fp32 FMAs: R (1-4) rows' queries stay in registers while two keys stream past them.
 /// R < 4 serves GQA groups of 1-3 (a decode step of MHA, or of 3 query heads per KV head, would
 /// otherwise spend 25-75% of its FMAs on padding rows).
@@ -179,15 +194,7 @@ struct ScoreAvx2 {
       }
       pairs[k] = _mm256_castps_pd(hsum8x8(acc));
     }
-    for (int half = 0; half < 2; ++half) {  // 4x4 transpose of 64-bit pairs: keys 0..7, then 8..15
-      const __m256d* x = pairs + 4 * half;
-      const __m256d t0 = _mm256_unpacklo_pd(x[0], x[1]), t1 = _mm256_unpackhi_pd(x[0], x[1]);
-      const __m256d t2 = _mm256_unpacklo_pd(x[2], x[3]), t3 = _mm256_unpackhi_pd(x[2], x[3]);
-      const __m256d r0 = _mm256_permute2f128_pd(t0, t2, 0x20), r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
-      const __m256d r2 = _mm256_permute2f128_pd(t0, t2, 0x31), r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
-      const __m256d out[4] = {r0, r1, r2, r3};
-      for (int r = 0; r < R; ++r) std::memcpy(reinterpret_cast<char*>(&rows[r]) + 32 * half, &out[r], 32);
-    }
+    pairs_to_rows<R>(pairs, rows);
   }
 };
 
@@ -286,6 +293,200 @@ struct PvAvx2<ReadI4, R> {
       }
     }
   }
+};
+
+/// hsum8x8 in int32 lanes (wrapping: callers bound their sums).
+inline __m256i hsum8x8_epi32(const __m256i v[8]) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+/// Lanes 2 r and 2 r + 1: row r's query scale qs (float D - 1 of its buffer), as the lanes of hsum8x8's
+/// result for two keys; rows >= R: 0.
+template <int R>
+inline __m256 query_scales_x2(const float* q, int64_t D) {
+  float qs[4] = {};
+  for (int r = 0; r < R; ++r) qs[r] = q[r * D + D - 1];
+  return _mm256_setr_ps(qs[0], qs[0], qs[1], qs[1], qs[2], qs[2], qs[3], qs[3]);
+}
+
+/// int8 keys against a query quantized once per row to 16 bits (AVX2 has no byte dot product that keeps
+/// an 8-bit query's accuracy: vpmaddubsw saturates at 2 x 255 x 127, and one 8-bit level breaks the
+/// FlashAttention rule, see load_query_q8x2): each 16 codes of a key widen to 16-bit lanes (one
+/// vpmovsxbw) and one vpmaddwd per row multiplies them by the query's codes, summing pairs in int32. Where
+/// the fp32 path widens every code to fp32 (two conversions per 8) and issues one FMA per 8 products,
+/// this issues one multiply per 16. Query codes are bounded so that a whole row's sum fits int32
+/// (|q16| <= 32767 and D 128 |q16| < 2^31), rounding by at most max|q| / 65534: far below bf16.
+/// Row r's buffer: D int16 codes (D / 2 floats), then qs (q ~ q16 qs) in float D - 1.
+template <int R = 4>
+struct ScoreI8Avx2 {
+  static constexpr int kRows = R;
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    float q[kMaxRotatedDim];
+    load_query_f32(a, base, q);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
+    const float m = hmax8(amax);
+    const float top = static_cast<float>(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (128 * D)));
+    const float qs = m > 0.f ? m / top : 1.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? top / m : 0.f);
+    int16_t* codes = reinterpret_cast<int16_t*>(q_row);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv));
+      const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d + 8), inv));
+      // packs interleaves the halves' 128-bit lanes; vpermq puts the 16 codes back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8));
+    }
+    q_row[D - 1] = qs;
+  }
+  static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* /*kmeta*/,
+                     float /*scale*/, vf rows[R]) {
+    const int16_t* qw = reinterpret_cast<const int16_t*>(q);  // row r at qw + 2 r D
+    const __m256 qs_lanes = query_scales_x2<R>(q, D);
+    __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
+    for (int k = 0; k < kTile / 2; ++k) {
+      __m256i acc[8];  // acc[2 r + t]: row r, key 2 k + t (rows >= R stay 0)
+      for (auto& v : acc) v = _mm256_setzero_si256();
+      const int8_t* k0 = krow[2 * k];
+      const int8_t* k1 = krow[2 * k + 1];
+      for (int64_t g = 0; g < D / 16; ++g) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + 16 * g)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + 16 * g)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 2 * r * D + 16 * g));
+          acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(qv, w0));
+          acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(qv, w1));
+        }
+      }
+      pairs[k] = _mm256_castps_pd(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8x8_epi32(acc)), qs_lanes));
+    }
+    pairs_to_rows<R>(pairs, rows);
+  }
+};
+
+/// int4 keys (groups of 32 dims, an fp16 (scale, zero) each) against a query quantized once per row to 16
+/// bits, as ScoreI8Avx2: a group's 16 bytes widen to 16-bit lanes, whose low nibbles (even dims) and high
+/// nibbles (odd dims) one vpmaddwd each multiplies by the query's codes of those dims; the group's int32
+/// sums then take the key's group scale in one FMA. score = qs sum_g (s_g I_g + z_g Q_g), Q_g the sum of
+/// the query's codes over group g: the zeros of four groups (one fp16 load, s and z interleaved) multiply a
+/// vector (0, Q_g, ...) per row and add into the same accumulator, whose lanes are summed at the end.
+/// Where the fp32 path dequantizes every code (two conversions and an FMA per 8) before two FMAs per 16
+/// products, this issues one multiply per 16 products and one FMA per 32. Needs head_dim % 64 == 0.
+/// Row r's buffer: D int16 codes (per 32 dims: the 16 even dims, then the 16 odd), then (0, Q_g) per
+/// group from float D / 2, and qs in float D - 1.
+template <int R = 4>
+struct ScoreI4Avx2 {
+  static constexpr int kRows = R;
+  static int64_t index(int64_t d) { return 32 * (d / 32) + (d % 2) * 16 + d % 32 / 2; }
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    float q[kMaxRotatedDim];
+    alignas(32) int32_t c[kMaxRotatedDim];
+    load_query_f32(a, base, q);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
+    const float m = hmax8(amax);
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c + d), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv)));
+    }
+    int16_t* codes = reinterpret_cast<int16_t*>(q_row);
+    for (int64_t g = 0; g < D / 32; ++g) {
+      int32_t sum = 0;
+      for (int64_t d = 32 * g; d < 32 * g + 32; ++d) {
+        codes[index(d)] = static_cast<int16_t>(c[d]);
+        sum += c[d];
+      }
+      q_row[D / 2 + 2 * g] = 0.f;
+      q_row[D / 2 + 2 * g + 1] = static_cast<float>(sum);  // |sum| <= 32 x 32767 < 2^24: exact
+    }
+    q_row[D - 1] = m > 0.f ? m / 32767.f : 1.f;
+  }
+  static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
+                     float /*scale*/, vf rows[R]) {
+    if (D == 64) return scores_n<2>(q, D, krow, kmeta, rows);
+    scores_n<4>(q, D, krow, kmeta, rows);
+  }
+  /// kGroups: groups per metadata load, 4 (head_dim % 128 == 0) or 2 (head_dim 64).
+  template <int kGroups>
+  static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
+                       vf rows[R]) {
+    const int16_t* qw = reinterpret_cast<const int16_t*>(q);  // row r at qw + 2 r D
+    const __m256 qs_lanes = query_scales_x2<R>(q, D);
+    const __m256i nibble = _mm256_set1_epi16(15);
+    // (s, z) pairs of kGroups groups as fp32 lanes, and the rows' (0, Q_g) of them
+    const auto meta = [](const uint16_t* m) {
+      if constexpr (kGroups == 4) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
+      else return _mm256_zextps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))));
+    };
+    const auto qzero = [](const float* p) {
+      if constexpr (kGroups == 4) return _mm256_loadu_ps(p);
+      else return _mm256_zextps128_ps256(_mm_loadu_ps(p));
+    };
+    __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
+    for (int k = 0; k < kTile / 2; ++k) {
+      __m256 acc[8];  // acc[2 r + t]: row r, key 2 k + t (rows >= R stay 0)
+      for (auto& v : acc) v = _mm256_setzero_ps();
+      const uint8_t* k0 = krow[2 * k];
+      const uint8_t* k1 = krow[2 * k + 1];
+      for (int64_t g0 = 0; g0 < D / 32; g0 += kGroups) {
+        const __m256 sz0 = meta(kmeta[2 * k] + 2 * g0), sz1 = meta(kmeta[2 * k + 1] + 2 * g0);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qz = qzero(q + r * D + D / 2 + 2 * g0);
+          acc[2 * r] = _mm256_fmadd_ps(sz0, qz, acc[2 * r]);
+          acc[2 * r + 1] = _mm256_fmadd_ps(sz1, qz, acc[2 * r + 1]);
+        }
+        for (int gi = 0; gi < kGroups; ++gi) {
+          const int64_t g = g0 + gi;
+          const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + 16 * g)));
+          const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + 16 * g)));
+          const __m256i e0 = _mm256_and_si256(x0, nibble), o0 = _mm256_srli_epi16(x0, 4);
+          const __m256i e1 = _mm256_and_si256(x1, nibble), o1 = _mm256_srli_epi16(x1, 4);
+          const __m256i lane = _mm256_set1_epi32(2 * gi);
+          const __m256 s0 = _mm256_permutevar8x32_ps(sz0, lane), s1 = _mm256_permutevar8x32_ps(sz1, lane);
+          for (int r = 0; r < R; ++r) {
+            const __m256i* qg = reinterpret_cast<const __m256i*>(qw + 2 * r * D + 32 * g);
+            const __m256i qe = _mm256_loadu_si256(qg), qo = _mm256_loadu_si256(qg + 1);
+            const __m256i d0 = _mm256_add_epi32(_mm256_madd_epi16(qe, e0), _mm256_madd_epi16(qo, o0));
+            const __m256i d1 = _mm256_add_epi32(_mm256_madd_epi16(qe, e1), _mm256_madd_epi16(qo, o1));
+            acc[2 * r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, acc[2 * r + 1]);
+          }
+        }
+      }
+      pairs[k] = _mm256_castps_pd(_mm256_mul_ps(hsum8x8(acc), qs_lanes));
+    }
+    pairs_to_rows<R>(pairs, rows);
+  }
+};
+
+/// The score policy of a reader on AVX2 for a bf16 query: 16-bit integer dot products for int8 keys and
+/// (head_dim % 64 == 0) int4 keys, fp32 FMAs for the rest. P.V keeps fp32 FMAs for every format: on Zen 3
+/// (8 x 32k, GQA 4, head_dim 128) vpmaddwd with 16-bit probabilities, two keys' codes interleaved per
+/// multiply, took int8's P.V from 15-17 to 15-17 ns per key and KV head and int4's from 24-25 to 27-28
+/// (its probabilities re-quantized per 32-dim group), and rounded the probabilities.
+template <class Read, int R>
+struct Avx2Score {
+  using type = ScoreAvx2<Read, R>;
+  static constexpr bool kInteger = false;
+  static bool fits(int64_t /*D*/) { return false; }
+};
+template <int R>
+struct Avx2Score<ReadI8, R> {
+  using type = ScoreI8Avx2<R>;
+  static constexpr bool kInteger = true;
+  static bool fits(int64_t /*D*/) { return true; }
+};
+template <int R>
+struct Avx2Score<ReadI4, R> {
+  using type = ScoreI4Avx2<R>;
+  static constexpr bool kInteger = true;
+  static bool fits(int64_t D) { return D % 64 == 0; }
 };
 #define KVC_AVX2_POLICIES 1
 #endif
