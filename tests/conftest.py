@@ -100,8 +100,9 @@ def attention_vs_reference(pool, deq, table, lens, cu, q, window=-1, scale=None)
 
 def assert_lse_rule(lse, lse64, lse_pt):
     """The log-sum-exp by the FlashAttention rule too: at most twice PyTorch's error in the query's dtype
-    (bf16 queries of int8 and int4 keys are quantized per row in two int8 levels for byte dot products on
-    AVX-512, of int8 keys to 16 bits on AVX2; the CUDA prefill stages dequantized pages in the query's dtype for the tensor cores)."""
+    (bf16 queries of int8 and int4 keys are quantized per row, in two int8 levels for byte dot products on
+    AVX-512 and to 16 bits on AVX2; the CUDA prefill stages dequantized pages in the query's dtype for the
+    tensor cores)."""
     lse_err, lse_pt_err = (lse - lse64).abs().max().item(), (lse_pt - lse64).abs().max().item()
     assert lse_err <= 2 * lse_pt_err + 2e-3, f"lse error {lse_err:.3g} > 2 x {lse_pt_err:.3g} + 2e-3"
 

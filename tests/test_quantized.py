@@ -97,7 +97,7 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
 
 
 # The builds whose kernels round a bf16 query to integers: AVX-512 BF16 + VNNI (int8 and int4 keys, two
-# 8-bit levels) and AVX2 (int8 keys, 16 bits); the others take exact fp32 products.
+# 8-bit levels) and AVX2 (int8 and int4 keys, 16 bits); the others take exact fp32 products.
 INTEGER_QUERY_BUILDS = [b for b in ("avx2", "avx512bf16") if b in SUPPORTED_ISAS]
 
 

@@ -390,9 +390,10 @@ int main(int argc, char** argv) {
     with_kv_kinds(kind, kind, dt, [&]<class SK, class SV>(SK, SV) {
       using RK = typename ReaderFor<SK, true>::type;
       using RV = typename ReaderFor<SV, false>::type;
-      if constexpr (Avx2Score<RK, 4>::kInteger) {
-        phases<RK, RV, typename Avx2Score<RK, 4>::type, PvAvx2<RV, 4>>("AVX2 16-bit integer dot products", big, small, threads,
-                                                    per_key_ns, batch, ctx, small_ctx);
+      using Score = typename Avx2Score<RK, 4>::type;
+      if constexpr (!std::is_same_v<Score, ScoreAvx2<RK, 4>>) {
+        phases<RK, RV, Score, PvAvx2<RV, 4>>("AVX2 16-bit integer dot products", big, small, threads, per_key_ns,
+                                             batch, ctx, small_ctx);
       }
       phases<RK, RV, ScoreAvx2<RK, 4>, PvAvx2<RV, 4>>("AVX2 fp32 FMAs", big, small, threads, per_key_ns, batch, ctx,
                                                      small_ctx);

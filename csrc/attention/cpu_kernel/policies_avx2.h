@@ -303,6 +303,23 @@ inline __m256i hsum8x8_epi32(const __m256i v[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
+/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), rounded to integers
+/// c = round(q / qs) with qs = max|q| / top, in natural order. Returns qs (1 for a zero row).
+inline float load_query_i16(const AttentionArgs& a, int64_t base, float top, int32_t* c) {
+  const int64_t D = a.layout.head_dim;
+  float q[kMaxRotatedDim];
+  load_query_f32(a, base, q);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
+  const float m = hmax8(amax);
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? top / m : 0.f);
+  for (int64_t d = 0; d < D; d += 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + d), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv)));
+  }
+  return m > 0.f ? m / top : 1.f;
+}
+
 /// Lanes 2 r and 2 r + 1: row r's query scale qs (float D - 1 of its buffer), as the lanes of hsum8x8's
 /// result for two keys; rows >= R: 0.
 template <int R>
@@ -325,19 +342,13 @@ struct ScoreI8Avx2 {
   static constexpr int kRows = R;
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    float q[kMaxRotatedDim];
-    load_query_f32(a, base, q);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
-    const float m = hmax8(amax);
+    alignas(32) int32_t c[kMaxRotatedDim];
     const float top = static_cast<float>(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (128 * D)));
-    const float qs = m > 0.f ? m / top : 1.f;
-    const __m256 inv = _mm256_set1_ps(m > 0.f ? top / m : 0.f);
+    const float qs = load_query_i16(a, base, top, c);
     int16_t* codes = reinterpret_cast<int16_t*>(q_row);
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv));
-      const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d + 8), inv));
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + d));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + d + 8));
       // packs interleaves the halves' 128-bit lanes; vpermq puts the 16 codes back in order
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8));
     }
@@ -384,17 +395,8 @@ struct ScoreI4Avx2 {
   static int64_t index(int64_t d) { return 32 * (d / 32) + (d % 2) * 16 + d % 32 / 2; }
   static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
     const int64_t D = a.layout.head_dim;
-    float q[kMaxRotatedDim];
     alignas(32) int32_t c[kMaxRotatedDim];
-    load_query_f32(a, base, q);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
-    const float m = hmax8(amax);
-    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    for (int64_t d = 0; d < D; d += 8) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(c + d), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv)));
-    }
+    const float qs = load_query_i16(a, base, 32767.f, c);  // (codes <= 15: no bound on the sum needed)
     int16_t* codes = reinterpret_cast<int16_t*>(q_row);
     for (int64_t g = 0; g < D / 32; ++g) {
       int32_t sum = 0;
@@ -405,7 +407,7 @@ struct ScoreI4Avx2 {
       q_row[D / 2 + 2 * g] = 0.f;
       q_row[D / 2 + 2 * g + 1] = static_cast<float>(sum);  // |sum| <= 32 x 32767 < 2^24: exact
     }
-    q_row[D - 1] = m > 0.f ? m / 32767.f : 1.f;
+    q_row[D - 1] = qs;
   }
   static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
                      float /*scale*/, vf rows[R]) {
@@ -473,19 +475,16 @@ struct ScoreI4Avx2 {
 template <class Read, int R>
 struct Avx2Score {
   using type = ScoreAvx2<Read, R>;
-  static constexpr bool kInteger = false;
   static bool fits(int64_t /*D*/) { return false; }
 };
 template <int R>
 struct Avx2Score<ReadI8, R> {
   using type = ScoreI8Avx2<R>;
-  static constexpr bool kInteger = true;
   static bool fits(int64_t /*D*/) { return true; }
 };
 template <int R>
 struct Avx2Score<ReadI4, R> {
   using type = ScoreI4Avx2<R>;
-  static constexpr bool kInteger = true;
   static bool fits(int64_t D) { return D % 64 == 0; }
 };
 #define KVC_AVX2_POLICIES 1
