@@ -77,6 +77,20 @@ def isa(request):
     kvcache._C.set_cpu_isa(before)
 
 
+# The builds whose kernels round a bf16 query to integers: AVX-512 BF16 + VNNI (int8 and int4 keys: two 8-bit
+# levels; KIVI keys: 16 bits) and AVX2 (int8, int4 and KIVI keys: 16 bits); the others take exact fp32 products.
+INTEGER_QUERY_BUILDS = [b for b in ("avx2", "avx512bf16") if b in SUPPORTED_ISAS]
+
+
+@pytest.fixture(params=INTEGER_QUERY_BUILDS)
+def integer_build(request):
+    """Runs a test once per CPU build this machine supports whose kernels quantize a bf16 query."""
+    before = kvcache._C.cpu_isa()
+    kvcache._C.set_cpu_isa(request.param)
+    yield request.param
+    kvcache._C.set_cpu_isa(before)
+
+
 def attention_vs_reference(pool, deq, table, lens, cu, q, window=-1, scale=None):
     """Runs pool.attention(q, ...) and checks its output against float64 attention on the dequantized
     pages `deq` = (K, V) by the FlashAttention rule: at most twice the error of PyTorch's attention in the

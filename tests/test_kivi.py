@@ -150,6 +150,21 @@ def test_bf16_query_takes_the_dot_product_paths(fmt):
         kvcache._C.set_cpu_isa(before)
 
 
+@pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
+def test_bf16_query_takes_the_integer_paths_where_they_fit(integer_build, fmt):
+    # A bf16 query is quantized for 16-bit dot products against KIVI keys (its lse then differs from that of
+    # the same query as fp32, which keeps the exact fp32 path) only where the build's policy fits: pages of
+    # >= 16 tokens (a tile in one page) and head_dim 64 or 128 (both builds); at page 8 or head_dim 96 the
+    # bf16 query takes the fp32 path too and its lse is bit-identical.
+    for page, dim, integer in ((16, 128, True), (32, 64, True), (8, 128, False), (16, 96, False)):
+        pool, table, lens, _, _ = kivi_pool(fmt, [128 // page, 32 // page], page, 2, dim, torch.bfloat16)
+        q = torch.randn(2, 8, dim).to(torch.bfloat16)
+        cu = torch.arange(3, dtype=torch.int32)
+        lse_bf16 = pool.attention(q, table, lens, cu, return_lse=True)[1]
+        lse_fp32 = pool.attention(q.float(), table, lens, cu, return_lse=True)[1]
+        assert torch.equal(lse_bf16, lse_fp32) != integer, (page, dim)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_kivi(device):
     pool, table, lens, _, _ = kivi_pool("kivi2", [2, 1], 16, 2, 64, torch.float32, device)

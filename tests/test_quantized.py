@@ -96,19 +96,6 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
         assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, window))
 
 
-# The builds whose kernels round a bf16 query to integers: AVX-512 BF16 + VNNI (int8 and int4 keys, two
-# 8-bit levels) and AVX2 (int8 and int4 keys, 16 bits); the others take exact fp32 products.
-INTEGER_QUERY_BUILDS = [b for b in ("avx2", "avx512bf16") if b in SUPPORTED_ISAS]
-
-
-@pytest.fixture(params=INTEGER_QUERY_BUILDS)
-def integer_build(request):
-    before = kvcache._C.cpu_isa()
-    kvcache._C.set_cpu_isa(request.param)
-    yield request.param
-    kvcache._C.set_cpu_isa(before)
-
-
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int8(hadamard)", "k=int4(hadamard),v=fp8_e5m2(hadamard)"])
 def test_byte_paths_hold_the_rule_over_many_queries_and_scales(integer_build, fmt, dim):

@@ -384,8 +384,8 @@ int main(int argc, char** argv) {
               t * 1e3, kv_bytes / t / 1e9, 100 * kv_bytes / t / roof, roof / 1e9, per_key_ns(t, batch, ctx),
               per_key_ns(median(hot), 1, small_ctx));
 #ifdef KVC_AVX2_POLICIES
-  // AVX2: the policies a bf16 query takes (8-lane register tiles; int8 and int4 keys: 16-bit integer dot
-  // products, then the fp32 FMAs they replace)
+  // AVX2: the policies a bf16 query takes (8-lane register tiles; int8, int4 and KIVI keys: 16-bit integer
+  // dot products, then the fp32 FMAs they replace)
   if (group == 4 && !std::getenv("KVC_BENCH_NO_PHASES")) {
     with_kv_kinds(kind, kind, dt, [&]<class SK, class SV>(SK, SV) {
       using RK = typename ReaderFor<SK, true>::type;

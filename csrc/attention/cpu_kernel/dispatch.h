@@ -138,9 +138,9 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
     using RV = typename ReaderFor<SV, false>::type;
 #ifdef KVC_AVX2_POLICIES
     with_rows(rows_per_block(rows), [&]<int R>(std::integral_constant<int, R>) {
-      // int8 and int4 keys with a bf16 query: 16-bit integer dot products (Avx2Score); an fp32 or fp16
-      // query keeps the exact fp32 path, as on AVX-512.
-      if (a.q_dtype == DType::kBFloat16 && Avx2Score<RK, R>::fits(a.layout.head_dim)) {
+      // int8, int4 and KIVI keys with a bf16 query: 16-bit integer dot products (Avx2Score); an fp32 or
+      // fp16 query keeps the exact fp32 path, as on AVX-512.
+      if (a.q_dtype == DType::kBFloat16 && Avx2Score<RK, R>::fits(a)) {
         return run_task_vec<RK, RV, typename Avx2Score<RK, R>::type, PvAvx2<RV, R>>(a, t, partial, scratch);
       }
       run_task_vec<RK, RV, ScoreAvx2<RK, R>, PvAvx2<RV, R>>(a, t, partial, scratch);

@@ -23,7 +23,6 @@ template <class Read>
 struct Row8;
 template <>
 struct Row8<ReadF32> {
-  static constexpr bool kEvenOdd = false;
   static void load16(const float* row, const uint16_t*, int64_t g, __m256& a, __m256& b) {
     a = _mm256_loadu_ps(row + 16 * g);
     b = _mm256_loadu_ps(row + 16 * g + 8);
@@ -31,7 +30,6 @@ struct Row8<ReadF32> {
 };
 template <>
 struct Row8<ReadF16> {
-  static constexpr bool kEvenOdd = false;
   static void load16(const uint16_t* row, const uint16_t*, int64_t g, __m256& a, __m256& b) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
     b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g + 8)));
@@ -39,7 +37,6 @@ struct Row8<ReadF16> {
 };
 template <>
 struct Row8<ReadBF16> {
-  static constexpr bool kEvenOdd = true;
   static void load16(const uint16_t* row, const uint16_t*, int64_t g, __m256& a, __m256& b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
     a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -48,7 +45,6 @@ struct Row8<ReadBF16> {
 };
 template <>
 struct Row8<ReadI8> {
-  static constexpr bool kEvenOdd = false;
   static void load16(const int8_t* row, const uint16_t*, int64_t g, __m256& a, __m256& b) {
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * g))));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * g + 8))));
@@ -56,7 +52,6 @@ struct Row8<ReadI8> {
 };
 template <bool kE4M3>
 struct Row8<ReadFp8<kE4M3>> {
-  static constexpr bool kEvenOdd = false;
   static void load16(const uint8_t* row, const uint16_t*, int64_t g, __m256& a, __m256& b) {
     // fp16 bit patterns, as in ReadFp8 (the e4m3 factor 256 is in the head scale)
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
@@ -68,66 +63,82 @@ struct Row8<ReadFp8<kE4M3>> {
     b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
 };
+/// The codes of 16 dims [16 g, 16 g + 16) of a grouped row (int4, KIVI) as fp32 (a, b) in Row8's order,
+/// without their (scale, zero).
+template <class Read>
+struct Codes8;
 template <>
-struct Row8<ReadI4> {
-  static constexpr bool kEvenOdd = true;  // low nibbles = even dims
-  static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
+struct Codes8<ReadI4> {  // low nibbles = even dims
+  static void load16(const uint8_t* row, int64_t g, __m256& a, __m256& b) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * g)));
-    // (scale, zero) of the group: one fp16 pair, widened by F16C rather than two scalar conversions
-    int32_t pair;
-    std::memcpy(&pair, meta + g / 2 * 2, 4);
-    const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-    const __m256 scale = _mm256_broadcastss_ps(sz), zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
-    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), scale, zero);
-    b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), scale, zero);
+    a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+    b = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
   }
 };
-
-/// KIVI rows, natural order. Codes are planar per 32-dim chunk c: at 4 bits, byte j holds dim j (low
+/// KIVI codes, natural order. Codes are planar per 32-dim chunk c: at 4 bits, byte j holds dim j (low
 /// nibble) and dim j + 16 (high); at 2 bits, byte j (< 8) holds dims j, j + 8, j + 16, j + 24 in bit
-/// pairs 0-1, 2-3, 4-5, 6-7. Keys dequantize with their page's per-channel (scale, zero), values
-/// with their row's pair per chunk (as int4).
+/// pairs 0-1, 2-3, 4-5, 6-7.
 template <int kBits, bool kKey>
-struct Row8<ReadKivi<kBits, kKey>> {
-  static constexpr bool kEvenOdd = false;
-  static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
+struct Codes8<ReadKivi<kBits, kKey>> {
+  static void load16(const uint8_t* row, int64_t g, __m256& a, __m256& b) {
     const int64_t c = g / 2, half = g % 2;  // dims [16 g, 16 g + 16) = half `half` of chunk c
     const __m256i mask = _mm256_set1_epi32((1 << kBits) - 1);
-    __m256i ca, cb;
     if constexpr (kBits == 4) {
       const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * c)));
       const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * c + 8)));
       const __m128i shift = _mm_cvtsi32_si128(int(4 * half));
-      ca = _mm256_and_si256(_mm256_srl_epi32(lo, shift), mask);  // dims 16 half + 0..7
-      cb = _mm256_and_si256(_mm256_srl_epi32(hi, shift), mask);  // dims 16 half + 8..15
+      a = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(lo, shift), mask));  // dims 16 half + 0..7
+      b = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(hi, shift), mask));  // dims 16 half + 8..15
     } else {
       const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)));
-      ca = _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half))), mask);
-      cb = _mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half + 2))), mask);
-    }
-    if constexpr (kKey) {  // per chunk: 32 fp16 scales, then 32 zeros
-      const uint16_t* m = meta + 64 * c + 16 * half;
-      const __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
-      const __m256 sb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8)));
-      const __m256 za = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 32)));
-      const __m256 zb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 40)));
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ca), sa, za);
-      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), sb, zb);
-    } else {
-      int32_t pair;
-      std::memcpy(&pair, meta + 2 * c, 4);
-      const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-      const __m256 scale = _mm256_broadcastss_ps(sz), zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ca), scale, zero);
-      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), scale, zero);
+      a = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half))), mask));
+      b = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, _mm_cvtsi32_si128(int(4 * half + 2))), mask));
     }
   }
 };
 
-/// Position of dim d in an 8-lane reader's storage order (even/odd within each 16 dims).
+/// The (scale, zero) fp16 pair at `pair` as two broadcast fp32 vectors (one F16C widening, not two scalar
+/// conversions).
+inline void scale_zero8(const uint16_t* pair, __m256& scale, __m256& zero) {
+  int32_t bits;
+  std::memcpy(&bits, pair, 4);
+  const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  scale = _mm256_broadcastss_ps(sz);
+  zero = _mm256_broadcastss_ps(_mm_movehdup_ps(sz));
+}
+
+template <>
+struct Row8<ReadI4> {
+  static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
+    __m256 scale, zero;
+    scale_zero8(meta + g / 2 * 2, scale, zero);  // the group's pair
+    Codes8<ReadI4>::load16(row, g, a, b);
+    a = _mm256_fmadd_ps(a, scale, zero);
+    b = _mm256_fmadd_ps(b, scale, zero);
+  }
+};
+
+/// KIVI keys, natural order (Codes8), dequantized with their page's per-channel (scale, zero): per 32-dim
+/// chunk, 32 fp16 scales then 32 zeros. (KIVI values take PvAvx2Grouped, which reads codes only.)
+template <int kBits>
+struct Row8<ReadKivi<kBits, true>> {
+  static void load16(const uint8_t* row, const uint16_t* meta, int64_t g, __m256& a, __m256& b) {
+    Codes8<ReadKivi<kBits, true>>::load16(row, g, a, b);
+    const uint16_t* m = meta + 64 * (g / 2) + 16 * (g % 2);
+    const __m256 sa = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
+    const __m256 sb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8)));
+    const __m256 za = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 32)));
+    const __m256 zb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 40)));
+    a = _mm256_fmadd_ps(a, sa, za);
+    b = _mm256_fmadd_ps(b, sb, zb);
+  }
+};
+
+/// Position of dim d in an 8-lane reader's storage order: even/odd within each 16 dims where the reader's
+/// order is even/odd (bf16, int4).
 template <class Read>
 inline int64_t storage_index8(int64_t d) {
-  if constexpr (Row8<Read>::kEvenOdd) {
+  if constexpr (Read::kEvenOdd) {
     const int64_t g = d / 16, j = d % 16;
     return 16 * g + (j & 1) * 8 + j / 2;
   } else {
@@ -237,13 +248,14 @@ struct PvAvx2 {
     }
   }
 };
-/// o += p.V for int4 values. A group's V is scale * code + zero, so p.V = (p scale).code + sum(p zero):
-/// the scale rides on the probabilities and the zeros are added once per tile, so the loop over the
-/// keys only widens codes (no per-key (scale, zero) loads and no dequantizing multiply-add).
-template <int R>
-struct PvAvx2<ReadI4, R> {
+/// o += p.V for values in groups of 32 dims with an fp16 (scale, zero) each (int4, KIVI). A group's V is
+/// scale * code + zero, so p.V = (p scale).code + sum(p zero): the scale rides on the probabilities and the
+/// zeros are added once per tile, so the loop over the keys only widens codes (no per-key (scale, zero)
+/// loads and no dequantizing multiply-add).
+template <class Read, int R>
+struct PvAvx2Grouped {
   static constexpr int kRows = R;
-  static int64_t storage(int64_t d) { return storage_index8<ReadI4>(d); }
+  static int64_t storage(int64_t d) { return storage_index8<Read>(d); }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
                          const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
     LocalPrefetcher pf(pf_state);
@@ -276,9 +288,8 @@ struct PvAvx2<ReadI4, R> {
         for (int64_t j0 = 0; j0 < n; j0 += kPrefetchKeys) {
           pf.step(per_point);
           for (int64_t j = j0; j < std::min(n, j0 + kPrefetchKeys); ++j) {
-            const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vrow[j] + 8 * g)));
-            const __m256 va = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
-            const __m256 vb = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+            __m256 va, vb;
+            Codes8<Read>::load16(vrow[j], g, va, vb);
             for (int r = 0; r < R; ++r) {
               const __m256 pj = _mm256_broadcast_ss(&ps[r][j]);
               oa[r] = _mm256_fmadd_ps(pj, va, oa[r]);
@@ -294,6 +305,11 @@ struct PvAvx2<ReadI4, R> {
     }
   }
 };
+
+template <int R>
+struct PvAvx2<ReadI4, R> : PvAvx2Grouped<ReadI4, R> {};
+template <int kBits, int R>
+struct PvAvx2<ReadKivi<kBits, false>, R> : PvAvx2Grouped<ReadKivi<kBits, false>, R> {};
 
 /// hsum8x8 in int32 lanes (wrapping: callers bound their sums).
 inline __m256i hsum8x8_epi32(const __m256i v[8]) {
@@ -467,25 +483,154 @@ struct ScoreI4Avx2 {
   }
 };
 
-/// The score policy of a reader on AVX2 for a bf16 query: 16-bit integer dot products for int8 keys and
-/// (head_dim % 64 == 0) int4 keys, fp32 FMAs for the rest. P.V keeps fp32 FMAs for every format: on Zen 3
-/// (8 x 32k, GQA 4, head_dim 128) vpmaddwd with 16-bit probabilities, two keys' codes interleaved per
-/// multiply, took int8's P.V from 15-17 to 15-17 ns per key and KV head and int4's from 24-25 to 27-28
-/// (its probabilities re-quantized per 32-dim group), and rounded the probabilities.
+/// KIVI keys (per channel over a page: k_d = s_d c_d + z_d, s and z shared by the page's tokens) against a
+/// bf16 query, as ScoreKivi does on AVX-512: score = sum_d (q_d s_d) c_d + q.z. Once per page and row block,
+/// w = q * s is quantized to 16 bits (w ~ a w16, a = max|w| / 32767); each key's codes then widen to 16-bit
+/// lanes and one vpmaddwd per row and 16 dims multiplies them by w16: no dequantization and no fp32 per key.
+/// The constant takes the codes' midpoint m off the rounded w16 (score = a (c . w16) + q.(z + m s) -
+/// m a sum(w16)), so the rounding error is that of the centred codes. Sums fit int32: 15 x 32767 x 1024 < 2^31.
+/// Code order (w16's order), 16 lanes as two runs of 8 dims: 4 bits, per 32-dim chunk its low nibbles (dims
+/// 0-15) then its high ones (16-31), the natural order; 2 bits, per 64 dims (two chunks, 16 bytes) bit field
+/// f of the 16 bytes: dims 8f..8f+7 of the first chunk, then of the second. The page is known by its
+/// metadata pointer (tiles lie in one page: the dispatch asks for pages of >= kTile tokens). Needs head_dim %
+/// 64 == 0. Row r's buffer (row_floats(D)): the scaled query (fp32, natural order), its w16 (D words), then
+/// (a, constant); row 0 then holds the prepared page's pointer.
+template <int kBits, int R = 4>
+struct ScoreKiviAvx2 {
+  static constexpr int kRows = R;
+  static constexpr float kMid = ((1 << kBits) - 1) / 2.f;
+  static int64_t row_floats(int64_t D) { return D + D / 2 + 4; }
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) { load_query_f32(a, base, q_row); }
+  /// First dim of code vector v's lanes 0-7; lanes 8-15 are the kRun1 dims after it.
+  static int64_t run0(int64_t v) { return kBits == 4 ? 16 * v : 64 * (v / 4) + 8 * (v % 4); }
+  static constexpr int64_t kRun1 = kBits == 4 ? 8 : 32;
+
+  /// w16, a and the constant of the block's rows for the page whose metadata is `meta` (per 32-dim chunk,
+  /// 32 fp16 scales then 32 zeros).
+  static void prepare(float* q, int64_t D, const uint16_t* meta) {
+    const int64_t stride = row_floats(D);
+    const auto meta8 = [&](int64_t d, int64_t at) {  // dims d..d+7 of the scales (at 0) or zeros (at 32)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 * (d / 32) + d % 32 + at)));
+    };
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), mid = _mm256_set1_ps(kMid);
+    __m256 amax[R], qzm[R];
+    for (int r = 0; r < R; ++r) amax[r] = qzm[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 s = meta8(d, 0), zm = _mm256_fmadd_ps(s, mid, meta8(d, 32));  // z + m s
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * stride + d);
+        amax[r] = _mm256_max_ps(amax[r], _mm256_and_ps(_mm256_mul_ps(qv, s), abs_mask));
+        qzm[r] = _mm256_fmadd_ps(qv, zm, qzm[r]);
+      }
+    }
+    __m256 inv[R];
+    float alpha[R];
+    for (int r = 0; r < R; ++r) {
+      const float m = hmax8(amax[r]);
+      alpha[r] = m / 32767.f;
+      inv[r] = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i wsum[R];
+    for (int r = 0; r < R; ++r) wsum[r] = _mm256_setzero_si256();
+    for (int64_t v = 0; v < D / 16; ++v) {
+      const int64_t d0 = run0(v), d1 = d0 + kRun1;
+      const __m256 s0 = meta8(d0, 0), s1 = meta8(d1, 0);
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q + r * stride;
+        const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + d0), s0), inv[r]));
+        const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + d1), s1), inv[r]));
+        // packs interleaves the runs' 128-bit lanes (saturating: it only guards the largest's rounding);
+        // vpermq puts them back in order
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<int16_t*>(q + r * stride + D) + 16 * v), w16);
+        wsum[r] = _mm256_add_epi32(wsum[r], _mm256_madd_epi16(w16, ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), wsum[r]);
+      int64_t sum = 0;
+      for (int32_t x : lanes) sum += x;
+      float* tail = q + r * stride + D + D / 2;
+      tail[0] = alpha[r];
+      tail[1] = hsum8(qzm[r]) - kMid * alpha[r] * static_cast<float>(sum);
+    }
+    const uintptr_t page = reinterpret_cast<uintptr_t>(meta);
+    std::memcpy(q + D + D / 2 + 2, &page, sizeof page);
+  }
+
+  static void scores(float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float /*scale*/,
+                     vf rows[R]) {
+    const int64_t stride = row_floats(D);
+    uintptr_t page;  // the page this block last prepared (0 before the first)
+    std::memcpy(&page, q + D + D / 2 + 2, sizeof page);
+    if (page != reinterpret_cast<uintptr_t>(kmeta[0])) prepare(q, D, kmeta[0]);
+    float al[4] = {}, cs[4] = {};
+    for (int r = 0; r < R; ++r) {
+      al[r] = q[r * stride + D + D / 2];
+      cs[r] = q[r * stride + D + D / 2 + 1];
+    }
+    // as hsum8x8's lanes: row r, keys 2 k and 2 k + 1
+    const __m256 alpha = _mm256_setr_ps(al[0], al[0], al[1], al[1], al[2], al[2], al[3], al[3]);
+    const __m256 cst = _mm256_setr_ps(cs[0], cs[0], cs[1], cs[1], cs[2], cs[2], cs[3], cs[3]);
+    const int16_t* w16[R];  // row r's code vectors
+    for (int r = 0; r < R; ++r) w16[r] = reinterpret_cast<const int16_t*>(q + r * stride + D);
+    const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1);
+    const auto widen = [](const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+    __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
+    for (int k = 0; k < kTile / 2; ++k) {
+      __m256i acc[8];  // acc[2 r + t]: row r, key 2 k + t (rows >= R stay 0)
+      for (auto& v : acc) v = _mm256_setzero_si256();
+      const uint8_t* k0 = krow[2 * k];
+      const uint8_t* k1 = krow[2 * k + 1];
+      // code vector v: 16 bytes at `at` (4 bits: chunk v / 2; 2 bits: chunks 2 (v / 4), 2 (v / 4) + 1), field f
+      constexpr int kFields = 8 / kBits;  // code vectors per 16 bytes
+      for (int64_t v = 0; v < D / 16; ++v) {
+        const int64_t at = 16 * (v / kFields);
+        const int f = int(v % kFields);
+        // NOTE: widened again per field, from L1, rather than kept: kept, the widened bytes of both keys and
+        // the 8 accumulators no longer fit the 16 registers (spilled on every step)
+        const __m128i shift = _mm_cvtsi32_si128(kBits * f);
+        const __m256i e0 = _mm256_and_si256(_mm256_srl_epi16(widen(k0 + at), shift), mask);
+        const __m256i e1 = _mm256_and_si256(_mm256_srl_epi16(widen(k1 + at), shift), mask);
+        for (int r = 0; r < R; ++r) {
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w16[r] + 16 * v));
+          acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(qv, e0));
+          acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(qv, e1));
+        }
+      }
+      pairs[k] = _mm256_castps_pd(_mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8x8_epi32(acc)), alpha, cst));
+    }
+    pairs_to_rows<R>(pairs, rows);
+  }
+};
+
+/// The score policy of a reader on AVX2 for a bf16 query: 16-bit integer dot products for int8 keys, int4
+/// keys (head_dim % 64 == 0) and KIVI keys (head_dim % 64 == 0, pages of >= kTile tokens), fp32 FMAs for
+/// the rest. P.V keeps fp32 FMAs for every format: on Zen 3 (8 x 32k, GQA 4, head_dim 128) vpmaddwd with
+/// 16-bit probabilities, two keys' codes interleaved per multiply, took int8's P.V from 15-17 to 15-17 ns per
+/// key and KV head and int4's from 24-25 to 27-28 (its probabilities re-quantized per 32-dim group), and
+/// rounded the probabilities.
 template <class Read, int R>
 struct Avx2Score {
   using type = ScoreAvx2<Read, R>;
-  static bool fits(int64_t /*D*/) { return false; }
+  static bool fits(const AttentionArgs&) { return false; }
 };
 template <int R>
 struct Avx2Score<ReadI8, R> {
   using type = ScoreI8Avx2<R>;
-  static bool fits(int64_t /*D*/) { return true; }
+  static bool fits(const AttentionArgs&) { return true; }
 };
 template <int R>
 struct Avx2Score<ReadI4, R> {
   using type = ScoreI4Avx2<R>;
-  static bool fits(int64_t D) { return D % 64 == 0; }
+  static bool fits(const AttentionArgs& a) { return a.layout.head_dim % 64 == 0; }
+};
+template <int kBits, int R>
+struct Avx2Score<ReadKivi<kBits, true>, R> {
+  using type = ScoreKiviAvx2<kBits, R>;
+  static bool fits(const AttentionArgs& a) { return a.layout.head_dim % 64 == 0 && a.layout.page_size >= kTile; }
 };
 #define KVC_AVX2_POLICIES 1
 #endif
