@@ -484,98 +484,115 @@ struct ScoreI4Avx2 {
 };
 
 /// KIVI keys (per channel over a page: k_d = s_d c_d + z_d, s and z shared by the page's tokens) against a
-/// bf16 query, as ScoreKivi does on AVX-512: score = sum_d (q_d s_d) c_d + q.z. Once per page and row block,
-/// w = q * s is quantized to 16 bits (w ~ a w16, a = max|w| / 32767); each key's codes then widen to 16-bit
-/// lanes and one vpmaddwd per row and 16 dims multiplies them by w16: no dequantization and no fp32 per key.
-/// The constant takes the codes' midpoint m off the rounded w16 (score = a (c . w16) + q.(z + m s) -
-/// m a sum(w16)), so the rounding error is that of the centred codes. Sums fit int32: 15 x 32767 x 1024 < 2^31.
+/// bf16 query: score = sum_d (q_d s_d) c_d + q.z. The query is quantized once per row to 16 bits (q ~ qs q16)
+/// and, once per page, the page's scales (s ~ sigma s16); w16 = q16 s16 / 2^15, rounded (one vpmulhrsw per
+/// 16 dims and row), then stands for q * s, and each key's codes, widened to 16-bit lanes, go through one
+/// vpmaddwd per row and 16 dims against it: no dequantization and no fp32 per key. (ScoreKivi on AVX-512
+/// quantizes the product q * s itself, per page and row: on AVX2 that took 8 ns per key of a 23 ns q.k with
+/// pages of 16; the rounding here is at most ~1.5 max|q| max|s| / 65534 per dim, far below bf16's.) The
+/// constant takes the codes' midpoint m off the rounded w16 (score = a (c . w16) + q.(z + m s) -
+/// m a sum(w16), a = qs sigma 2^15), so the rounding error is that of the centred codes. Sums fit int32:
+/// 15 x 32767 x 1024 < 2^31.
 /// Code order (w16's order), 16 lanes as two runs of 8 dims: 4 bits, per 32-dim chunk its low nibbles (dims
 /// 0-15) then its high ones (16-31), the natural order; 2 bits, per 64 dims (two chunks, 16 bytes) bit field
 /// f of the 16 bytes: dims 8f..8f+7 of the first chunk, then of the second. The page is known by its
 /// metadata pointer (tiles lie in one page: the dispatch asks for pages of >= kTile tokens). Needs head_dim %
-/// 64 == 0. Row r's buffer (row_floats(D)): the scaled query (fp32, natural order), its w16 (D words), then
-/// (a, constant); row 0 then holds the prepared page's pointer.
+/// 64 == 0. Row r's buffer (row_floats(D)): the scaled query (fp32, natural order), q16 and w16 (D words each,
+/// code order), then (a, constant, qs); row 0 then holds the prepared page's pointer from float 2 D + 4.
 template <int kBits, int R = 4>
 struct ScoreKiviAvx2 {
   static constexpr int kRows = R;
   static constexpr float kMid = ((1 << kBits) - 1) / 2.f;
-  static int64_t row_floats(int64_t D) { return D + D / 2 + 4; }
-  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) { load_query_f32(a, base, q_row); }
+  static int64_t row_floats(int64_t D) { return 2 * D + 8; }
   /// First dim of code vector v's lanes 0-7; lanes 8-15 are the kRun1 dims after it.
   static int64_t run0(int64_t v) { return kBits == 4 ? 16 * v : 64 * (v / 4) + 8 * (v % 4); }
   static constexpr int64_t kRun1 = kBits == 4 ? 8 : 32;
+  static int16_t* q16(float* q_row, int64_t D) { return reinterpret_cast<int16_t*>(q_row + D); }
+  static int16_t* w16(float* q_row, int64_t D) { return reinterpret_cast<int16_t*>(q_row + D + D / 2); }
 
-  /// w16, a and the constant of the block's rows for the page whose metadata is `meta` (per 32-dim chunk,
-  /// 32 fp16 scales then 32 zeros).
+  /// Natural-order int32 values c (|c| <= 32767) as 16-bit code vectors at out.
+  static void pack_codes(const int32_t* c, int64_t D, int16_t* out) {
+    for (int64_t v = 0; v < D / 16; ++v) {
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + run0(v)));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + run0(v) + kRun1));
+      // packs interleaves the runs' 128-bit lanes; vpermq puts them back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8));
+    }
+  }
+
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    const int64_t D = a.layout.head_dim;
+    load_query_f32(a, base, q_row);
+    alignas(32) int32_t c[kMaxRotatedDim];
+    q_row[2 * D + 2] = load_query_i16(a, base, 32767.f, c);
+    pack_codes(c, D, q16(q_row, D));
+  }
+
+  /// s16, then the block's rows' w16, a and constant, for the page whose metadata is `meta` (per 32-dim
+  /// chunk, 32 fp16 scales then 32 zeros).
   static void prepare(float* q, int64_t D, const uint16_t* meta) {
     const int64_t stride = row_floats(D);
     const auto meta8 = [&](int64_t d, int64_t at) {  // dims d..d+7 of the scales (at 0) or zeros (at 32)
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 * (d / 32) + d % 32 + at)));
     };
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), mid = _mm256_set1_ps(kMid);
-    __m256 amax[R], qzm[R];
-    for (int r = 0; r < R; ++r) amax[r] = qzm[r] = _mm256_setzero_ps();
+    alignas(32) float s[kMaxRotatedDim];
+    __m256 smax = _mm256_setzero_ps(), qzm[R];
+    for (int r = 0; r < R; ++r) qzm[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 s = meta8(d, 0), zm = _mm256_fmadd_ps(s, mid, meta8(d, 32));  // z + m s
-      for (int r = 0; r < R; ++r) {
-        const __m256 qv = _mm256_loadu_ps(q + r * stride + d);
-        amax[r] = _mm256_max_ps(amax[r], _mm256_and_ps(_mm256_mul_ps(qv, s), abs_mask));
-        qzm[r] = _mm256_fmadd_ps(qv, zm, qzm[r]);
-      }
+      const __m256 sd = meta8(d, 0), zm = _mm256_fmadd_ps(sd, mid, meta8(d, 32));  // z + m s
+      _mm256_store_ps(s + d, sd);
+      smax = _mm256_max_ps(smax, _mm256_and_ps(sd, abs_mask));
+      for (int r = 0; r < R; ++r) qzm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * stride + d), zm, qzm[r]);
     }
-    __m256 inv[R];
-    float alpha[R];
-    for (int r = 0; r < R; ++r) {
-      const float m = hmax8(amax[r]);
-      alpha[r] = m / 32767.f;
-      inv[r] = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    const float sm = hmax8(smax), sigma = sm / 32767.f;
+    const __m256 inv = _mm256_set1_ps(sm > 0.f ? 32767.f / sm : 0.f);
+    alignas(32) int32_t c[kMaxRotatedDim];
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c + d), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(s + d), inv)));
     }
+    alignas(32) int16_t s16[kMaxRotatedDim];
+    pack_codes(c, D, s16);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i wsum[R];
-    for (int r = 0; r < R; ++r) wsum[r] = _mm256_setzero_si256();
-    for (int64_t v = 0; v < D / 16; ++v) {
-      const int64_t d0 = run0(v), d1 = d0 + kRun1;
-      const __m256 s0 = meta8(d0, 0), s1 = meta8(d1, 0);
-      for (int r = 0; r < R; ++r) {
-        const float* qr = q + r * stride;
-        const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + d0), s0), inv[r]));
-        const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(qr + d1), s1), inv[r]));
-        // packs interleaves the runs' 128-bit lanes (saturating: it only guards the largest's rounding);
-        // vpermq puts them back in order
-        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<int16_t*>(q + r * stride + D) + 16 * v), w16);
-        wsum[r] = _mm256_add_epi32(wsum[r], _mm256_madd_epi16(w16, ones));
-      }
-    }
     for (int r = 0; r < R; ++r) {
+      float* row = q + r * stride;
+      const int16_t* qc = q16(row, D);
+      int16_t* w = w16(row, D);
+      __m256i wsum = _mm256_setzero_si256();
+      for (int64_t v = 0; v < D / 16; ++v) {
+        const __m256i x = _mm256_mulhrs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + 16 * v)),
+                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(s16 + 16 * v)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 16 * v), x);
+        wsum = _mm256_add_epi32(wsum, _mm256_madd_epi16(x, ones));
+      }
       alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), wsum[r]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), wsum);
       int64_t sum = 0;
       for (int32_t x : lanes) sum += x;
-      float* tail = q + r * stride + D + D / 2;
-      tail[0] = alpha[r];
-      tail[1] = hsum8(qzm[r]) - kMid * alpha[r] * static_cast<float>(sum);
+      const float alpha = row[2 * D + 2] * sigma * 32768.f;
+      row[2 * D] = alpha;
+      row[2 * D + 1] = hsum8(qzm[r]) - kMid * alpha * static_cast<float>(sum);
     }
     const uintptr_t page = reinterpret_cast<uintptr_t>(meta);
-    std::memcpy(q + D + D / 2 + 2, &page, sizeof page);
+    std::memcpy(q + 2 * D + 4, &page, sizeof page);
   }
 
   static void scores(float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta, float /*scale*/,
                      vf rows[R]) {
     const int64_t stride = row_floats(D);
     uintptr_t page;  // the page this block last prepared (0 before the first)
-    std::memcpy(&page, q + D + D / 2 + 2, sizeof page);
+    std::memcpy(&page, q + 2 * D + 4, sizeof page);
     if (page != reinterpret_cast<uintptr_t>(kmeta[0])) prepare(q, D, kmeta[0]);
     float al[4] = {}, cs[4] = {};
     for (int r = 0; r < R; ++r) {
-      al[r] = q[r * stride + D + D / 2];
-      cs[r] = q[r * stride + D + D / 2 + 1];
+      al[r] = q[r * stride + 2 * D];
+      cs[r] = q[r * stride + 2 * D + 1];
     }
     // as hsum8x8's lanes: row r, keys 2 k and 2 k + 1
     const __m256 alpha = _mm256_setr_ps(al[0], al[0], al[1], al[1], al[2], al[2], al[3], al[3]);
     const __m256 cst = _mm256_setr_ps(cs[0], cs[0], cs[1], cs[1], cs[2], cs[2], cs[3], cs[3]);
-    const int16_t* w16[R];  // row r's code vectors
-    for (int r = 0; r < R; ++r) w16[r] = reinterpret_cast<const int16_t*>(q + r * stride + D);
+    const int16_t* wr[R];  // row r's w16
+    for (int r = 0; r < R; ++r) wr[r] = w16(q + r * stride, D);
     const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1);
     const auto widen = [](const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
     __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
@@ -595,7 +612,7 @@ struct ScoreKiviAvx2 {
         const __m256i e0 = _mm256_and_si256(_mm256_srl_epi16(widen(k0 + at), shift), mask);
         const __m256i e1 = _mm256_and_si256(_mm256_srl_epi16(widen(k1 + at), shift), mask);
         for (int r = 0; r < R; ++r) {
-          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w16[r] + 16 * v));
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + 16 * v));
           acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(qv, e0));
           acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(qv, e1));
         }
