@@ -323,12 +323,8 @@ inline __m256i hsum8x8_epi32(const __m256i v[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
-/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), rounded to integers
-/// c = round(q / qs) with qs = max|q| / top, in natural order. Returns qs (1 for a zero row).
-inline float load_query_i16(const AttentionArgs& a, int64_t base, float top, int32_t* c) {
-  const int64_t D = a.layout.head_dim;
-  float q[kMaxRotatedDim];
-  load_query_f32(a, base, q);
+/// D fp32 values q rounded to integers c = round(q / qs) with qs = max|q| / top. Returns qs (1 for a zero row).
+inline float quantize_i16(const float* q, int64_t D, float top, int32_t* c) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(q + d), abs_mask));
@@ -340,13 +336,27 @@ inline float load_query_i16(const AttentionArgs& a, int64_t base, float top, int
   return m > 0.f ? m / top : 1.f;
 }
 
-/// Lanes 2 r and 2 r + 1: row r's query scale qs (float D - 1 of its buffer), as the lanes of hsum8x8's
-/// result for two keys; rows >= R: 0.
+/// Query row `base` as load_query_f32 makes it (scaled, rotated like the keys), quantized by quantize_i16, in
+/// natural order. Returns qs.
+inline float load_query_i16(const AttentionArgs& a, int64_t base, float top, int32_t* c) {
+  float q[kMaxRotatedDim];
+  load_query_f32(a, base, q);
+  return quantize_i16(q, a.layout.head_dim, top, c);
+}
+
+/// 16 int32 values (|c| <= 32767), c0 then c1, as 16-bit lanes in that order: packs interleaves the two
+/// vectors' 128-bit lanes; vpermq puts them back in order.
+inline __m256i pack_i16(__m256i c0, __m256i c1) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8);
+}
+
+/// Lanes 2 r and 2 r + 1: row r's value x[r * stride] (a float of its query buffer), as the lanes of
+/// hsum8x8's result for two keys; rows >= R: 0.
 template <int R>
-inline __m256 query_scales_x2(const float* q, int64_t D) {
-  float qs[4] = {};
-  for (int r = 0; r < R; ++r) qs[r] = q[r * D + D - 1];
-  return _mm256_setr_ps(qs[0], qs[0], qs[1], qs[1], qs[2], qs[2], qs[3], qs[3]);
+inline __m256 row_lanes_x2(const float* x, int64_t stride) {
+  float v[4] = {};
+  for (int r = 0; r < R; ++r) v[r] = x[r * stride];
+  return _mm256_setr_ps(v[0], v[0], v[1], v[1], v[2], v[2], v[3], v[3]);
 }
 
 /// int8 keys against a query quantized once per row to 16 bits (AVX2 has no byte dot product that keeps
@@ -369,15 +379,14 @@ struct ScoreI8Avx2 {
     for (int64_t d = 0; d < D; d += 16) {
       const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + d));
       const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + d + 8));
-      // packs interleaves the halves' 128-bit lanes; vpermq puts the 16 codes back in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), pack_i16(c0, c1));
     }
     q_row[D - 1] = qs;
   }
   static void scores(const float* q, int64_t D, const int8_t* const* krow, const uint16_t* const* /*kmeta*/,
                      float /*scale*/, vf rows[R]) {
     const int16_t* qw = reinterpret_cast<const int16_t*>(q);  // row r at qw + 2 r D
-    const __m256 qs_lanes = query_scales_x2<R>(q, D);
+    const __m256 qs_lanes = row_lanes_x2<R>(q + D - 1, D);
     __m256d pairs[kTile / 2];  // 64-bit lane r of pairs[k]: row r, keys 2k and 2k + 1
     for (int k = 0; k < kTile / 2; ++k) {
       __m256i acc[8];  // acc[2 r + t]: row r, key 2 k + t (rows >= R stay 0)
@@ -439,7 +448,7 @@ struct ScoreI4Avx2 {
   static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
                        vf rows[R]) {
     const int16_t* qw = reinterpret_cast<const int16_t*>(q);  // row r at qw + 2 r D
-    const __m256 qs_lanes = query_scales_x2<R>(q, D);
+    const __m256 qs_lanes = row_lanes_x2<R>(q + D - 1, D);
     const __m256i nibble = _mm256_set1_epi16(15);
     // (s, z) pairs of kGroups groups as fp32 lanes, and the rows' (0, Q_g) of them
     const auto meta = [](const uint16_t* m) {
@@ -519,8 +528,7 @@ struct ScoreKiviAvx2 {
     for (int64_t v = 0; v < D / 16; ++v) {
       const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + run0(v)));
       const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c + run0(v) + kRun1));
-      // packs interleaves the runs' 128-bit lanes; vpermq puts them back in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xd8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), pack_i16(c0, c1));
     }
   }
 
@@ -528,7 +536,7 @@ struct ScoreKiviAvx2 {
     const int64_t D = a.layout.head_dim;
     load_query_f32(a, base, q_row);
     alignas(32) int32_t c[kMaxRotatedDim];
-    q_row[2 * D + 2] = load_query_i16(a, base, 32767.f, c);
+    q_row[2 * D + 2] = quantize_i16(q_row, D, 32767.f, c);
     pack_codes(c, D, q16(q_row, D));
   }
 
@@ -587,14 +595,7 @@ struct ScoreKiviAvx2 {
     uintptr_t page;  // the page this block last prepared (0 before the first)
     std::memcpy(&page, q + 2 * D + 4, sizeof page);
     if (page != reinterpret_cast<uintptr_t>(kmeta[0])) prepare(q, D, kmeta[0]);
-    float al[4] = {}, cs[4] = {};
-    for (int r = 0; r < R; ++r) {
-      al[r] = q[r * stride + 2 * D];
-      cs[r] = q[r * stride + 2 * D + 1];
-    }
-    // as hsum8x8's lanes: row r, keys 2 k and 2 k + 1
-    const __m256 alpha = _mm256_setr_ps(al[0], al[0], al[1], al[1], al[2], al[2], al[3], al[3]);
-    const __m256 cst = _mm256_setr_ps(cs[0], cs[0], cs[1], cs[1], cs[2], cs[2], cs[3], cs[3]);
+    const __m256 alpha = row_lanes_x2<R>(q + 2 * D, stride), cst = row_lanes_x2<R>(q + 2 * D + 1, stride);
     const int16_t* wr[R];  // row r's w16
     for (int r = 0; r < R; ++r) wr[r] = w16(q + r * stride, D);
     const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1);
