@@ -217,7 +217,11 @@ struct ScoreAvx2 {
   }
 };
 
-/// o += p.V with fp32 FMAs: R rows x 16 dims of output in registers while the keys stream past.
+/// o += p.V with fp32 FMAs: R rows x 16 dims of output in registers while the keys stream past. int4 and
+/// KIVI values dequantize each code here (scale * code + zero, Row8). NOTE: with the group scale on the
+/// probabilities instead and the zeros added once per tile, the loop only widened codes but was slower
+/// on Zen 3 (L1, 4 rows, head_dim 128, ns per key: int4 22.8 vs 21.2, KIVI 26-27 vs 24-25; int4's whole
+/// step in cache 3-5%).
 template <class Read, int R = 4>
 struct PvAvx2 {
   static constexpr int kRows = R;
@@ -256,65 +260,6 @@ struct PvAvx2 {
     }
   }
 };
-/// o += p.V for int4 values. A group's V is scale * code + zero, so p.V = (p scale).code + sum(p zero):
-/// the scale rides on the probabilities and the zeros are added once per tile, so the loop over the
-/// keys only widens codes (no per-key (scale, zero) loads and no dequantizing multiply-add). (KIVI values,
-/// whose rows carry the same pairs, keep the generic loop: this one was 5-10% slower for them on Zen 3, in
-/// L1, 4 rows, head_dim 128: 24-25 -> 26-27 ns per key.)
-template <int R>
-struct PvAvx2<ReadI4, R> {
-  static constexpr int kRows = R;
-  static int64_t storage(int64_t d) { return storage_index8<ReadI4>(d); }
-  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
-                         const uint16_t* const* vmeta, int64_t n, Prefetcher& pf_state) {
-    LocalPrefetcher pf(pf_state);
-    constexpr int64_t kPrefetchKeys = 4;
-    const int64_t points = D / 16 * ((n + kPrefetchKeys - 1) / kPrefetchKeys);
-    const int per_point = int((pf.lines + points - 1) / points);
-    for (int64_t c = 0; c < D / 32; ++c) {
-      alignas(32) float scale[kTile] = {}, zero[kTile] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        int32_t pair;
-        std::memcpy(&pair, vmeta[j] + 2 * c, 4);
-        const __m128 sz = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-        scale[j] = _mm_cvtss_f32(sz);
-        zero[j] = _mm_cvtss_f32(_mm_movehdup_ps(sz));
-      }
-      alignas(32) float ps[R][kTile];
-      __m256 zsum[R];
-      for (int r = 0; r < R; ++r) {
-        const __m256 p0 = _mm256_load_ps(p[r]), p1 = _mm256_load_ps(p[r] + 8);
-        _mm256_store_ps(ps[r], _mm256_mul_ps(p0, _mm256_load_ps(scale)));
-        _mm256_store_ps(ps[r] + 8, _mm256_mul_ps(p1, _mm256_load_ps(scale + 8)));
-        zsum[r] = _mm256_set1_ps(hsum8(_mm256_fmadd_ps(p0, _mm256_load_ps(zero), _mm256_mul_ps(p1, _mm256_load_ps(zero + 8)))));
-      }
-      for (int64_t g = 2 * c; g < 2 * c + 2; ++g) {
-        __m256 oa[R], ob[R];
-        for (int r = 0; r < R; ++r) {
-          oa[r] = _mm256_add_ps(_mm256_loadu_ps(o + r * D + 16 * g), zsum[r]);
-          ob[r] = _mm256_add_ps(_mm256_loadu_ps(o + r * D + 16 * g + 8), zsum[r]);
-        }
-        for (int64_t j0 = 0; j0 < n; j0 += kPrefetchKeys) {
-          pf.step(per_point);
-          for (int64_t j = j0; j < std::min(n, j0 + kPrefetchKeys); ++j) {
-            __m256 va, vb;
-            Codes8<ReadI4>::load16(vrow[j], g, va, vb);
-            for (int r = 0; r < R; ++r) {
-              const __m256 pj = _mm256_broadcast_ss(&ps[r][j]);
-              oa[r] = _mm256_fmadd_ps(pj, va, oa[r]);
-              ob[r] = _mm256_fmadd_ps(pj, vb, ob[r]);
-            }
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          _mm256_storeu_ps(o + r * D + 16 * g, oa[r]);
-          _mm256_storeu_ps(o + r * D + 16 * g + 8, ob[r]);
-        }
-      }
-    }
-  }
-};
-
 /// hsum8x8 in int32 lanes (wrapping: callers bound their sums).
 inline __m256i hsum8x8_epi32(const __m256i v[8]) {
   const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
