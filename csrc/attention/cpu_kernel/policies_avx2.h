@@ -221,7 +221,7 @@ struct ScoreAvx2 {
 /// KIVI values dequantize each code here (scale * code + zero, Row8). NOTE: with the group scale on the
 /// probabilities instead and the zeros added once per tile, the loop only widened codes but was slower
 /// on Zen 3 (L1, 4 rows, head_dim 128, ns per key: int4 22.8 vs 21.2, KIVI 26-27 vs 24-25; int4's whole
-/// step in cache 3-5%).
+/// step in cache 2-3%).
 template <class Read, int R = 4>
 struct PvAvx2 {
   static constexpr int kRows = R;
