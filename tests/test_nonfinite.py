@@ -2,7 +2,7 @@
 
 The contract (README, "Bad values"): a scale or zero point shared with other tokens is computed from
 the finite values only, so every other token of the page, head or channel is stored bit for bit as if the bad
-token held 0; NaN stays NaN where the format can say so (fp8's NaN code; the token's own int8 row scale or
+values were absent (as if they were 0 wherever a range holds both signs, as in most tests here); NaN stays NaN where the format can say so (fp8's NaN code; the token's own int8 row scale or
 int4 / KIVI-value group scale), else it is stored as the code nearest 0 (KIVI keys); +-Inf saturates to the
 largest code of its sign; huge finite values enter the scales, which never overflow their dtype. CPU kernel,
 CUDA kernel (under the emulator) and reference agree bit for bit.
@@ -136,6 +136,29 @@ def test_a_bad_token_leaves_the_others_bit_identical(backend, fmt, bad, in_dtype
                     assert s_got[g, 0].isnan()
                 else:
                     assert same(s_got[g, 0], s_exp[g, 0])
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bad_value_is_as_if_absent_where_a_range_excludes_0(backend, fmt, bad):
+    """Values of one sign (every KIVI key channel's range excludes 0): the other tokens are stored as if the
+    bad values were absent, i.e. bit for bit as with any finite values inside the others' range in their place
+    (here: the next token's), not as if they were 0 (an outside-in probe: kivi2 / kivi4 keys)."""
+    x = page_kv(torch.float32).abs() + 0.5
+    inside = x.clone()
+    inside[:, 0, HEAD, T, DIMS] = x[:, 0, HEAD, T + 1, DIMS]
+    poisoned, clean = filled(fmt, with_values(x, BAD[bad])), filled(fmt, inside)
+    others = torch.ones(P, dtype=torch.bool)
+    others[T] = False
+    for role in ("k", "v"):
+        f = getattr(poisoned.format, role)
+        got, exp = codes_of(poisoned, role), codes_of(clean, role)
+        got_s, exp_s = getattr(poisoned, f"{role}_scale"), getattr(clean, f"{role}_scale")
+        assert torch.equal(got[1][:, others], exp[1][:, others]), f"{role}: another token's codes changed"
+        if f.kind.startswith("kivi") and role == "k" or f.kind.startswith("fp8"):
+            assert same(got_s, exp_s), f"{role}: a shared scale changed"
+        else:
+            assert same(got_s[1][:, others], exp_s[1][:, others])
 
 
 @pytest.mark.parametrize("bad", BAD)

@@ -348,17 +348,21 @@ def test_pool_copy_blocks_moves_codes_and_scales(fmt):
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, now))
 
 
-@pytest.mark.parametrize("fmt", ["k=int8,v=bf16", "bf16", "fp16"])
+@pytest.mark.parametrize("fmt", ["k=int8,v=bf16", "bf16", "fp16", "int8", "fp8_e4m3", "int4", "kivi2"])
 def test_pool_gather_takes_any_float_dtype(fmt):
-    """KVPool.gather's dtype: by default the full-precision side's (a mix's, or the pool's), any float dtype on
-    request (an outside-in probe found the default failing on k=int8,v=bf16 and dtype=float32 refused on fp16)."""
+    """KVPool.gather's dtype: by default the full-precision side's (a mix's, or the pool's; float32 when both
+    sides are quantized), any float dtype on request (outside-in probes found the default failing on
+    k=int8,v=bf16, dtype=float32 refused on fp16, and dtype=float64 refused on int8/fp8/int4/KIVI pools)."""
     pool = kvcache.KVPool.allocate(2, 4, 1, 32, fmt)
-    x = torch.randn(1, 1, 3, 32).to(pool.v.dtype if pool.v.is_floating_point() else torch.bfloat16)
-    pool.append(x, x, torch.arange(3).view(1, 3))
-    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    x = torch.randn(1, 1, 4, 32).to(pool.v.dtype if pool.v.is_floating_point() else torch.bfloat16)
+    pool.append(x, x, torch.arange(4).view(1, 4))  # (a whole page: KIVI keys are written a page at a time)
+    table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
     k, v = pool.gather(table, lens)
-    assert k.dtype == v.dtype == pool.v.dtype
-    assert torch.equal(v[0, :, :3], x[0])
-    k32, v32 = pool.gather(table, lens, dtype=torch.float32)
-    assert k32.dtype == v32.dtype == torch.float32
-    assert torch.equal(k32, k.float()) and torch.equal(v32, v.float())
+    native = pool.v.dtype if pool.v.is_floating_point() else torch.float32
+    assert k.dtype == v.dtype == native
+    if pool.v.is_floating_point():
+        assert torch.equal(v[0], x[0])
+    for dtype in (torch.float32, torch.float64):
+        kd, vd = pool.gather(table, lens, dtype=dtype)
+        assert kd.dtype == vd.dtype == dtype
+        assert torch.equal(kd, k.to(dtype)) and torch.equal(vd, v.to(dtype))

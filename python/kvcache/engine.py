@@ -189,8 +189,9 @@ class Engine:
             which are computed again (as a prefill, from whatever of its prompt is still cached) when it
             resumes (in full precision with the tokens it gets alone; with quantized pages its recomputed
             history is read as a prefill wrote it, as after a prefix hit, which may flip near-ties). The
-            oldest request always runs, so every request finishes; a request whose prompt +
-            ``max_new_tokens`` cannot fit the pool even alone is refused up front with
+            oldest request always runs, so every request finishes; a request whose prompt and
+            ``max_new_tokens - 1`` generated tokens (the last is never written) cannot fit the pool even alone is
+            refused up front with
             :class:`OutOfBlocksError`, before any work. ``stats()`` counts ``preemptions`` and
             ``recomputed_tokens``; each :class:`Result` its own ``preemptions``.
         max_batch: requests decoded together (an int >= 1).

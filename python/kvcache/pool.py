@@ -150,7 +150,8 @@ class KVPool:
         call that raises leaves the scale as it was.
 
         Bad values (NaN, +-Inf) never enter a scale or zero point shared with other tokens: every other
-        token of the page, head or channel is stored as if the bad value were 0. NaN stays NaN where the
+        token of the page, head or channel is stored as if the bad value were absent (as with any finite value
+        inside the others' range in its place: 0 where that range holds both signs). NaN stays NaN where the
         format can say so (fp8; an int8 row, int4 or KIVI-value group of its token reads back NaN), else it
         is stored as 0 (KIVI keys: the code nearest 0); +-Inf saturates to the largest code of its sign.
         Huge finite values enter the scales, which never overflow (int4 and KIVI keep fp16 metadata and
@@ -194,7 +195,9 @@ class KVPool:
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"gather: dtype must be a floating-point torch.dtype, got {dtype!r}")
         full = [t.dtype for t, f in ((self.k, self.format.k), (self.v, self.format.v)) if not f.quantized]
-        native = full[0] if full else (dtype or torch.float32)
+        native = full[0] if full else torch.float32  # (the op dequantizes to float32, bf16 or fp16 only)
+        if not full and dtype in (torch.float16, torch.bfloat16):
+            native = dtype
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
             if max_len < 0:
