@@ -546,8 +546,12 @@ def test_sink_tokens_work_in_every_generate_mode_and_need_the_kernel():
         cache = kvcache.PagedCache(config=model.config, sink_tokens=2)
         out = _generate(model, cache, "kvcache", **make(ids, mask))
         assert out.sequences.shape[1] > ids.shape[1]
-    with pytest.raises(ValueError, match="sink_tokens=2 needs the kernel's attention"):
+    with pytest.raises(ValueError, match=r"sink_tokens=2 needs the kernel's attention .*set_attn_implementation"):
         _generate(model, kvcache.PagedCache(config=model.config, sink_tokens=2), "sdpa", input_ids=ids[:1])
+    # a cache built without config= cannot see the model's attention: the error says so (an outside-in probe:
+    # it told the user to set the attention implementation they had set)
+    with pytest.raises(ValueError, match=r"sink_tokens=2 needs the kernel's attention .*without config="):
+        _generate(model, kvcache.PagedCache(sink_tokens=2), "kvcache", input_ids=ids[:1])
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "kvcache"])

@@ -274,6 +274,14 @@ def test_engine_residual_pools_shrink_and_tokens_stay(monkeypatch):
 def test_bad_residual_arguments():
     with pytest.raises(ValueError, match=r"residual_length=-1 and residual_sink_tokens=0 must be >= 0"):
         kvcache.PagedCache(kv_format="int8", residual_length=-1, num_layers=1)
+    # (outside-in probes: 1.5 and True were taken as 1, and kv_format=123 failed in re's words)
+    for bad in (1.5, True, "16"):
+        with pytest.raises(TypeError, match=rf"residual_length={bad!r} must be an int"):
+            kvcache.PagedCache(kv_format="int8", residual_length=bad, num_layers=1)
+    with pytest.raises(TypeError, match=r"residual_sink_tokens=2.0 must be an int"):
+        kvcache.PagedCache(kv_format="int8", residual_sink_tokens=2.0, num_layers=1)
+    with pytest.raises(TypeError, match=r"kv_format: a KV format is a str .* got 123 \(int\)"):
+        kvcache.PagedCache(kv_format=123, num_layers=1)
     with pytest.raises(ValueError, match=r"sink_tokens=4 .* cannot be combined with residual pages"):
         kvcache.PagedCache(kv_format="int8", residual_length=16, sink_tokens=4, num_layers=1)
     # full precision has nothing to keep: no residual pools, no label

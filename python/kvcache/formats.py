@@ -183,6 +183,9 @@ class KVFormat:
             if text not in _TORCH_NAMES:
                 raise ValueError(f"dtype {text} is not a KV storage dtype")
             return cls(_TORCH_NAMES[text])
+        if not isinstance(text, str):
+            raise TypeError(f"a KV format is a str (e.g. 'int8'), a KVFormat, a CacheFormat or a torch dtype, got "
+                            f"{text!r} ({type(text).__name__})")
         m = re.fullmatch(r"\s*([a-z0-9_]+)\s*(?:\((.*)\))?\s*", text)
         if not m:
             raise ValueError(f"cannot parse KV format {text!r}; e.g. 'int8', 'int4(group=64)', 'fp8_e4m3(scale=0.1)'")

@@ -275,11 +275,15 @@ class PagedCache(Cache):
     The cache reads like DynamicCache: ``cache.layers[i].keys`` / ``.values`` are a layer's K/V (a copy read
     from the pages), ``get_seq_length``, ``crop``, ``reorder_cache``, ``batch_select_indices`` and
     ``copy.deepcopy`` / ``copy.copy`` (both an independent cache, copy-on-write pages) act on every layer at
-    once. It does not pickle (a ``TypeError`` that says what to use instead).
+    once. (With a quantized format's full-precision window the copies share the window's complete pages: the
+    first copy to let such a page age out of its window quantizes it for both, so the other reads those tokens
+    quantized; in full precision or with ``residual_length=0`` the copies are independent in every bit.) It does not pickle (a ``TypeError`` that says what to use instead).
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
-            which attention implementation the model uses. Without it, layers are created as they come.
+            which attention implementation the model uses. Without it, layers are created as they come and
+            the cache hands the model dense K/V (so ``"kvcache"`` attention falls back to SDPA over them:
+            correct, but not reading the pages in place, and ``sink_tokens`` is refused).
         page_size: tokens per page (a power of two).
         kv_format: storage format of K and V, e.g. ``"int8"``, ``"k=int8,v=int4"``,
             :class:`kvcache.CacheFormat`; default: the model's dtype (full precision).
@@ -291,7 +295,8 @@ class PagedCache(Cache):
             stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
             pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 (HF's default,
             KIVI's window), the accurate configuration; ``0`` quantizes every token as it is written (KIVI
-            formats still keep the page being written in full precision).
+            formats, and any format with ``residual_sink_tokens``, still keep the page being written in full
+            precision until it is complete).
         residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
@@ -405,8 +410,11 @@ class PagedCache(Cache):
         batch, _, q_len, _ = key_states.shape
         pending = self._take_padding(layer_idx)
         if self.sink_tokens and not self.fused:
-            raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention: "
-                             f"model.set_attn_implementation('kvcache') (transformers' masks have no sinks)")
+            why = ("this cache was built without config=, so it cannot see the model's attention: "
+                   "PagedCache(config=model.config, ...)" if self.config is None else
+                   "model.set_attn_implementation('kvcache') before the cache's first forward")
+            raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention (transformers' masks "
+                             f"have no sinks): {why}")
         if not self.rows:
             self._start_rows(batch, q_len, layer.length, pending)
             try:  # a first forward that fails here (a full pool, a format the layer's width refuses) leaves
@@ -565,8 +573,11 @@ class PagedCache(Cache):
 
     def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
         """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
-        transformers < 5.14 convention) keeps the first ``n``. Exact for every format: the dropped slots
-        are simply rewritten later. A hybrid model's conv states are cropped by transformers' own layers
+        transformers < 5.14 convention) keeps the first ``n``. The kept tokens read as before, and the dropped
+        slots are simply rewritten later: in full precision or with ``residual_length=0`` the cache is then
+        bit for bit one that never held the dropped tokens. With a full-precision window, kept tokens that had
+        aged out of it before the crop stay quantized (their page is reopened with its dequantized values), where
+        a cache that never held the dropped tokens would still hold them in full precision. A hybrid model's conv states are cropped by transformers' own layers
         (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
         back, so cropping tokens then raises a ValueError."""
         if tokens_to_remove is None:  # older keyword names

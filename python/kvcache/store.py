@@ -46,11 +46,17 @@ class PagedStore:
                  residual_sink_tokens: int = 0):
         if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be positive")
+        for name, value in (("residual_length", residual_length), ("residual_sink_tokens", residual_sink_tokens)):
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
+                raise TypeError(f"{name}={value!r} must be an int (tokens)")
         if (residual_length or 0) < 0 or residual_sink_tokens < 0:
             raise ValueError(f"residual_length={residual_length} and residual_sink_tokens={residual_sink_tokens} "
                              f"must be >= 0")
         self.page_size = int(page_size)
-        self.kv_format = None if kv_format is None else CacheFormat.parse(kv_format)
+        try:
+            self.kv_format = None if kv_format is None else CacheFormat.parse(kv_format)
+        except TypeError as e:
+            raise TypeError(f"kv_format: {e}") from None
         if self.kv_format is not None and self.kv_format.family is None:
             raise ValueError(f"kv_format={str(kv_format)!r}: K and V must both be full precision, both quantized "
                              f"(int8, fp8, int4: e.g. 'k=int8,v=int4') or both KIVI (e.g. 'k=kivi2,v=kivi4'); the "
