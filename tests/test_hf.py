@@ -392,6 +392,45 @@ def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
     assert n == 39 and cache.stats()["dynamic_cache_bytes"] == n * per_token
 
 
+@pytest.mark.parametrize("fmt", ["int8", "kivi2"])
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_deepcopy_of_a_quantized_cache_does_not_depend_on_the_original(fmt, impl):
+    """A copy of a cache with a full-precision window reads the same, and continues to the same logits, whether
+    or not the original went on first (an outside-in probe: the original sealed the pages they shared, and the
+    copy then read quantized the tokens of its own window). Rows that shared a page share its copy; every
+    block goes back to the allocator."""
+    model = _model("llama-d32")  # (KIVI: head_dim a multiple of 32)
+    model.set_attn_implementation(impl)
+    g = torch.Generator().manual_seed(3)
+    prompt, more, next_ids = (torch.randint(0, 128, (2, n), generator=g) for n in (40, 30, 5))
+
+    def forward(cache, ids):
+        with torch.no_grad():
+            return model(ids, past_key_values=cache).logits
+
+    def copy_then(original_goes_on: bool):
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt, residual_length=16, page_size=8)
+        forward(cache, prompt)
+        forward(cache, next_ids[:, :1])  # seals the pages older than the window: (40 - 16) // 8 = 3
+        cache.reorder_cache(torch.tensor([0, 0]))  # both rows share every page, as beams do
+        other = copy.deepcopy(cache)
+        assert torch.equal(other.rows[0].blocks, other.rows[1].blocks)
+        assert torch.equal(other.rows[0].blocks[:3], cache.rows[0].blocks[:3])  # sealed pages: still shared
+        assert not set(other.rows[0].blocks[3:].tolist()) & set(cache.rows[0].blocks.tolist())
+        keys = other.layers[0].keys
+        if original_goes_on:  # (the second forward seals the pages 30 tokens pushed out of the window)
+            forward(cache, more)
+            forward(cache, next_ids[:, :1])
+        assert torch.equal(other.layers[0].keys, keys)
+        logits = forward(other, next_ids)
+        alloc = cache.store.allocator
+        cache.free(), other.free()
+        assert alloc.num_free == alloc.num_blocks
+        return logits
+
+    assert torch.equal(copy_then(True), copy_then(False))
+
+
 def test_deepcopy_reuse_and_multi_turn():
     """The documented prefix-reuse pattern: deepcopy a prompt cache per request; and one cache across turns."""
     model = _model("qwen2")

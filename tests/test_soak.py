@@ -409,7 +409,8 @@ def test_paged_cache_soak(values, request, name, kv_format, residual, sinks, hos
             elif op < 0.88:                                  # cache a row's tokens for later requests
                 row = rng.randrange(len(req.rows))
                 req.cache.save_prefix(torch.tensor(req.rows[row]), row)
-            else:                                            # finished
+            else:                                            # finished: its first row cached, as an Engine does
+                req.cache.save_prefix(torch.tensor(req.rows[0]), 0)
                 drop(req)
         except kvcache.OutOfBlocksError:
             events["out_of_blocks"] += 1

@@ -275,9 +275,8 @@ class PagedCache(Cache):
     The cache reads like DynamicCache: ``cache.layers[i].keys`` / ``.values`` are a layer's K/V (a copy read
     from the pages), ``get_seq_length``, ``crop``, ``reorder_cache``, ``batch_select_indices`` and
     ``copy.deepcopy`` / ``copy.copy`` (both an independent cache, copy-on-write pages) act on every layer at
-    once. (With a quantized format's full-precision window the copies share the window's complete pages: the
-    first copy to let such a page age out of its window quantizes it for both, so the other reads those tokens
-    quantized; in full precision or with ``residual_length=0`` the copies are independent in every bit.) It does not pickle (a ``TypeError`` that says what to use instead).
+    once (with a quantized format, the copy takes its own copy of the full-precision window's pages: shared,
+    the first copy to let such a page age out of its window would quantize it for both). It does not pickle (a ``TypeError`` that says what to use instead).
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
@@ -635,7 +634,8 @@ class PagedCache(Cache):
                         "Redis tier keep prompts' pages across processes")
 
     def __deepcopy__(self, memo) -> "PagedCache":
-        """An independent copy that shares the pages copy-on-write (no data is copied until a write)."""
+        """An independent copy that shares the pages copy-on-write (no data is copied until a write), but for
+        a quantized format's open (full-precision) pages past the sinks, which it copies (:meth:`_own_open_pages`)."""
         other = object.__new__(type(self))  # (copy.copy is this method now)
         other.__dict__.update(self.__dict__)
         other.layers = []
@@ -647,10 +647,55 @@ class PagedCache(Cache):
             new_layer.cache = other
             other.layers.append(new_layer)
         other.rows = [self.store.allocator.fork(seq) for seq in self.rows]
+        try:
+            other._own_open_pages()
+        except BaseException:  # (OutOfBlocksError in a bounded pool) the copy's rows go back now, not when the
+            other._release_rows()  # cycle collector reaches it (its layers point back at it)
+            raise
         other.pads = list(self.pads)
         other._plan, other._planned_ahead = None, False
         other._graph = {layer: list(segments) for layer, segments in self._graph.items()}
         return other
+
+    def _own_open_pages(self) -> None:
+        """For a fresh copy: its rows' open pages past the sinks, and every page after the first of them, move
+        to blocks of its own (one per shared block, so rows that shared a page still do). NOTE: shared, the
+        first copy to let such a page age out of its window would seal it, and the other copy would then read
+        quantized the tokens its own window holds in full precision (an outside-in probe: a copy's logits
+        depended on whether the original had been continued first). Sealed pages stay shared: they never
+        change (a page that gets tokens again is copied before it is written)."""
+        residual, alloc = self.store.residual, self.store.allocator
+        if residual is None or not self.rows:
+            return
+        tails = []  # per row: its first page to copy
+        for seq in self.rows:
+            blocks = seq.blocks.tolist()
+            tails.append(next((p for p in range(residual.sink_pages, len(blocks)) if blocks[p] in residual.slot_of),
+                              len(blocks)))
+        old = list(dict.fromkeys(b for seq, p0 in zip(self.rows, tails) for b in seq.blocks[p0:].tolist()))
+        if not old:
+            return
+        new = alloc.allocate(len(old))  # (all or nothing: OutOfBlocksError)
+        pairs = torch.stack([torch.tensor(old, dtype=torch.int64), new.to(torch.int64)], dim=1)
+        try:
+            self.store.copy_blocks(pairs)
+        except BaseException:
+            alloc.free(new)
+            raise
+        new_of = dict(zip(old, new.tolist()))
+        extra = []  # references beyond the one allocate gave each new block
+        seen = set()
+        for seq, p0 in zip(self.rows, tails):
+            tail = seq.blocks[p0:].tolist()
+            if not tail:
+                continue
+            alloc.free(seq.blocks[p0:])  # the fork's references to the shared blocks (the source still holds them)
+            mapped = [new_of[b] for b in tail]
+            extra += [b for b in mapped if b in seen]
+            seen.update(mapped)
+            seq.blocks = torch.cat([seq.blocks[:p0], torch.tensor(mapped, dtype=torch.int32)])
+        if extra:
+            alloc.share(extra)
 
     def __del__(self):
         try:
