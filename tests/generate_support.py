@@ -27,7 +27,7 @@ MODES = {
 
 
 def generate(model, cache, impl, new_tokens: int = 8, **kwargs):
-    model.set_attn_implementation(impl)
+    use_attention(model, impl)
     torch.manual_seed(2)
     with torch.no_grad():
         return model.generate(past_key_values=cache, max_new_tokens=new_tokens, return_dict_in_generate=True,
@@ -36,3 +36,16 @@ def generate(model, cache, impl, new_tokens: int = 8, **kwargs):
 
 def max_diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+def use_attention(model, impl: str) -> None:
+    """model.set_attn_implementation(impl), skipping the test where the model cannot switch: transformers 4.57
+    only prints a message for classes that do not go through its AttentionInterface (StableLM, Qwen2-MoE), and
+    the model stays on SDPA (an outside-in probe: the "kvcache" cases of those classes compared SDPA with SDPA)."""
+    import pytest
+    import transformers
+
+    model.set_attn_implementation(impl)
+    if model.config._attn_implementation != impl:
+        pytest.skip(f"{type(model).__name__} cannot switch to attn_implementation={impl!r} in transformers "
+                    f"{transformers.__version__} (it stays on {model.config._attn_implementation!r})")
