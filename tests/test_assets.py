@@ -78,7 +78,7 @@ def gguf_path():
     try:
         return assets.smollm2_gguf_path(download=False)
     except assets.AssetUnavailable:
-        asset_missing("SmolLM2 is not cached (python benchmarks/assets.py downloads it once)")
+        asset_missing("SmolLM2 is not cached (python -m kvcache.assets downloads it once)")
 
 
 def test_smollm2_gguf_is_the_pinned_file(gguf_path):

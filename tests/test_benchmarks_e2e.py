@@ -157,13 +157,13 @@ def test_shared_prefix_prompts_from_real_text():
     try:
         gguf = smollm2_gguf_path(download=False)
     except AssetUnavailable:
-        asset_missing("SmolLM2 is not cached (python benchmarks/assets.py downloads it once)")
+        asset_missing("SmolLM2 is not cached (python -m kvcache.assets downloads it once)")
     pytest.importorskip("gguf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     try:
         prompts, others, sources = e2e.shared_prefix_prompts(tokenizer, 4, 128, 16)
     except AssetUnavailable:
-        asset_missing("the Devil's Dictionary text is not cached (python benchmarks/assets.py --text devil)")
+        asset_missing("the Devil's Dictionary text is not cached (python -m kvcache.assets --text devil)")
     assert len(prompts) == len(others) == 4 and all(len(p) == 144 for p in prompts + others)
     assert prompts[0][0] == tokenizer.bos_token_id and len({tuple(p) for p in prompts + others}) == 8
     assert e2e._shared_prefix_length(prompts) >= 128

