@@ -99,12 +99,13 @@ def memory_demo() -> None:
     llama3_8b = memory.KVShape(num_layers=32, num_kv_heads=8, head_dim=128)
     # the format's own count per (token, kv head), scales included (int8: an fp32 scale per row; int4: an fp16
     # scale and zero per 32 dims)
-    mixed = kvcache.CacheFormat.parse("k=int8,v=int4").bytes_per_token_head(128, 16) * 32 * 8
+    mixed = (kvcache.CacheFormat.parse("k=int8,v=int4").bytes_per_token_head(llama3_8b.head_dim, 16)
+             * llama3_8b.num_layers * llama3_8b.num_kv_heads)
     codes = memory.bytes_per_token(llama3_8b, k_bits=8, v_bits=4)
     print(f"Llama-3-8B geometry: {memory.format_bytes(memory.bytes_per_token(llama3_8b, dtype='bfloat16'))} per token "
           f"(bf16); 8192 tokens = {memory.format_bytes(memory.cache_bytes(llama3_8b, 8192, dtype='bfloat16'))}; "
-          f"int8 K + int4 V: {memory.format_bytes(mixed)} per token (codes {memory.format_bytes(codes)}, the rest scales "
-          f"and zero points)")
+          f"int8 K + int4 V: {memory.format_bytes(mixed)} per token (codes {memory.format_bytes(codes)}, the rest "
+          f"scales and zero points)")
     torch.manual_seed(0)
     lengths = (torch.distributions.LogNormal(6.0, 1.0).sample((64,)).clamp(16, 4096)).int().tolist()
     paged = memory.paged_memory(llama3_8b, lengths, page_size=16, dtype="bfloat16")

@@ -276,7 +276,8 @@ class PagedCache(Cache):
     from the pages), ``get_seq_length``, ``crop``, ``reorder_cache``, ``batch_select_indices`` and
     ``copy.deepcopy`` / ``copy.copy`` (both an independent cache, copy-on-write pages) act on every layer at
     once (with a quantized format, the copy takes its own copy of the full-precision window's pages: shared,
-    the first copy to let such a page age out of its window would quantize it for both). It does not pickle (a ``TypeError`` that says what to use instead).
+    the first copy to let such a page age out of its window would quantize it for both). It does not pickle
+    (a ``TypeError`` that says what to use instead).
 
     Args:
         config: the model config (``model.config``): gives the number of layers and lets the cache see
@@ -576,8 +577,8 @@ class PagedCache(Cache):
         slots are simply rewritten later: in full precision or with ``residual_length=0`` the cache is then
         bit for bit one that never held the dropped tokens. With a full-precision window, kept tokens that had
         aged out of it before the crop stay quantized (their page is reopened with its dequantized values), where
-        a cache that never held the dropped tokens would still hold them in full precision. A hybrid model's conv states are cropped by transformers' own layers
-        (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
+        a cache that never held the dropped tokens would still hold them in full precision. A hybrid model's conv
+        states are cropped by transformers' own layers (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
         back, so cropping tokens then raises a ValueError."""
         if tokens_to_remove is None:  # older keyword names
             tokens_to_remove = next((kwargs[k] for k in ("max_length", "maximum_length") if k in kwargs), None)
@@ -667,12 +668,13 @@ class PagedCache(Cache):
         residual, alloc = self.store.residual, self.store.allocator
         if residual is None or not self.rows:
             return
-        tails = []  # per row: its first page to copy
+        starts = []  # per row: its first page to copy
         for seq in self.rows:
             blocks = seq.blocks.tolist()
-            tails.append(next((p for p in range(residual.sink_pages, len(blocks)) if blocks[p] in residual.slot_of),
-                              len(blocks)))
-        old = list(dict.fromkeys(b for seq, p0 in zip(self.rows, tails) for b in seq.blocks[p0:].tolist()))
+            starts.append(next((p for p in range(residual.sink_pages, len(blocks)) if blocks[p] in residual.slot_of),
+                               len(blocks)))
+        tails = [seq.blocks[p0:] for seq, p0 in zip(self.rows, starts)]
+        old = list(dict.fromkeys(b for tail in tails for b in tail.tolist()))
         if not old:
             return
         new = alloc.allocate(len(old))  # (all or nothing: OutOfBlocksError)
@@ -683,19 +685,12 @@ class PagedCache(Cache):
             alloc.free(new)
             raise
         new_of = dict(zip(old, new.tolist()))
-        extra = []  # references beyond the one allocate gave each new block
-        seen = set()
-        for seq, p0 in zip(self.rows, tails):
-            tail = seq.blocks[p0:].tolist()
-            if not tail:
-                continue
-            alloc.free(seq.blocks[p0:])  # the fork's references to the shared blocks (the source still holds them)
-            mapped = [new_of[b] for b in tail]
-            extra += [b for b in mapped if b in seen]
-            seen.update(mapped)
-            seq.blocks = torch.cat([seq.blocks[:p0], torch.tensor(mapped, dtype=torch.int32)])
-        if extra:
-            alloc.share(extra)
+        mapped = [torch.tensor([new_of[b] for b in tail.tolist()], dtype=torch.int32) for tail in tails]
+        alloc.share(torch.cat(mapped))  # one reference per row holding a new block; then allocate's goes
+        alloc.free(new)
+        alloc.free(torch.cat(tails))    # the fork's references to the shared blocks (the source still holds them)
+        for seq, p0, blocks in zip(self.rows, starts, mapped):
+            seq.blocks = torch.cat([seq.blocks[:p0], blocks])
 
     def __del__(self):
         try:

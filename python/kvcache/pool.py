@@ -195,9 +195,8 @@ class KVPool:
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"gather: dtype must be a floating-point torch.dtype, got {dtype!r}")
         full = [t.dtype for t, f in ((self.k, self.format.k), (self.v, self.format.v)) if not f.quantized]
-        native = full[0] if full else torch.float32  # (the op dequantizes to float32, bf16 or fp16 only)
-        if not full and dtype in (torch.float16, torch.bfloat16):
-            native = dtype
+        # (the op dequantizes to float32, bf16 or fp16 only; other dtypes are converted to from float32)
+        native = full[0] if full else dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
             if max_len < 0:
