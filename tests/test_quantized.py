@@ -96,8 +96,13 @@ def test_attention_reads_codes_in_registers(isa, fmt, q_dtype, q_heads):
         assert_lse_rule(*attention_vs_reference(pool, deq, table, lens, cu, q, window))
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("fmt", ["int8", "int4", "k=int8,v=int8(hadamard)", "k=int4(hadamard),v=fp8_e5m2(hadamard)"])
+BYTE_PATH_CALLS = [(fmt, dim) for dim in (64, 128) for fmt in
+                   ("int8", "int4", "k=int8,v=int8(hadamard)", "k=int4(hadamard),v=fp8_e5m2(hadamard)")]
+# head dims that are multiples of 64 but not of 128: AVX2's int4 q.k once read two groups past the row there
+BYTE_PATH_CALLS += [("int4", 192), ("k=int4,v=int8", 192), ("int4", 320), ("int8", 192)]
+
+
+@pytest.mark.parametrize("fmt, dim", BYTE_PATH_CALLS, ids=lambda x: str(x))
 def test_byte_paths_hold_the_rule_over_many_queries_and_scales(integer_build, fmt, dim):
     # The integer dot products of a bf16 query round the query to integers. With one int8 level per row
     # (max|q| / 254 per dim, ~6x bf16's rounding) a fuzzer found calls over the rule, and 10-25% of these

@@ -385,10 +385,12 @@ struct ScoreI4Avx2 {
   }
   static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
                      float /*scale*/, vf rows[R]) {
-    if (D == 64) return scores_n<2>(q, D, krow, kmeta, rows);
+    // NOTE: by 4 groups only where they tile the row: at head_dim 192, 320, ... the last load of 4 read two
+    // groups past the key and the query (another row's codes, or scratch never written).
+    if (D % 128 != 0) return scores_n<2>(q, D, krow, kmeta, rows);
     scores_n<4>(q, D, krow, kmeta, rows);
   }
-  /// kGroups: groups per metadata load, 4 (head_dim % 128 == 0) or 2 (head_dim 64).
+  /// kGroups: groups per metadata load, 4 (head_dim % 128 == 0) or 2 (the other multiples of 64).
   template <int kGroups>
   static void scores_n(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* kmeta,
                        vf rows[R]) {
