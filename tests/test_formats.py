@@ -18,6 +18,21 @@ def test_text_round_trips(text):
     assert KVFormat.parse(str(fmt)) == fmt
 
 
+@pytest.mark.parametrize("scale", [0.1234567, 0.1234568, 1 / 3, 2.5e-5, 3e38, 1.0])
+def test_fp8_scale_text_is_the_stored_float32(scale):
+    # The text names the float32 the pools store: scales that store differently print differently (":g"
+    # printed 0.1234567 and 0.1234568 alike, one prefix-cache namespace for two formats), scales that store
+    # alike print alike, and the text reads back as the same float32.
+    fmt = KVFormat("fp8_e4m3", scale=scale)
+    back = KVFormat.parse(str(fmt))
+    assert str(back) == str(fmt)
+    f32 = torch.tensor(scale, dtype=torch.float32)
+    assert torch.equal(torch.tensor(back.scale, dtype=torch.float32), f32)
+    nudged = torch.nextafter(f32, torch.tensor(float("inf"))).item()
+    assert str(KVFormat("fp8_e4m3", scale=nudged)) != str(fmt)
+    assert str(KVFormat("fp8_e4m3", scale=f32.item())) == str(fmt)
+
+
 def test_cache_format_text():
     assert str(CacheFormat.parse("int8")) == "int8"
     both = CacheFormat.parse("k=int4(group=64),v=int8")

@@ -16,9 +16,21 @@ text form is canonical and round-trips through :func:`parse`.
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 
 import torch
+
+def _float32_text(x: float) -> str:
+    """The shortest text that reads back as the float32 the pools store for ``x``: canonical (two scales the
+    pools store alike print alike) and round-tripping (``:g``'s 6 digits merged different float32 scales)."""
+    x32 = struct.unpack("<f", struct.pack("<f", x))[0]
+    for digits in range(1, 10):  # (9 significant digits always read back as the same float32)
+        text = f"{x32:.{digits}g}"
+        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == x32:
+            return text
+    return repr(x32)
+
 
 # name -> (bits per element, granularity of its scales)
 _KINDS = {
@@ -170,7 +182,7 @@ class KVFormat:
         if self.grouped and self.group != 32:
             args.append(f"group={self.group}")
         if self.scale is not None:
-            args.append(f"scale={self.scale:g}")
+            args.append(f"scale={_float32_text(float(self.scale))}")
         if self.hadamard:
             args.append("hadamard")
         return self.kind + (f"({','.join(args)})" if args else "")
