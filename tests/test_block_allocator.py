@@ -119,6 +119,10 @@ def test_exhaustion_raises_out_of_blocks_and_changes_nothing():
     ("negative_append", ValueError, r"num_tokens = -1 must be >= 0 \(tokens to make room for\)"),
     ("negative_allocate", ValueError, r"num_blocks = -1 must be >= 0"),
     ("refcount_range", IndexError, r"block = 8 is not a block id"),
+    # a float id in a list was truncated (free([1.5]) freed block 1), where a float tensor is refused
+    ("float_id_free", TypeError, r"blocks must be .* sequence of ints, got an element 1.5 \(float\)"),
+    ("float_id_share", TypeError, r"blocks must be .* sequence of ints, got an element 0.9 \(float\)"),
+    ("float_refcount", TypeError, r"'float' object cannot be interpreted as an integer"),
 ])
 def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
     alloc = kvcache.BlockAllocator(8, 4)
@@ -136,6 +140,9 @@ def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
         "negative_append": lambda: alloc.append(alloc.sequence(), -1),
         "negative_allocate": lambda: alloc.allocate(-1),
         "refcount_range": lambda: alloc.refcount(8),
+        "float_id_free": lambda: alloc.free([0, 1.5]),
+        "float_id_share": lambda: alloc.share([0.9]),
+        "float_refcount": lambda: alloc.refcount(1.5),
     }
     expect_rejected(alloc, exc, match, calls[case])
 

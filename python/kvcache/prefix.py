@@ -42,6 +42,7 @@ torch's custom-class call overhead (a few microseconds per call, more than a mat
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
@@ -70,10 +71,19 @@ def _ids(values, name: str) -> torch.Tensor:
         return values
     if isinstance(values, Sequence):
         return values.blocks
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a 1-D tensor or a sequence of ints, got {type(values).__name__}")
+    ids = []
+    for v in values:
+        try:
+            ids.append(operator.index(v))  # (a float is refused: torch.tensor(..., dtype=int64) truncates 1.5 to 1)
+        except TypeError:
+            raise TypeError(f"{name} must be a 1-D tensor or a sequence of ints, got an element {v!r} "
+                            f"({type(v).__name__})") from None
     try:
-        return torch.tensor(list(values), dtype=torch.int64).view(-1)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(f"{name} must be a 1-D tensor or a sequence of ints, got {type(values).__name__}") from err
+        return torch.tensor(ids, dtype=torch.int64)
+    except (RuntimeError, OverflowError) as err:  # (an int past int64)
+        raise TypeError(f"{name} must be a 1-D tensor or a sequence of ints that fit int64") from err
 
 
 def _pool_list(pools) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -238,7 +248,7 @@ class BlockAllocator:
         return self._free(_ids(blocks, "blocks"))
 
     def refcount(self, block: int) -> int:
-        return self.native.refcount(int(block))
+        return self.native.refcount(operator.index(block))
 
     # ---- sequences ------------------------------------------------------------------------------
     def sequence(self, prefix: Match | None = None) -> Sequence:
@@ -286,7 +296,7 @@ class BlockAllocator:
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Blocks ``free`` / ``used`` / ``shared``, ``references``, tokens ``filled`` and ``waste_tokens``
+        """Blocks ``free`` / ``used`` / ``shared``, ``references``, tokens ``filled_tokens`` and ``waste_tokens``
         (internal fragmentation of sequences: reserved but unwritten slots), ``waste_fraction`` of the
         used slots, and the byte figures when ``bytes_per_block`` was given."""
         s = dict(self.native.stats())
