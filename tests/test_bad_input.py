@@ -464,3 +464,18 @@ def test_sequence_from_a_match_with_the_wrong_block_count(length, count):
     assert alloc.stats() == before
     alloc.release(seq)
     assert alloc.num_free == 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+def test_a_pool_on_a_missing_cuda_device_is_not_reported_as_out_of_memory():
+    # (an outside-in probe: "which cuda could not allocate: Found no NVIDIA driver" as a MemoryError)
+    with pytest.raises(RuntimeError, match=r"device='cuda', but this torch sees no CUDA device"):
+        kvcache.KVPool.allocate(4, 16, 2, 64, "int8", device="cuda")
+
+
+def test_mla_attention_names_its_missing_scale():
+    pool = kvcache.KVPool.allocate(4, 4, 1, 8, torch.float32, v_head_dim=2)
+    with pytest.raises(TypeError, match=r"mla_attention: scale must be a float .* it has no default"):
+        kvcache.mla_attention(torch.randn(1, 2, 8), torch.randn(1, 2, 2), pool.k, pool.v,
+                              torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([0, 1], dtype=torch.int32), None)

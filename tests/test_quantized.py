@@ -371,3 +371,36 @@ def test_pool_gather_takes_any_float_dtype(fmt):
         kd, vd = pool.gather(table, lens, dtype=dtype)
         assert kd.dtype == vd.dtype == dtype
         assert torch.equal(kd, k.to(dtype)) and torch.equal(vd, v.to(dtype))
+
+
+@pytest.mark.parametrize("fmt", ["k=int8,v=bf16", "k=bf16,v=int8", "k=int4,v=fp16", "int8", "bf16"])
+def test_gather_wrappers_default_to_the_full_precision_side(fmt):
+    # kvcache.paged_gather / paged_gather_ragged without out= size their outputs in the full-precision side's
+    # dtype, as KVPool.gather does (they took K's format alone and refused k=int8,v=bf16: float32 outputs)
+    pool = kvcache.KVPool.allocate(2, 16, 2, 64, fmt)
+    x = torch.randn(1, 2, 20, 64).to(torch.float16 if "fp16" in fmt else torch.bfloat16)
+    pool.append(x, x, torch.arange(20).view(1, 20))
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    want = pool.gather(table, lens)
+    got = kvcache.paged_gather(pool.k, pool.v, table, lens, **pool.op_kwargs())
+    ragged = kvcache.paged_gather_ragged(pool.k, pool.v, table, torch.tensor([0, 20], dtype=torch.int32),
+                                         **pool.op_kwargs())
+    for w, g, r in zip(want, got, ragged):
+        assert g.dtype == r.dtype == w.dtype
+        assert torch.equal(g, w) and torch.equal(r, w[0].transpose(0, 1))
+
+
+def test_pool_gather_compiles_fullgraph_with_its_default_max_len():
+    # max_len defaults to max(seq_lens), a data-dependent size: the negative-length check must not branch on
+    # it while tracing (it ended the fullgraph trace)
+    pool = kvcache.KVPool.allocate(4, 16, 2, 64, "int8")
+    x = torch.randn(1, 2, 20, 64)
+    pool.append(x, x, torch.arange(20).view(1, 20))
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+
+    def gather(table, lens):
+        k, v = pool.gather(table, lens)
+        return k.sum() + 2 * v.sum()
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(gather, fullgraph=True, backend="aot_eager")(table, lens), gather(table, lens))

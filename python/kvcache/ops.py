@@ -131,7 +131,7 @@ def paged_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: tor
             raise ValueError(f"max_len = {max_len} must be >= 0")
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
         shape = (seq_lens.shape[0], heads, max_len)
-        dtype = k_cache.dtype if k_format == 0 else torch.float32  # quantized pools dequantize to float32
+        dtype = _gather_dtype(k_cache, v_cache, k_format, v_format)
         out = (k_cache.new_empty(shape + (k_dim,), dtype=dtype), v_cache.new_empty(shape + (v_dim,), dtype=dtype))
     try:
         _ops.paged_gather.default(k_cache, v_cache, block_tables, seq_lens, out[0], out[1], k_scale, v_scale, k_format,
@@ -155,7 +155,7 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     if out is None:
         total = max(0, int(cu_seq_lens[-1])) if cu_seq_lens.numel() else 0  # (a negative total: the op names it)
         k_dim, v_dim, heads = _row_widths(k_cache, v_cache, k_format, v_format)
-        dtype = k_cache.dtype if k_format == 0 else torch.float32
+        dtype = _gather_dtype(k_cache, v_cache, k_format, v_format)
         out = (k_cache.new_empty((total, heads, k_dim), dtype=dtype), v_cache.new_empty((total, heads, v_dim), dtype=dtype))
     try:
         _ops.paged_gather_ragged.default(k_cache, v_cache, block_tables, cu_seq_lens, out[0], out[1], k_scale, v_scale,
@@ -164,6 +164,14 @@ def paged_gather_ragged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
         _name_bad_int(k_format=k_format, v_format=v_format)
         raise
     return out
+
+
+def _gather_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, k_format: int, v_format: int) -> torch.dtype:
+    """The gathers' output dtype: that of the full-precision side (``k=int8,v=bf16`` gives V's bf16 for both),
+    float32 when both sides are quantized (they dequantize to it)."""
+    if k_format == 0:
+        return k_cache.dtype
+    return v_cache.dtype if v_format == 0 else torch.float32
 
 
 def _row_widths(k_cache: torch.Tensor, v_cache: torch.Tensor, k_format: int, v_format: int) -> tuple[int, int, int]:
@@ -229,7 +237,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Causal masking is aligned bottom-right: query ``i`` of a sequence with ``q_len`` queries and
     ``seq_len`` tokens is at position ``seq_len - q_len + i``, so one query is a decode step and
     many are a prefill chunk; a batch may mix both. GQA/MQA: query head ``h`` reads KV head
-    ``h // (q_heads // kv_heads)``.
+    ``h // (q_heads // kv_heads)``. K and V are both full precision or both quantized (``k_format`` and
+    ``v_format`` both 0 or both not; a mix is refused).
+
+    Inference only: the op has no backward, so the output of a query that requires grad does not.
     """
     _name_bad_float(scale=scale, softcap=softcap)
     scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
@@ -284,6 +295,8 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, k_cache: torch.T
     >>> torch.allclose(out[0], torch.softmax(s, -1) @ c[0, 0], atol=1e-5)
     True
     """
+    if scale is None:  # (no head_dim ** -0.5 default: the latent's width is not the model's head_dim)
+        raise TypeError("mla_attention: scale must be a float (the model's softmax scale); it has no default")
     _name_bad_float(scale=scale)
     if out is None:
         out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)

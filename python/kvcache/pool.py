@@ -89,6 +89,9 @@ class KVPool:
             if f.grouped and dim % 32:
                 raise ValueError(f"{role.upper()} rows: {name}={dim} must be a multiple of 32 for {f.kind} "
                                  f"({role}_format={f} keeps its scales per 32 dims)")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():  # (not a lack of memory)
+            raise RuntimeError(f"KVPool.allocate: device={str(device)!r}, but this torch sees no CUDA device "
+                               f"(torch.cuda.is_available() is False; torch {torch.__version__})")
         tensors = {}
         try:
             for role, f in (("k", fmt.k), ("v", fmt.v)):
@@ -199,7 +202,9 @@ class KVPool:
         native = full[0] if full else dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
         if max_len is None:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-            if max_len < 0:
+            if torch.compiler.is_compiling():  # (a data-dependent length: `if` on it would end a fullgraph trace)
+                torch._check(max_len >= 0)
+            elif max_len < 0:
                 raise ValueError(f"gather: seq_lens holds a negative length ({max_len}); lengths are >= 0")
         elif not torch.compiler.is_compiling() and (isinstance(max_len, bool) or not hasattr(max_len, "__index__")
                                                      or max_len < 0):
@@ -251,7 +256,9 @@ class KVPool:
 
     def attention(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   cu_q_lens: torch.Tensor, scale: float | None = None, **kwargs):
-        """:func:`kvcache.paged_attention` over this pool (K/V dequantized in registers)."""
+        """:func:`kvcache.paged_attention` over this pool (K/V dequantized in registers). Pools that mix a
+        full-precision side with a quantized one (``k=int8,v=bf16``) store and gather, but attention reads K and V
+        both full precision or both quantized, and refuses them. No backward (inference only)."""
         return ops.paged_attention(query, self.k, self.v, block_tables, seq_lens, cu_q_lens, scale,
                                    **kwargs, **self._cached()[2])
 
