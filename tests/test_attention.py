@@ -233,6 +233,21 @@ def test_merge_states_matches_reference(dtype):
     assert v[1, 1].eq(0).all() and lse[1, 1] == float("-inf")
 
 
+def test_merge_states_keeps_a_nan_state_nan():
+    # A NaN lse (a state computed from NaN scores) makes its merged row NaN, in the kernel and the reference
+    # alike: the reference's nan_to_num, meant for two empty sets, turned it into zeros (an outside-in probe).
+    v_a, v_b = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    lse_a, lse_b = torch.randn(3, 2), torch.randn(3, 2)
+    lse_a[0, 1] = float("nan")
+    lse_a[2, 0] = lse_b[2, 0] = float("-inf")
+    v, lse = kvcache.merge_states(v_a, lse_a, v_b, lse_b)
+    v_ref, lse_ref = torch.empty_like(v_a), torch.empty_like(lse_a)
+    ref.merge_states(v_a, lse_a, v_b, lse_b, v_ref, lse_ref)
+    assert v[0, 1].isnan().all() and v_ref[0, 1].isnan().all() and lse[0, 1].isnan() and lse_ref[0, 1].isnan()
+    assert v[2, 0].eq(0).all() and v_ref[2, 0].eq(0).all()
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-6, equal_nan=True)
+
+
 # ---- opcheck ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_lse", [False, True])

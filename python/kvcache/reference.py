@@ -176,8 +176,9 @@ def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_
                  v_out: torch.Tensor, lse_out: torch.Tensor) -> None:
     """The state over the union of two disjoint key sets: weights exp(lse_x - lse), lse = logaddexp."""
     lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).nan_to_num(0.0).unsqueeze(-1)   # -inf - -inf: both empty -> 0
-    w_b = torch.exp(lse_b - lse).nan_to_num(0.0).unsqueeze(-1)
+    empty = lse == -torch.inf  # both sets empty: weights 0 (not -inf - -inf = NaN); a NaN or +inf lse stays NaN
+    w_a = torch.where(empty, 0.0, torch.exp(lse_a - lse)).unsqueeze(-1)
+    w_b = torch.where(empty, 0.0, torch.exp(lse_b - lse)).unsqueeze(-1)
     v_out.copy_(w_a * v_a.float() + w_b * v_b.float())
     lse_out.copy_(lse)
 
