@@ -76,6 +76,28 @@ def test_generate_matches_dynamic_cache(model, impl, mode):
     assert got.past_key_values is cache and cache.get_seq_length() == got.sequences.shape[1] - 1
 
 
+@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+def test_kvcache_attention_over_transformers_own_caches_matches_sdpa(model, cache_implementation):
+    """The "kvcache" attention with a cache that is not a PagedCache goes through PyTorch's attention, and must
+    place each query where it is. A StaticCache hands back its whole preallocated buffer (a sliding-window
+    model's static layers: the window's buffer), so its keys do not end at the last query: the 2-D padding mask
+    with bottom-right causality attended unfilled slots (an outside-in probe: 0.86 off at the prefill)."""
+    kwargs = dict(zip(("input_ids", "attention_mask"), _inputs()))
+    run = dict(cache_implementation=cache_implementation, do_sample=False, **kwargs)
+    if cache_implementation == "static":
+        run["cache_config"] = {"max_cache_len": kwargs["input_ids"].shape[1] + 16}
+    try:
+        ref = _generate(model, None, "sdpa", **run)
+    except (ValueError, TypeError, NotImplementedError) as err:  # (a model transformers gives no such cache)
+        pytest.skip(f"transformers {transformers.__version__} has no {cache_implementation} cache for "
+                    f"{type(model).__name__}: {err}")
+    got = _generate(model, None, "kvcache", **run)
+    assert type(got.past_key_values) is type(ref.past_key_values)
+    assert not isinstance(got.past_key_values, kvcache.PagedCache)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert _max_diff(ref, got) <= 1e-5
+
+
 def test_fused_path_reads_the_pages_without_gathering(monkeypatch):
     """With "kvcache" attention and left padding, no layer ever falls back to a gathered copy."""
     model = _model("llama")

@@ -18,7 +18,9 @@ __all__ = ["kvcache_attention", "kvcache_mask"]
 
 def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, **kwargs):
     """Mask function of the ``"kvcache"`` implementation: the 2-D padding mask (or None when nothing is
-    padded); causality, windows and sinks are the kernel's. Leaves the padding for the cache's update."""
+    padded); causality, windows and sinks are the kernel's. Leaves the padding for the cache's update. Where
+    the keys do not end at the last query (a static cache's preallocated buffer) or the mask is chunked, the
+    whole 4-D mask, for PyTorch's attention."""
     from transformers import masking_utils
 
     config = kwargs.get("config")
@@ -35,7 +37,37 @@ def kvcache_mask(batch_size, *args, attention_mask: torch.Tensor | None = None, 
         # the whole mask, which sends these layers through PyTorch's attention over the pages
         return masking_utils.sdpa_mask(batch_size, *args, attention_mask=attention_mask,
                                        **{**kwargs, "allow_is_causal_skip": False})
+    if not _queries_end_at_keys_end(args, kwargs):
+        # keys that do not end at the last query (transformers' StaticCache and static sliding windows: the
+        # whole preallocated buffer, unfilled slots included): the 2-D padding mask and bottom-right causality
+        # would attend slots the prompt has not reached; the whole mask places every query where it is
+        return masking_utils.sdpa_mask(batch_size, *args, attention_mask=attention_mask, **kwargs)
     return mask
+
+
+def _queries_end_at_keys_end(args: tuple, kwargs: dict) -> bool:
+    """Whether the mask's last query sits at its last key (the alignment the kernel and the 2-D padding mask
+    assume), from the sizes transformers hands the mask function: ``q_length, kv_length, q_offset, kv_offset``
+    (5.4+) or ``cache_position, kv_length, kv_offset`` (4.57 - 5.3)."""
+    given = dict(kwargs)
+    if args:
+        names = (("cache_position", "kv_length", "kv_offset") if torch.is_tensor(args[0]) else
+                 ("q_length", "kv_length", "q_offset", "kv_offset"))
+        given.update(zip(names, args))
+    kv_end = given.get("kv_length")
+    if kv_end is None:
+        return True
+    kv_end = kv_end + given.get("kv_offset", 0)
+    if "q_length" in given:
+        q_offset = given.get("q_offset", 0)
+        # (a static layer hands a tensor offset: its keys are the whole buffer, so the whole mask in any case)
+        return not torch.is_tensor(q_offset) and q_offset + given["q_length"] == kv_end
+    positions = given.get("cache_position")
+    if not torch.is_tensor(positions) or positions.numel() == 0:
+        return True
+    if torch.compiler.is_compiling():
+        return False  # (no host read under compile: the whole mask is right whatever the alignment)
+    return int(positions[-1]) + 1 == kv_end
 
 
 @torch.compiler.disable
