@@ -74,3 +74,33 @@ def test_paged_cache_and_engine_show_tokens_bytes_and_hits():
     assert cells["last generate"] == f"2 requests, {st['prompt_tokens']} prompt tokens, 4 generated"
     assert cells["prefix hits"] == f"{st['prefix_hit_tokens']} tokens ({100 * st['prefix_hit_rate']:.1f}%)"
     assert st["prefix_hit_tokens"] > 0
+
+
+def test_reprs_are_one_short_line_without_the_tensors():
+    """repr() of a pool or a step plan says what it is in one line; the dataclass default printed every page."""
+    pool = kvcache.KVPool.allocate(64, 16, 8, 128, "int8")
+    text = repr(pool)
+    assert text == (f"KVPool(format=int8, num_blocks=64, page_size=16, num_kv_heads=8, head_dim=128, device=cpu, "
+                    "2.1 MiB)")
+    assert pool.nbytes == 64 * 16 * 8 * 2 * (128 + 4)    # int8 codes + a float32 scale per (token, head)
+    mla = kvcache.KVPool.allocate(4, 16, 1, 576, "bf16", v_head_dim=512)
+    assert "head_dim=576, v_head_dim=512" in repr(mla) and "\n" not in repr(mla)
+
+    kivi = kvcache.KIVIPool.allocate(32, 16, 2, 64, "kivi2", residual_blocks=4, window=32)
+    text = repr(kivi)
+    assert text.startswith("KIVIPool(format=kivi2, num_blocks=32, residual_blocks=4, page_size=16, ")
+    assert "window=32" in text and "torch.bfloat16" in text and "\n" not in text and "tensor(" not in text
+    cells = _cells(kivi._repr_html_())
+    assert cells["sealed blocks x page_size"] == "32 x 16"
+    assert cells["full-precision window"] == "32 tokens + 0 sink pages"
+
+    alloc = kvcache.BlockAllocator(64, 16)
+    rows = [alloc.sequence(), alloc.sequence()]
+    for seq, n in zip(rows, (40, 700)):
+        alloc.append(seq, n)
+    from kvcache.step import plan_step
+
+    plan = plan_step(rows, [39, 699], [1, 1], packed=False, page_size=16)
+    text = repr(plan)
+    assert text == (f"StepPlan(batch=2, length=0, q_len=1, slot_mapping=[2, 1], stored_queries=2, "
+                    f"num_blocks={plan.num_blocks}, version=0, device=cpu)")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import residual as res
+from . import _html, residual as res
 from .formats import CacheFormat
 from .pool import KVPool
 from .residual import ResidualPages
@@ -91,6 +91,23 @@ class KIVIPool:
     @property
     def nbytes(self) -> int:
         return self.sealed.nbytes + self.residual.nbytes
+
+    def __repr__(self) -> str:
+        return (f"KIVIPool(format={self.format}, num_blocks={self.sealed.num_blocks}, "
+                f"residual_blocks={self.residual.num_blocks}, page_size={self.page_size}, "
+                f"num_kv_heads={self.sealed.num_kv_heads}, head_dim={self.sealed.head_dim}, window={self.window}, "
+                f"sink_pages={self.sink_pages}, residual dtype={self.residual.k.dtype}, "
+                f"device={self.sealed.k.device}, {_html.human_bytes(self.nbytes)})")
+
+    def _repr_html_(self) -> str:
+        return _html.table("kvcache.KIVIPool", {
+            "format": str(self.format),
+            "sealed blocks x page_size": f"{self.sealed.num_blocks} x {self.page_size}",
+            "full-precision blocks": f"{self.residual.num_blocks} ({self.residual.k.dtype})",
+            "kv heads x head_dim": f"{self.sealed.num_kv_heads} x {self.sealed.head_dim}",
+            "full-precision window": f"{self.window} tokens + {self.sink_pages} sink pages",
+            "bytes": f"{_html.human_bytes(self.nbytes)} (sealed {_html.human_bytes(self.sealed.nbytes)})",
+        }, "one layer")
 
     def sealed_pages(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
         """Number of sealed (quantized) pages of each sequence."""

@@ -288,6 +288,13 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
+    def __repr__(self) -> str:  # (the dataclass's would print every page)
+        widths = f"head_dim={self.head_dim}" + ("" if self.v_head_dim == self.head_dim else
+                                               f", v_head_dim={self.v_head_dim}")
+        return (f"KVPool(format={self.format}, num_blocks={self.num_blocks}, page_size={self.page_size}, "
+                f"num_kv_heads={self.num_kv_heads}, {widths}, device={self.k.device}, "
+                f"{_html.human_bytes(self.nbytes)})")
+
     def _repr_html_(self) -> str:
         slots = self.num_blocks * self.page_size
         values = slots * self.num_kv_heads * (self.head_dim + self.v_head_dim)

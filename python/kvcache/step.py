@@ -42,6 +42,12 @@ class StepPlan:
     _kernel_plans: dict = field(default_factory=dict, repr=False)
     _host: tuple | None = field(default=None, repr=False)  # the index tensors on the host, for kernel_plan
 
+    def __repr__(self) -> str:  # (the dataclass's would print every index tensor)
+        return (f"StepPlan(batch={self.seq_lens.shape[0]}, length={self.length}, q_len={self.q_len}, "
+                f"slot_mapping={list(self.slot_mapping.shape)}, stored_queries={int(self.cu_q_lens[-1])}, "
+                f"num_blocks={self.num_blocks}, version={self.version}"
+                f"{', residual' if self.residual is not None else ''}, device={self.slot_mapping.device})")
+
     def on(self, device: torch.device) -> "StepPlan":
         """The plan with its tensors on ``device`` (layers may live on different devices)."""
         if self.slot_mapping.device == device:
