@@ -96,6 +96,16 @@ def test_heatmap_shows_the_array():
         viz.heatmap([[0.0, -1.0]], log=True)
 
 
+def test_heatmap_and_occupancy_take_torch_tensors_in_any_dtype():
+    """numpy cannot read a bfloat16 tensor: a per-(layer, head) error computed in the model's dtype drew nothing."""
+    torch = pytest.importorskip("torch")
+    errors = torch.tensor([[0.5, 1.0, 2.0], [4.0, 8.0, 16.0]], dtype=torch.bfloat16, requires_grad=True)
+    image = viz.heatmap(errors * 1, log=True).axes[0].images[0]
+    assert image.get_array().shape == (2, 3) and float(image.get_array()[1, 2]) == 16.0
+    data = viz.occupancy(torch.tensor([[-1, 0, 0], [1, 0, -1]], dtype=torch.int32)).axes[0].images[0].get_array()
+    assert data.shape == (3, 2) and bool(data.mask[0, 0]) and not data.mask[1, 0]
+
+
 def test_occupancy_masks_free_blocks():
     owners = [[-1, 0, 0], [1, 0, -1]]          # 2 steps x 3 blocks
     fig = viz.occupancy(owners)

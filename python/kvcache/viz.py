@@ -51,6 +51,13 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _host_floats(values):
+    """A torch tensor as float32 on the host (numpy has no bfloat16, and cannot read device memory)."""
+    if hasattr(values, "detach") and hasattr(values, "float"):
+        return values.detach().float().cpu()
+    return values
+
+
 def _check_series(x: Sequence, series: Mapping, x_name: str = "x") -> None:
     if not isinstance(series, Mapping) or not series:
         raise ValueError("series must be a non-empty mapping of label -> values")
@@ -130,7 +137,7 @@ def heatmap(values, *, xlabel: str = "", ylabel: str = "", title: str = "", colo
     """A 2-D array (rows drawn top to bottom) as a colour image, e.g. error per (layer, head)."""
     import numpy as np
 
-    data = np.asarray(values, dtype=float)
+    data = np.asarray(_host_floats(values), dtype=float)
     if data.ndim != 2 or 0 in data.shape:
         raise ValueError(f"values must be a non-empty 2-D array, got shape {tuple(data.shape)}")
     fig, ax = _figure(figsize)
@@ -160,7 +167,7 @@ def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "b
             step = next(t for t, w in enumerate(widths) if w != widths[0])
             raise ValueError(f"owners must have the same number of blocks at every step: step 0 has {widths[0]}, "
                              f"step {step} has {widths[step]}")
-    grid = np.asarray(owners, dtype=float)
+    grid = np.asarray(_host_floats(owners), dtype=float)
     if grid.ndim != 2 or 0 in grid.shape:
         raise ValueError(f"owners must be a non-empty [steps, blocks] array, got shape {tuple(grid.shape)}")
     plt = _pyplot()
