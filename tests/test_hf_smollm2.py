@@ -46,6 +46,14 @@ def test_smollm2_dense_is_bit_identical_and_kernel_gives_the_same_64_tokens(smol
     assert worst <= 1e-5  # fp32 kernel vs PyTorch SDPA: summation order only
 
 
+def test_demo_refuses_a_max_new_tokens_below_one(capsys):
+    from kvcache import demo
+
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(["--max-new-tokens", "0"])
+    assert exit_.value.code == 2 and "--max-new-tokens: must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_demo_ops_tour_runs(capsys):
     from kvcache import demo
 

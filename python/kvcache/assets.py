@@ -19,7 +19,7 @@ Everything downloaded lives outside the repository, in ``$KVCACHE_ASSETS`` (defa
     from kvcache.assets import load_smollm2, real_token_ids, capture_attention_inputs
     model, tokenizer = load_smollm2()
     ids, source = real_token_ids(tokenizer, 2048)
-    layers = capture_attention_inputs(model, ids)   # per layer: post-RoPE q, k and v, [tokens, heads, 64]
+    layers, logits = capture_attention_inputs(model, ids)   # per layer: post-RoPE q, k and v, [tokens, heads, 64]
 """
 
 from __future__ import annotations
