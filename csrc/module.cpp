@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/attention_cpu.h"
+#include "attention/attention_cpu_gemm.h"
 #include "core/host_reads.h"
 #include "direct_calls.h"
 #include "core/quant.h"
@@ -95,4 +96,15 @@ PYBIND11_MODULE(_C, m) {
     }
     throw py::value_error("unknown instruction set '" + name + "'; use avx512bf16, avx512, avx2 or generic");
   });
+  // Chunked prefill over bf16 pages with a bf16 query through MKL's bf16 GEMM (avx512bf16 kernel):
+  // "auto" (on CPUs with AMX-BF16), "on" (wherever torch's MKL has it: the tests' second path) or "off".
+  m.def("set_cpu_bf16_gemm", [](const std::string& mode) {
+    static const char* kModes[] = {"auto", "off", "on"};
+    for (int i = 0; i < 3; ++i) {
+      if (mode == kModes[i]) return kvcache::cpu::set_bf16_gemm(i - 1);
+    }
+    throw py::value_error("unknown mode '" + mode + "'; use auto, on or off");
+  });
+  m.def("cpu_bf16_gemm", [] { return kvcache::cpu::bf16_gemm() != nullptr; });
+  m.def("cpu_bf16_gemm_available", [] { return kvcache::cpu::bf16_gemm_available(); });
 }

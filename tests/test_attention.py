@@ -7,6 +7,7 @@ error of the same computation done by PyTorch in the input precision, plus the d
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,6 +350,28 @@ def test_bad_merge_states_arguments():
         kvcache.merge_states(v, lse, v.double(), lse)
     with pytest.raises(TypeError, match=r"lse tensors must be float32"):
         kvcache.merge_states(v, lse.double(), v, lse)
+
+
+def test_bf16_gemm_prefill_is_the_default_only_where_the_cpu_has_amx():
+    """The avx512bf16 build hands a bf16 prefill to MKL's bf16 GEMM by default on CPUs with AMX-BF16 (tile units
+    the register kernel does not use: 5x its prefill on a Xeon with AMX) and keeps its own elsewhere (on Zen 5
+    its bf16 dot products outran torch's BLAS). The tests' "avx512bf16+bf16gemm" build runs it on any CPU."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    amx = "amx_bf16" in cpuinfo.read_text().split()
+    c = kvcache._C
+    assert c.cpu_bf16_gemm() == (amx and c.cpu_bf16_gemm_available())
+    try:
+        c.set_cpu_bf16_gemm("off")
+        assert not c.cpu_bf16_gemm()
+        c.set_cpu_bf16_gemm("on")
+        assert c.cpu_bf16_gemm() == c.cpu_bf16_gemm_available()
+    finally:
+        c.set_cpu_bf16_gemm("auto")
+    assert c.cpu_bf16_gemm() == (amx and c.cpu_bf16_gemm_available())
+    with pytest.raises(ValueError, match="unknown mode 'fast'; use auto, on or off"):
+        c.set_cpu_bf16_gemm("fast")
 
 
 def test_cpu_isa_names_the_kernel_build_in_use():

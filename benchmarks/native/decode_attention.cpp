@@ -357,7 +357,7 @@ int main(int argc, char** argv) {
   const double kv_bytes = double(big_pool.k.size() + big_pool.v.size());
 
   auto per_key_ns = [&](double t, int64_t b, int64_t n) { return t * 1e9 * threads / double(b * n * H); };
-  auto full = [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) { run_task(a, t, p, nullptr); };
+  auto full = [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) { run_task(a, t, p, kvcache::cpu::Blas{}); };
 
   std::printf("kind %s, batch %lld x %lld tokens, group %lld, head_dim %lld, %d threads, K+V %.2f GiB\n",
               kind_name.c_str(), (long long)batch, (long long)ctx, (long long)group, (long long)D, threads,

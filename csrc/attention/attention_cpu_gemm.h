@@ -14,4 +14,24 @@ using GemmF32 = void (*)(bool b_transposed, int64_t m, int64_t n, int64_t k, con
 /// none (defined in attention_cpu.cpp; the MLA kernel uses it too).
 GemmF32 blas_gemm();
 
+/// Row-major bf16 x bf16 -> fp32 GEMM, the same contract as GemmF32 with bf16 bits for A and B: products
+/// exact, sums in fp32 (as vdpbf16ps).
+using GemmBf16 = void (*)(bool b_transposed, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+                          const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+/// The BLAS entry points a CPU attention task may take (either may be null: then the register kernel).
+struct Blas {
+  GemmF32 f32 = nullptr;    // fp32 prefill products (non-AVX-512 builds)
+  GemmBf16 bf16 = nullptr;  // bf16 pages with a bf16 query (the avx512bf16 build)
+};
+
+/// MKL's gemm_bf16bf16f32 as a GemmBf16 where the bf16 prefill takes it, else null. By default on CPUs with
+/// AMX-BF16 (tile matrix units, which the register kernel does not use: ~5-10x its products there);
+/// set_bf16_gemm overrides that (the tests run both paths on any CPU).
+GemmBf16 bf16_gemm();
+/// -1: the default above, 0: never, 1: wherever torch's MKL exports the routine.
+void set_bf16_gemm(int mode);
+/// Whether torch's BLAS exports the bf16 GEMM at all.
+bool bf16_gemm_available();
+
 }  // namespace kvcache::cpu

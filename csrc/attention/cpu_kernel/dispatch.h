@@ -118,18 +118,23 @@ bool fast_quantized_pair(const AttentionArgs& a) {
 #endif
 
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
-inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, GemmF32 gemm) {
+inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const Blas& blas) {
   thread_local Scratch scratch;
 #if !defined(__AVX512F__)
-  if (gemm && a.k_kind == KVKind::kFull && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
+  if (const GemmF32 gemm = blas.f32;
+      gemm && a.k_kind == KVKind::kFull && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
     switch (a.kv_dtype) {
       case DType::kFloat32: return run_task_gemm<ReadF32>(a, t, partial, scratch, gemm);
       case DType::kFloat16: return run_task_gemm<ReadF16>(a, t, partial, scratch, gemm);
       default: return run_task_gemm<ReadBF16>(a, t, partial, scratch, gemm);
     }
   }
-#else
-  (void)gemm;
+#endif
+#ifdef __AVX512BF16__
+  if (a.k_kind == KVKind::kFull && a.v_kind == KVKind::kFull && a.kv_dtype == DType::kBFloat16 &&
+      a.q_dtype == DType::kBFloat16 && !a.k_rot && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
+    if (blas.bf16) return run_task_gemm_bf16(a, t, partial, scratch, blas.bf16);
+  }
 #endif
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
   const int64_t rows = int64_t(t.tok_end - t.tok_begin) * a.group;
