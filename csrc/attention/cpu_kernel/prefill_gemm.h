@@ -146,6 +146,23 @@ inline void start_head_rows(const AttentionArgs& a, const AttentionTask& t, int6
   ranges[1][1] = end;
 }
 
+/// The keys [lo, hi) of the block [k0, k1) that a row sees: causal, and inside its window unless the block
+/// is of the sinks (range 0). False when it sees none.
+inline bool visible_in_block(const RowState& st, int range, int64_t k0, int64_t k1, int64_t& lo, int64_t& hi) {
+  lo = range == 0 ? k0 : std::max(k0, st.lo);
+  hi = std::min(k1, st.pos + 1);
+  return lo < hi;
+}
+
+/// Raises a row's running max to `mx` where that is larger, rescaling its sum and output row by exp(old - new).
+inline void raise_max(RowState& st, float mx, float* o_row, int64_t D) {
+  if (mx <= st.m) return;
+  const float alpha = std::exp(st.m - mx);  // 0 on the first visible block
+  st.l *= alpha;
+  for (int64_t d = 0; d < D; ++d) o_row[d] *= alpha;
+  st.m = mx;
+}
+
 #if !defined(__AVX512F__)
 template <class Read>
 void run_task_gemm(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s,
@@ -186,20 +203,12 @@ void run_task_gemm(const AttentionArgs& a, const AttentionTask& t, const Partial
         gemm(true, n, nk, D, q, D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
         for (int64_t r = 0; r < n; ++r) {
           float* srow = &sbuf[r * kGemmKeys];
-          // visible keys of this row in the block: causal, and inside the window unless sinks
-          const int64_t vis_lo = range == 0 ? k0 : std::max(k0, st[r].lo);
-          const int64_t vis_hi = std::min(k1, st[r].pos + 1);
-          if (vis_lo >= vis_hi) {
+          int64_t vis_lo, vis_hi;
+          if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
             std::fill(srow, srow + nk, 0.f);
             continue;
           }
-          const float mx = mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.softcap);
-          if (mx > st[r].m) {
-            const float alpha = std::exp(st[r].m - mx);  // 0 on the first visible block
-            st[r].l *= alpha;
-            for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
-            st[r].m = mx;
-          }
+          raise_max(st[r], mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.softcap), o + r * D, D);
           st[r].l += exp_and_sum(srow, nk, st[r].m);
         }
         gemm(false, n, D, nk, sbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
@@ -285,19 +294,13 @@ inline void run_task_gemm_bf16(const AttentionArgs& a, const AttentionTask& t, c
         gemm(true, n, nk, D, qbuf.data(), D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
         for (int64_t r = 0; r < n; ++r) {
           float* srow = &sbuf[r * kGemmKeys];
-          const int64_t vis_lo = range == 0 ? k0 : std::max(k0, st[r].lo);
-          const int64_t vis_hi = std::min(k1, st[r].pos + 1);
-          if (vis_lo >= vis_hi) {
+          int64_t vis_lo, vis_hi;
+          if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
             std::fill(&pbuf[r * kGemmKeys], &pbuf[r * kGemmKeys] + nk, uint16_t(0));
             continue;
           }
-          const float mx = scale_mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.scale, a.softcap);
-          if (mx > st[r].m) {
-            const float alpha = std::exp(st[r].m - mx);  // 0 on the first visible block
-            st[r].l *= alpha;
-            for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
-            st[r].m = mx;
-          }
+          raise_max(st[r], scale_mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.scale, a.softcap),
+                    o + r * D, D);
           st[r].l += exp_sum_to_bf16(srow, nk, st[r].m, &pbuf[r * kGemmKeys]);
         }
         gemm(false, n, D, nk, pbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
