@@ -107,4 +107,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("cpu_bf16_gemm", [] { return kvcache::cpu::bf16_gemm() != nullptr; });
   m.def("cpu_bf16_gemm_available", [] { return kvcache::cpu::bf16_gemm_available(); });
+  // bf16 and fp8 pages with a bf16 query in the avx512bf16 kernel: vdpbf16ps ("on"), or the fp32 FMAs of the
+  // avx512 kernel ("off"); "auto": off on Intel cores, where vdpbf16ps is the slower of the two.
+  m.def("set_cpu_bf16_dot", [](const std::string& mode) {
+    static const char* kModes[] = {"auto", "off", "on"};
+    for (int i = 0; i < 3; ++i) {
+      if (mode == kModes[i]) return kvcache::cpu::set_bf16_dot(i - 1);
+    }
+    throw py::value_error("unknown mode '" + mode + "'; use auto, on or off");
+  });
+  m.def("cpu_bf16_dot", [] { return kvcache::cpu::bf16_dot(); });
 }

@@ -67,26 +67,32 @@ def backend(request):
 
 # The avx512bf16 build's chunked prefill over bf16 pages with a bf16 query goes through MKL's bf16 GEMM by
 # default on CPUs with AMX-BF16 and through the register kernel elsewhere: both run wherever torch's MKL
-# has the routine ("+bf16gemm" forces the GEMM, the plain build name turns it off).
+# has the routine ("+bf16gemm" forces the GEMM, the plain build name turns it off). Its bf16 and fp8 pages with
+# a bf16 query take vdpbf16ps by default except on Intel cores, the fp32 FMAs of the avx512 build there: both
+# run on any CPU with AVX-512 BF16 (the plain build name forces the dot products, "+fma" turns them off).
 BF16_GEMM = "avx512bf16+bf16gemm"
-KERNEL_BUILDS = SUPPORTED_ISAS + ((BF16_GEMM,) if "avx512bf16" in SUPPORTED_ISAS
-                                  and kvcache._C.cpu_bf16_gemm_available() else ())
+BF16_FMA = "avx512bf16+fma"
+KERNEL_BUILDS = SUPPORTED_ISAS + ((BF16_FMA,) if "avx512bf16" in SUPPORTED_ISAS else ()) + (
+    (BF16_GEMM,) if "avx512bf16" in SUPPORTED_ISAS and kvcache._C.cpu_bf16_gemm_available() else ())
 
 
 @pytest.fixture(params=KERNEL_BUILDS + ((CUDA_EMULATED,) if HAS_CUDA_EMULATION else ()))
 def isa(request):
     """Runs a test once per CPU attention-kernel build this machine supports (and the avx512bf16 build's
-    GEMM prefill), and once on the CUDA kernels under the emulator (every op of the test then runs there)."""
+    GEMM prefill and its FMA path), and once on the CUDA kernels under the emulator (every op of the test then
+    runs there)."""
     before = kvcache._C.cpu_isa()
     if request.param != CUDA_EMULATED:
         kvcache._C.set_cpu_isa(request.param.split("+")[0])
         kvcache._C.set_cpu_bf16_gemm("on" if request.param == BF16_GEMM else "off")
+        kvcache._C.set_cpu_bf16_dot("off" if request.param == BF16_FMA else "on")
     try:
         with ops_backend(request.param):
             yield request.param
     finally:
         kvcache._C.set_cpu_isa(before)
         kvcache._C.set_cpu_bf16_gemm("auto")
+        kvcache._C.set_cpu_bf16_dot("auto")
 
 
 # The builds whose kernels round a bf16 query to integers: AVX-512 BF16 + VNNI (int8 and int4 keys: two 8-bit

@@ -383,3 +383,62 @@ def test_cpu_isa_names_the_kernel_build_in_use():
             assert kvcache.cpu_isa() == name
     finally:
         kvcache._C.set_cpu_isa(before)
+
+
+def test_bf16_dot_products_are_the_default_except_on_intel_cores():
+    """The avx512bf16 build reads bf16 and fp8 pages with a bf16 query through vdpbf16ps by default, except on
+    Intel cores, where that instruction retires one per two cycles against two 16-lane FMAs per cycle and the
+    fp32 FMAs of the avx512 build are faster on the same pages. The tests' "avx512bf16+fma" build runs those."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's vendor from")
+    intel = "GenuineIntel" in cpuinfo.read_text().split()
+    c = kvcache._C
+    assert c.cpu_bf16_dot() == (not intel)
+    try:
+        c.set_cpu_bf16_dot("off")
+        assert not c.cpu_bf16_dot()
+        c.set_cpu_bf16_dot("on")
+        assert c.cpu_bf16_dot()
+    finally:
+        c.set_cpu_bf16_dot("auto")
+    assert c.cpu_bf16_dot() == (not intel)
+    with pytest.raises(ValueError, match="unknown mode 'fast'; use auto, on or off"):
+        c.set_cpu_bf16_dot("fast")
+
+
+@pytest.mark.skipif("avx512bf16" not in SUPPORTED_ISAS, reason="needs a CPU with AVX-512 BF16")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_bf16_build_without_dot_products_is_the_avx512_builds_fma_path(fmt, q_len):
+    """With bf16 dot products off, the avx512bf16 build runs the avx512 build's fp32 FMA policies on bf16 and
+    fp8 pages: the same outputs bit for bit, decode and prefill. With them on, P is rounded to bf16 for
+    vdpbf16ps, so the outputs differ (which shows that the switch is what chose the path)."""
+    g = torch.Generator().manual_seed(3)
+    page, heads, dim, lens = 16, 2, 128, [300, 77]
+    pool = kvcache.KVPool.allocate(64, page, heads, dim, fmt)
+    table = torch.randperm(64, generator=g)[:2 * 20].view(2, 20).to(torch.int32)
+    for b, n in enumerate(lens):
+        k = torch.randn(1, heads, n, dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, heads, n, dim, generator=g).to(torch.bfloat16)
+        pool.append(k, v, pool.layout.token_slots(table[b], torch.arange(n)).view(1, n))
+    q_lens = [min(q_len, n) for n in lens]
+    q = torch.randn(sum(q_lens), heads * 4, dim, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    c = kvcache._C
+    before = c.cpu_isa()
+    outs = {}
+    try:
+        c.set_cpu_bf16_gemm("off")
+        for build, dot in (("avx512", "auto"), ("avx512bf16", "off"), ("avx512bf16", "on")):
+            c.set_cpu_isa(build)
+            c.set_cpu_bf16_dot(dot)
+            outs[build, dot] = pool.attention(q, table, seq_lens, cu, return_lse=True)
+    finally:
+        c.set_cpu_isa(before)
+        c.set_cpu_bf16_dot("auto")
+        c.set_cpu_bf16_gemm("auto")
+    fma, off, on = outs["avx512", "auto"], outs["avx512bf16", "off"], outs["avx512bf16", "on"]
+    assert torch.equal(off[0], fma[0]) and torch.equal(off[1], fma[1])
+    assert not torch.equal(on[1], fma[1]) or not torch.equal(on[0], fma[0])

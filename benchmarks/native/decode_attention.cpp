@@ -357,11 +357,17 @@ int main(int argc, char** argv) {
   const double kv_bytes = double(big_pool.k.size() + big_pool.v.size());
 
   auto per_key_ns = [&](double t, int64_t b, int64_t n) { return t * 1e9 * threads / double(b * n * H); };
-  auto full = [](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) { run_task(a, t, p, kvcache::cpu::Blas{}); };
+  // bf16 and fp8 pages: vdpbf16ps or fp32 FMAs as the library chooses (attention_cpu.cpp, bf16_dot: FMAs on Intel
+  // cores); KVC_BENCH_BF16_DOT=1 or 0 forces one
+  kvcache::cpu::CpuPaths paths;
+  __builtin_cpu_init();
+  paths.bf16_dot = !__builtin_cpu_is("intel");
+  if (const char* e = std::getenv("KVC_BENCH_BF16_DOT")) paths.bf16_dot = std::atoi(e) != 0;
+  auto full = [paths](const AttentionArgs& a, const AttentionTask& t, const PartialStates& p) { run_task(a, t, p, paths); };
 
-  std::printf("kind %s, batch %lld x %lld tokens, group %lld, head_dim %lld, %d threads, K+V %.2f GiB\n",
+  std::printf("kind %s, batch %lld x %lld tokens, group %lld, head_dim %lld, %d threads, K+V %.2f GiB%s\n",
               kind_name.c_str(), (long long)batch, (long long)ctx, (long long)group, (long long)D, threads,
-              kv_bytes / (1 << 30));
+              kv_bytes / (1 << 30), paths.bf16_dot ? "" : ", bf16 dot products off");
   if (std::getenv("KVC_BENCH_HOT_ONLY")) {  // for a profiler: only the step from cache, many times
     const double t0 = now();
     int64_t steps = 0;
@@ -405,12 +411,18 @@ int main(int argc, char** argv) {
     if (kind == KVKind::kFull && dt == DType::kBFloat16) {
       phases<ReadBF16, ReadBF16, ScoreDp<ReadBF16, 4>, PvDp<ReadBF16, 4>>("bf16 dot products", big, small, threads,
                                                                         per_key_ns, batch, ctx, small_ctx);
+      phases<ReadBF16, ReadBF16, ScoreFma<ReadBF16, 4>, PvFma<ReadBF16, 4>>("fp32 FMAs (bf16 dot products off)", big,
+                                                                          small, threads, per_key_ns, batch, ctx,
+                                                                          small_ctx);
     } else if (kind == KVKind::kInt8) {
       phases<ReadI8, ReadI8, ScoreB8<4>, PvB8<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
                                                   small_ctx);
     } else if (kind == KVKind::kFp8E4M3) {
       phases<ReadFp8<true>, ReadFp8<true>, ScoreDp<ReadFp8<true>, 4>, PvDp<ReadFp8<true>, 4>>(
           "bf16 dot products (fp8 read as bf16 by table)", big, small, threads, per_key_ns, batch, ctx, small_ctx);
+      phases<ReadFp8<true>, ReadFp8<true>, ScoreFma<ReadFp8<true>, 4>, PvFma<ReadFp8<true>, 4>>(
+          "fp32 FMAs (fp8 widened through fp16; bf16 dot products off)", big, small, threads, per_key_ns, batch, ctx,
+          small_ctx);
     } else if (kind == KVKind::kInt4) {
       phases<ReadI4, ReadI4, ScoreB4<4>, PvB4<4>>("byte dot products", big, small, threads, per_key_ns, batch, ctx,
                                                   small_ctx);

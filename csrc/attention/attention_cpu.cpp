@@ -36,6 +36,7 @@ namespace {
 
 std::atomic<int> g_isa{-1};  // -1: not chosen yet
 std::atomic<int> g_bf16_gemm{-1};  // set_bf16_gemm's mode
+std::atomic<int> g_bf16_dot{-1};   // set_bf16_dot's mode
 
 /// GemmBf16 on MKL (row-major, so no transposition of the layout).
 void blas_gemm_bf16(bool b_transposed, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
@@ -114,8 +115,8 @@ void run_plan(const AttentionArgs& a, const AttentionTask* tasks, int64_t num_ta
   at::Tensor part_o, part_lse;
   const PartialStates partial = allocate_partials(num_slots, rows_per_slot, a.layout.head_dim, options, &part_o, &part_lse);
   const AttentionTaskFn fn = task_fn();
-  const Blas blas{blas_gemm(), bf16_gemm()};
-  run_dynamic(num_tasks, [&](int64_t i) { fn(a, tasks[i], partial, blas); });
+  const CpuPaths paths{blas_gemm(), bf16_gemm(), bf16_dot()};
+  run_dynamic(num_tasks, [&](int64_t i) { fn(a, tasks[i], partial, paths); });
 
   // Merge the split states of each (sequence, kv head) into the output.
   const int64_t G = a.group, D = a.layout.head_dim;
@@ -211,6 +212,20 @@ GemmBf16 bf16_gemm() {
 void set_bf16_gemm(int mode) {
   TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "set_bf16_gemm: mode must be -1, 0 or 1, got ", mode);
   g_bf16_gemm.store(mode);
+}
+
+bool bf16_dot() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  const int mode = g_bf16_dot.load(std::memory_order_relaxed);
+  return mode < 0 ? !intel : mode > 0;
+}
+
+void set_bf16_dot(int mode) {
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "set_bf16_dot: mode must be -1, 0 or 1, got ", mode);
+  g_bf16_dot.store(mode);
 }
 
 void set_isa(Isa isa) {

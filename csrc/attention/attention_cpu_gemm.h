@@ -19,10 +19,12 @@ GemmF32 blas_gemm();
 using GemmBf16 = void (*)(bool b_transposed, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                           const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
-/// The BLAS entry points a CPU attention task may take (either may be null: then the register kernel).
-struct Blas {
+/// The alternative paths a CPU attention call's tasks may take: BLAS entry points (either may be null: then
+/// the register kernel), and whether the avx512bf16 build multiplies bf16 values with vdpbf16ps.
+struct CpuPaths {
   GemmF32 f32 = nullptr;    // fp32 prefill products (non-AVX-512 builds)
   GemmBf16 bf16 = nullptr;  // bf16 pages with a bf16 query (the avx512bf16 build)
+  bool bf16_dot = true;     // bf16 and fp8 pages with a bf16 query: vdpbf16ps, else fp32 FMAs (avx512bf16 build)
 };
 
 /// MKL's gemm_bf16bf16f32 as a GemmBf16 where the bf16 prefill takes it, else null. By default on CPUs with
@@ -33,5 +35,14 @@ GemmBf16 bf16_gemm();
 void set_bf16_gemm(int mode);
 /// Whether torch's BLAS exports the bf16 GEMM at all.
 bool bf16_gemm_available();
+
+/// Whether the avx512bf16 build takes vdpbf16ps for bf16 and fp8 pages with a bf16 query (else the fp32 FMAs
+/// of the avx512 build, on the same pages). By default everywhere but on Intel cores: there vdpbf16ps retires
+/// one per two cycles against two 16-lane FMAs per cycle, so widening bf16 to fp32 (two shifts) and FMAs
+/// is the faster way to the same exact products (Xeon with AMX, family 6 model 207: q.k of a GQA group of
+/// 4, 128 dims, from L1: 13.2 ns per key with vdpbf16ps, 10.7 with FMAs); on Zen 4 / 5 the dot products win.
+bool bf16_dot();
+/// -1: the default above, 0: never, 1: always (where the build has them).
+void set_bf16_dot(int mode);
 
 }  // namespace kvcache::cpu

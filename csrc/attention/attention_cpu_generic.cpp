@@ -4,7 +4,7 @@
 #include "attention/attention_cpu_isa.h"
 
 namespace kvcache::cpu {
-void run_attention_task_generic(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, const Blas& blas) {
-  generic::run_task(a, t, p, blas);
+void run_attention_task_generic(const AttentionArgs& a, const AttentionTask& t, const PartialStates& p, const CpuPaths& paths) {
+  generic::run_task(a, t, p, paths);
 }
 }  // namespace kvcache::cpu

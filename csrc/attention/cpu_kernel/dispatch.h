@@ -7,6 +7,8 @@
 #error "define KVC_ISA (the namespace of this instruction-set build) before including this header"
 #endif
 
+#include <type_traits>
+
 #include "attention/cpu_kernel/prefill_gemm.h"
 
 namespace kvcache::cpu::KVC_ISA {
@@ -97,6 +99,18 @@ constexpr bool is_kivi_reader = false;
 template <int kBits, bool kKey>
 constexpr bool is_kivi_reader<ReadKivi<kBits, kKey>> = true;
 
+/// Whether FastPolicies of a reader take byte or 16-bit integer dot products (else vdpbf16ps: bf16, fp8).
+template <class Read>
+constexpr bool takes_integer_dots = std::is_same_v<Read, ReadI8> || std::is_same_v<Read, ReadI4> || is_kivi_reader<Read>;
+
+/// FastPolicies with bf16 dot products off (CpuPaths::bf16_dot, by default on Intel cores): the readers
+/// FastPolicies sends to vdpbf16ps take the fp32 FMAs of the avx512 build; the integer formats keep theirs.
+template <class Read, int R>
+struct FastPoliciesFma {
+  using Score = std::conditional_t<takes_integer_dots<Read>, typename FastPolicies<Read, R>::Score, ScoreFma<Read, R>>;
+  using Pv = std::conditional_t<takes_integer_dots<Read>, typename FastPolicies<Read, R>::Pv, PvFma<Read, R>>;
+};
+
 /// Whether a task with quantized K (RK) and V (RV) runs FastPolicies on both sides: a bf16 query (an fp32
 /// or fp16 one keeps the exact fp32 path), head dims the byte policies take (int8 and int4 keys: multiples
 /// of 64, int8 values 64, int4 values 128; KIVI keys and values: 64 or multiples of 128), and for fp8 keys
@@ -118,10 +132,10 @@ bool fast_quantized_pair(const AttentionArgs& a) {
 #endif
 
 /// Runs one task with the kernel that fits its KV dtype and head_dim.
-inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const Blas& blas) {
+inline void run_task(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, const CpuPaths& paths) {
   thread_local Scratch scratch;
 #if !defined(__AVX512F__)
-  if (const GemmF32 gemm = blas.f32;
+  if (const GemmF32 gemm = paths.f32;
       gemm && a.k_kind == KVKind::kFull && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
     switch (a.kv_dtype) {
       case DType::kFloat32: return run_task_gemm<ReadF32>(a, t, partial, scratch, gemm);
@@ -133,7 +147,7 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
 #ifdef __AVX512BF16__
   if (a.k_kind == KVKind::kFull && a.v_kind == KVKind::kFull && a.kv_dtype == DType::kBFloat16 &&
       a.q_dtype == DType::kBFloat16 && !a.k_rot && int64_t(t.tok_end - t.tok_begin) * a.group >= kGemmMinRows) {
-    if (blas.bf16) return run_task_gemm_bf16(a, t, partial, scratch, blas.bf16);
+    if (paths.bf16) return run_task_gemm_bf16(a, t, partial, scratch, paths.bf16);
   }
 #endif
   if (a.layout.head_dim % 32 != 0) return run_task_scalar(a, t, partial, scratch);
@@ -158,6 +172,12 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
       // (fast_quantized_pair), fp32 FMAs otherwise: two kernels per pair of formats, not one per mix.
       if constexpr (is_quantized(SK::kind)) {
         if (fast_quantized_pair<RK, RV>(a)) {
+          if constexpr (!takes_integer_dots<RK> || !takes_integer_dots<RV>) {
+            if (!paths.bf16_dot) {
+              return run_task_vec<RK, RV, typename FastPoliciesFma<RK, R>::Score,
+                                  typename FastPoliciesFma<RV, R>::Pv>(a, t, partial, scratch);
+            }
+          }
           return run_task_vec<RK, RV, typename FastPolicies<RK, R>::Score, typename FastPolicies<RV, R>::Pv>(
               a, t, partial, scratch);
         }
@@ -165,9 +185,9 @@ inline void run_task(const AttentionArgs& a, const AttentionTask& t, const Parti
 #endif
 #ifdef __AVX512BF16__
       // bf16 pages: bf16 dot products only when the query is bf16 too (rounding an fp32 query would lose
-      // precision).
+      // precision), and where they are the faster path (CpuPaths::bf16_dot).
       if constexpr (std::is_same_v<RK, ReadBF16>) {
-        if (a.q_dtype == DType::kBFloat16) {
+        if (a.q_dtype == DType::kBFloat16 && paths.bf16_dot) {
           return run_task_vec<ReadBF16, ReadBF16, ScoreDp<ReadBF16, R>, PvDp<ReadBF16, R>>(a, t, partial, scratch);
         }
       }

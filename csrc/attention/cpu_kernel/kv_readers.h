@@ -113,8 +113,18 @@ struct ReadFp8 {
     return ReadF16::widen16(bits);
   }
   static void chunk(const Elem* row, const uint16_t* /*meta*/, int64_t c, vf& a, vf& b) {
+#if defined(__AVX512BW__)
+    // 32 codes to fp16 bits in one register and two conversions, no round trip through memory (the fp32 FMA
+    // path of Intel cores: q.k of a GQA group of 4 from L1 15.4 ns per key, against 17.0 through widen16)
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+    const __m512i h = kE4M3 ? _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 1), _mm512_set1_epi16(int16_t(0xbfff)))
+                            : _mm512_slli_epi16(w, 8);
+    a = (vf)_mm512_maskz_cvtph_ps(0xffff, _mm512_castsi512_si256(h));
+    b = (vf)_mm512_maskz_cvtph_ps(0xffff, _mm512_extracti64x4_epi64(h, 1));
+#else
     a = widen16(row + 32 * c);
     b = widen16(row + 32 * c + 16);
+#endif
   }
 };
 
