@@ -211,7 +211,7 @@ def prefill_row(q_len: int, prefix: int, dtype: torch.dtype, rounds: int, g: tor
 def markdown(info: dict, decode: list[dict], prefill: list[dict], formats: list[dict]) -> str:
     lines = [
         f"Measured {info['date']} on {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
-        f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`. Decode step of one layer (32 q heads, 32 / group kv heads, "
+        f"kvcache CPU kernel `{info['kvcache_cpu_isa']}`{info['kvcache_cpu_paths']}. Decode step of one layer (32 q heads, 32 / group kv heads, "
         "page 16); bandwidth = K+V bytes / time; read roof = streaming read of 1 GiB, FMA roof = an fp32 "
         "1024^3 matrix product (GFLOP/s), both measured in the same rounds; a step does 4 x 32 x context x head_dim "
         "FLOPs per sequence.",
@@ -282,8 +282,9 @@ def main() -> None:
     configs = [(d, hd, gr, b, c) for d in dtypes for hd in head_dims for gr in groups for b in batches
                for c in contexts if b * c * (Q_HEADS // gr) * hd * d.itemsize <= limit]
     probe, compute = BandwidthProbe(), ComputeProbe()
-    # the kernel's arithmetic on bf16 pages where it takes bf16 dot products
-    bf16_compute = ComputeProbe(dtype=torch.bfloat16) if kvcache._C.cpu_isa() == "avx512bf16" else None
+    # the kernel's arithmetic on bf16 pages where it takes bf16 dot products (not on Intel cores: fp32 FMAs there)
+    bf16_compute = (ComputeProbe(dtype=torch.bfloat16)
+                    if kvcache._C.cpu_isa() == "avx512bf16" and kvcache._C.cpu_bf16_dot() else None)
     info = machine()
     decode, prefill = [], []
     if not args.skip_peers:

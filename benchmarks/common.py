@@ -47,8 +47,20 @@ def machine() -> dict:
         "torch": torch.__version__,
         "kvcache": kvcache.__version__,
         "kvcache_cpu_isa": kvcache._C.cpu_isa(),
+        # the avx512bf16 build's own choices (attention_cpu_gemm.h): bf16 / fp8 pages on vdpbf16ps or fp32 FMAs,
+        # bf16 prefill on MKL's bf16 GEMM or the register kernel
+        "kvcache_cpu_paths": _cpu_paths(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def _cpu_paths() -> str:
+    """" (...)" naming the avx512bf16 build's path choices, "" for the other builds."""
+    if kvcache._C.cpu_isa() != "avx512bf16":
+        return ""
+    dot = "bf16 dot products" if kvcache._C.cpu_bf16_dot() else "fp32 FMAs"
+    gemm = "MKL bf16 GEMM" if kvcache._C.cpu_bf16_gemm() else "register kernel"
+    return f" (bf16 and fp8 pages: {dot}; bf16 chunked prefill: {gemm})"
 
 
 class BandwidthProbe:
