@@ -163,6 +163,21 @@ inline void raise_max(RowState& st, float mx, float* o_row, int64_t D) {
   st.m = mx;
 }
 
+/// The key blocks of a head's two ranges (sinks, then the rest), kGemmKeys keys at most: copy(i, off) for the
+/// block's i-th key at pool offset `off`, then block(range, k0, k1) once the block's rows are copied.
+template <class Copy, class Block>
+void for_each_key_block(const AttentionArgs& a, int64_t h, const int64_t (&ranges)[2][2], const int32_t* table,
+                        Copy&& copy, Block&& block) {
+  const PagedLayout& L = a.layout;
+  for (int range = 0; range < 2; ++range) {
+    for (int64_t k0 = ranges[range][0]; k0 < ranges[range][1]; k0 += kGemmKeys) {
+      const int64_t k1 = std::min(ranges[range][1], k0 + kGemmKeys);
+      for (int64_t j = k0; j < k1; ++j) copy(j - k0, L.token_offset(table[j >> L.page_shift], h, j));
+      block(range, k0, k1);
+    }
+  }
+}
+
 #if !defined(__AVX512F__)
 template <class Read>
 void run_task_gemm(const AttentionArgs& a, const AttentionTask& t, const PartialStates& partial, Scratch& s,
@@ -192,28 +207,25 @@ void run_task_gemm(const AttentionArgs& a, const AttentionTask& t, const Partial
     int64_t ranges[2][2];
     start_head_rows(a, t, h, n, st, [&](int64_t r, int64_t base) { load_query_f32(a, base, q + r * D); },  // scaled
                     ranges);
-    for (int range = 0; range < 2; ++range) {
-      for (int64_t k0 = ranges[range][0]; k0 < ranges[range][1]; k0 += kGemmKeys) {
-        const int64_t k1 = std::min(ranges[range][1], k0 + kGemmKeys), nk = k1 - k0;
-        for (int64_t j = k0; j < k1; ++j) {
-          const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
-          widen_row<Read>(kc + off, D, &kbuf[(j - k0) * D]);
-          widen_row<Read>(vc + off, D, &vbuf[(j - k0) * D]);
+    const auto copy = [&](int64_t i, int64_t off) {
+      widen_row<Read>(kc + off, D, &kbuf[i * D]);
+      widen_row<Read>(vc + off, D, &vbuf[i * D]);
+    };
+    for_each_key_block(a, h, ranges, table, copy, [&](int range, int64_t k0, int64_t k1) {
+      const int64_t nk = k1 - k0;
+      gemm(true, n, nk, D, q, D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
+      for (int64_t r = 0; r < n; ++r) {
+        float* srow = &sbuf[r * kGemmKeys];
+        int64_t vis_lo, vis_hi;
+        if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
+          std::fill(srow, srow + nk, 0.f);
+          continue;
         }
-        gemm(true, n, nk, D, q, D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
-        for (int64_t r = 0; r < n; ++r) {
-          float* srow = &sbuf[r * kGemmKeys];
-          int64_t vis_lo, vis_hi;
-          if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
-            std::fill(srow, srow + nk, 0.f);
-            continue;
-          }
-          raise_max(st[r], mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.softcap), o + r * D, D);
-          st[r].l += exp_and_sum(srow, nk, st[r].m);
-        }
-        gemm(false, n, D, nk, sbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
+        raise_max(st[r], mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.softcap), o + r * D, D);
+        st[r].l += exp_and_sum(srow, nk, st[r].m);
       }
-    }
+      gemm(false, n, D, nk, sbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
+    });
   }
   finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return d; });
 }
@@ -283,29 +295,26 @@ inline void run_task_gemm_bf16(const AttentionArgs& a, const AttentionTask& t, c
     start_head_rows(a, t, h, n, st, [&](int64_t r, int64_t base) {  // the query's own bf16 values, unscaled
       for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = query[base + d * a.q_strides[2]];
     }, ranges);
-    for (int range = 0; range < 2; ++range) {
-      for (int64_t k0 = ranges[range][0]; k0 < ranges[range][1]; k0 += kGemmKeys) {
-        const int64_t k1 = std::min(ranges[range][1], k0 + kGemmKeys), nk = k1 - k0;
-        for (int64_t j = k0; j < k1; ++j) {
-          const int64_t off = L.token_offset(table[j >> L.page_shift], h, j);
-          std::memcpy(&kbuf[(j - k0) * D], kc + off, static_cast<size_t>(D) * sizeof(uint16_t));
-          std::memcpy(&vbuf[(j - k0) * D], vc + off, static_cast<size_t>(D) * sizeof(uint16_t));
+    const auto copy = [&](int64_t i, int64_t off) {
+      std::memcpy(&kbuf[i * D], kc + off, static_cast<size_t>(D) * sizeof(uint16_t));
+      std::memcpy(&vbuf[i * D], vc + off, static_cast<size_t>(D) * sizeof(uint16_t));
+    };
+    for_each_key_block(a, h, ranges, table, copy, [&](int range, int64_t k0, int64_t k1) {
+      const int64_t nk = k1 - k0;
+      gemm(true, n, nk, D, qbuf.data(), D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
+      for (int64_t r = 0; r < n; ++r) {
+        float* srow = &sbuf[r * kGemmKeys];
+        int64_t vis_lo, vis_hi;
+        if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
+          std::fill(&pbuf[r * kGemmKeys], &pbuf[r * kGemmKeys] + nk, uint16_t(0));
+          continue;
         }
-        gemm(true, n, nk, D, qbuf.data(), D, kbuf.data(), D, 0.f, sbuf.data(), kGemmKeys);  // S = Q . K^T
-        for (int64_t r = 0; r < n; ++r) {
-          float* srow = &sbuf[r * kGemmKeys];
-          int64_t vis_lo, vis_hi;
-          if (!visible_in_block(st[r], range, k0, k1, vis_lo, vis_hi)) {
-            std::fill(&pbuf[r * kGemmKeys], &pbuf[r * kGemmKeys] + nk, uint16_t(0));
-            continue;
-          }
-          raise_max(st[r], scale_mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.scale, a.softcap),
-                    o + r * D, D);
-          st[r].l += exp_sum_to_bf16(srow, nk, st[r].m, &pbuf[r * kGemmKeys]);
-        }
-        gemm(false, n, D, nk, pbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
+        raise_max(st[r], scale_mask_and_max(srow, nk, float(vis_lo - k0), float(vis_hi - k0), a.scale, a.softcap),
+                  o + r * D, D);
+        st[r].l += exp_sum_to_bf16(srow, nk, st[r].m, &pbuf[r * kGemmKeys]);
       }
-    }
+      gemm(false, n, D, nk, pbuf.data(), kGemmKeys, vbuf.data(), D, 1.f, o, D);  // O += P . V
+    });
   }
   finish_task(a, t, partial, s, tr, q_start, [](int64_t d) { return d; });
 }
