@@ -90,6 +90,23 @@ def test_engine_sampling_is_seeded_and_stops_at_eos(model):
     assert stop[0].tokens == first[:2]
 
 
+def test_engine_sampling_per_request_does_not_depend_on_the_batch(model):
+    """Each request samples from its own generator (seed, index): the same tokens decoded alone, in one batch, one
+    request at a time, or in a pool so small that requests are preempted; identical prompts get different draws."""
+    prompts = _prompts()[:4]
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=20, seed=11, progress=False)
+    together = [r.tokens for r in kvcache.Engine(model, prefix_cache=False).generate(prompts, **kw)]
+    one_by_one = [r.tokens for r in kvcache.Engine(model, prefix_cache=False, max_batch=1).generate(prompts, **kw)]
+    small = kvcache.Engine(model, prefix_cache=False, page_size=8, max_tokens=8 * 13)
+    squeezed = [r.tokens for r in small.generate(prompts, **kw)]
+    assert small.stats()["preemptions"] > 0  # the pool was too small for all four at once
+    assert one_by_one == together and squeezed == together
+    alone = kvcache.Engine(model, prefix_cache=False).generate(prompts[:1], **kw)[0].tokens
+    assert alone == together[0]
+    twins = kvcache.Engine(model, prefix_cache=False).generate([prompts[0]] * 2, **kw)
+    assert twins[0].tokens == together[0] and twins[1].tokens != twins[0].tokens
+
+
 def test_engine_stops_at_any_eos_id_and_by_default_at_the_generation_configs(model):
     """eos_token_id as HF generate takes it: an int, a list / tuple or a tensor of ids, any of which ends the
     request (kept as its last token); by default the model's generation_config.eos_token_id, as HF stops at."""

@@ -49,6 +49,13 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def _request_seed(seed: int, index: int) -> int:
+    """The seed of request ``index``'s sampling generator: ``seed`` itself for request 0, then steps of an odd 64-bit
+    constant (the golden ratio's), so that nearby seeds and indices give distinct streams; in [0, 2**64), which
+    torch.Generator.manual_seed takes."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+
+
 def _integer(name: str, value, what: str) -> int:
     """``value`` as an int: ints and numpy / torch integer scalars pass. A bool, a float (even ``2.0``) or
     anything else is a TypeError naming the argument: a float would be truncated silently, a bool read as 0 / 1."""
@@ -320,7 +327,10 @@ class Engine:
         which HF generate stops at too, and the tokenizer's ``eos_token_id``.
 
         ``do_sample=True`` samples from the logits divided by ``temperature`` (> 0), among the ``top_k`` most
-        likely tokens (0 or None: all), from a generator seeded with ``seed``.
+        likely tokens (0 or None: all). Each request draws from a generator of its own, seeded from ``seed`` and its
+        index in ``prompts`` (request 0 from ``seed`` itself), so its tokens do not depend on which other requests
+        share its steps: ``max_batch``, the pool's size, preemptions and prefix hits do not change them, only the
+        logits can (in full precision the batched logits equal a request's own to rounding).
 
         Bad input (a prompt without tokens, a token id that is not an int or outside the model's vocabulary, a
         ``max_new_tokens`` that is not an int >= 1, a ``top_k`` that is not None or an int >= 0, a ``temperature``
@@ -352,7 +362,8 @@ class Engine:
         prompts = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         self._check_fits(prompts, max_new_tokens)
         bar = _progress_bar(len(prompts), progress)
-        generator = torch.Generator().manual_seed(seed)
+        generators = [torch.Generator().manual_seed(_request_seed(seed, i)) for i in range(len(prompts))] \
+            if do_sample else None
         waiting = deque((i, Result(p)) for i, p in enumerate(prompts))
         running: list[_Running] = []
         results: list[Result | None] = [None] * len(prompts)
@@ -370,7 +381,8 @@ class Engine:
                     self._admit_waiting(waiting, running, stats)
                 logits = self._forward(running, stats)
                 now = time.perf_counter() - start
-                next_tokens = self._sample(logits, do_sample, temperature, top_k, generator)
+                next_tokens = self._sample(logits, temperature, top_k,
+                                           None if generators is None else [generators[r.index] for r in running])
                 still = []
                 for req, token in zip(running, next_tokens.tolist()):
                     res = req.result
@@ -699,15 +711,18 @@ class Engine:
         return max(peak, n)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
-                generator: torch.Generator) -> torch.Tensor:
-        if not do_sample:
+    def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Row i's next token: greedy (``generators`` None), or drawn with ``generators[i]``, the generator of the
+        request in row i (one draw per row per step, so a request's stream does not depend on its neighbours)."""
+        if generators is None:
             return logits.argmax(dim=-1)
         logits = logits / max(temperature, 1e-5)
         if top_k:
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=generator).squeeze(1)
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
 
     # ---- reporting -------------------------------------------------------------------------------
     def _dense_bytes(self, lengths: list[int]) -> int:
