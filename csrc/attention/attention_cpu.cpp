@@ -66,8 +66,10 @@ int best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    // (the dot-product build also takes byte dot products, AVX512_VNNI: every CPU with BF16 has them)
-    const bool dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    // (the dot-product build also takes byte dot products, AVX512_VNNI, and byte lookups, AVX512_VBMI: every
+    // CPU with BF16 has both but Cooper Lake, which takes the avx512 build)
+    const bool dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+                     __builtin_cpu_supports("avx512vbmi");
     return static_cast<int>(dot ? Isa::kAvx512Bf16 : Isa::kAvx512);
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {

@@ -88,6 +88,13 @@ struct FastPolicies<ReadI4, R> {
   using Score = ScoreB4<R>;
   using Pv = PvB4<R>;
 };
+#ifdef __AVX512VBMI__
+template <bool kE4M3, int R>
+struct FastPolicies<ReadFp8<kE4M3>, R> {  // byte lookups, 64 codes per shuffle (Fp8ByteTables)
+  using Score = ScoreFp8Bytes<kE4M3, R>;
+  using Pv = PvFp8Bytes<kE4M3, R>;
+};
+#endif
 template <int kBits, bool kKey, int R>
 struct FastPolicies<ReadKivi<kBits, kKey>, R> {
   using Score = ScoreKivi<kBits, R>;

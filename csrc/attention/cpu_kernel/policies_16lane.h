@@ -85,9 +85,8 @@ struct Bf16Chunks<ReadBF16> {
 
 /// fp8 codes to bf16 bits by table (Fp8Bf16Table), two vpermt2w lookups of 64 words each: bits 0-5 of a
 /// code pick a word of both halves of the table, bit 6 picks the half, bit 7 is the sign. 7 instructions
-/// per 32 codes, where widening through fp16 and fp32 took 15 and a store-to-load round trip.
-/// NOTE: vpermt2w (AVX-512 BW), not vpermi2b: VBMI is not in this build's flags (Cooper Lake has BF16
-/// without it).
+/// per 32 codes, where widening through fp16 and fp32 took 15 and a store-to-load round trip. The full
+/// 64-dim blocks take byte lookups instead (ScoreFp8Bytes, PvFp8Bytes); this serves a last 32 dims.
 template <bool kE4M3>
 struct Bf16Chunks<ReadFp8<kE4M3>> {
   static __m512i load(const uint8_t* row, int64_t c) {
@@ -99,6 +98,25 @@ struct Bf16Chunks<ReadFp8<kE4M3>> {
     return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
   }
 };
+
+/// Scores of a register block of R rows with bf16 dot products: for each group g of kKeys keys, `body(g, acc)`
+/// fills 16 fp32 accumulators (row r, key j at r kKeys + j), which are reduced, scaled and handed out as rows.
+template <int R, class Body>
+__attribute__((always_inline)) inline void dp_scores(float scale, vf rows[R], Body&& body) {
+  vf part[R];
+#pragma GCC unroll 4
+  for (int g = 0; g < R; ++g) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    body(g, acc);
+    vf accv[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) accv[i] = (vf)acc[i];
+    part[g] = reduce16(accv) * scale;
+  }
+  parts_to_rows<R>(part, rows);
+}
 
 /// bfloat16 queries and keys: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so K
 /// needs no widening at all. The query stays unscaled (its bf16 values exact); scores are scaled after.
@@ -114,29 +132,22 @@ struct ScoreDp {
   static void scores(const float* q, int64_t D, const typename KRead::Elem* const* krow,
                      const uint16_t* const* /*kmeta*/, float scale, vf rows[R]) {
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
-    vf part[R];
+    dp_scores<R>(scale, rows, [&](int g, __m512* acc) __attribute__((always_inline)) {
+      for (int64_t c = 0; c < D / 32; ++c) chunk(qb, D, krow, g, c, acc);
+    });
+  }
+  /// Dims 32 c .. 32 c + 31 of the products of the R rows with keys g kKeys .. (g + 1) kKeys - 1.
+  __attribute__((always_inline)) static void chunk(const uint16_t* qb, int64_t D, const typename KRead::Elem* const* krow,
+                                                   int g, int64_t c, __m512* acc) {
+    __m512bh qv[R];
 #pragma GCC unroll 4
-    for (int g = 0; g < R; ++g) {
-      __m512 acc[16];
+    for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D / 32; ++c) {
-        __m512bh qv[R];
+    for (int j = 0; j < kKeys; ++j) {
+      const __m512bh k = (__m512bh)Bf16Chunks<KRead>::load(krow[g * kKeys + j], c);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 32 * c);
-#pragma GCC unroll 16
-        for (int j = 0; j < kKeys; ++j) {
-          const __m512bh k = (__m512bh)Bf16Chunks<KRead>::load(krow[g * kKeys + j], c);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) acc[r * kKeys + j] = _mm512_dpbf16_ps(acc[r * kKeys + j], qv[r], k);
-        }
-      }
-      vf accv[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) accv[i] = (vf)acc[i];
-      part[g] = reduce16(accv) * scale;
+      for (int r = 0; r < R; ++r) acc[r * kKeys + j] = _mm512_dpbf16_ps(acc[r * kKeys + j], qv[r], k);
     }
-    parts_to_rows<R>(part, rows);
   }
 };
 #endif
@@ -700,16 +711,25 @@ struct PvDp {
     const int64_t c = d / 32, j = d % 32, lane = j / 8, w = j % 8;
     return 32 * c + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
   }
-  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
-                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
-    LocalPrefetcher pf(pf_state);
-    alignas(64) uint32_t pairs[R][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
+  using Pairs = uint32_t[R][kTile / 2];  // (p_2i, p_2i+1) as bf16 pairs
+  __attribute__((always_inline)) static void make_pairs(const float (*p)[kTile], Pairs& pairs) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), (__m256i)pb);
     }
-    for (int64_t c = 0; c < D / 32; ++c) {
+  }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const typename VRead::Elem* const* vrow,
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
+    alignas(64) Pairs pairs;
+    make_pairs(p, pairs);
+    for (int64_t c = 0; c < D / 32; ++c) chunk(o, D, pairs, vrow, c, pf);
+  }
+  /// Dims 32 c .. 32 c + 31 of the R output rows.
+  __attribute__((always_inline)) static void chunk(float* o, int64_t D, const Pairs& pairs,
+                                                   const typename VRead::Elem* const* vrow, int64_t c, Prefetcher& pf) {
+    {
       // NOTE: even and odd key pairs in two accumulator sets, 16 chains of 4 vdpbf16ps: 8 chains of 8 were
       // bound by the instruction's latency (from DRAM: bf16 step 0.91-0.97x as long this way, fp8 0.90x, Zen 5)
       __m512 oa[R], ob[R], oa2[R], ob2[R];
@@ -744,6 +764,141 @@ struct PvDp {
         _mm512_storeu_ps(o + r * D + 32 * c + 16, _mm512_add_ps(ob[r], ob2[r]));
       }
     }
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+/// fp8 codes to bf16, 64 at a time: vpermi2b looks up each code's bf16 low and high byte in two 128-entry byte
+/// tables (Fp8Bf16Table split; code bits 0-6 index, the sign copied into the high byte). Two shuffles per 32
+/// codes where the word table (Bf16Chunks<ReadFp8>) takes three: on Zen 4, which runs a 512-bit shuffle as two
+/// halves, q.k of a GQA group of 4 over 128 dims from L1 took 13.5 ns per key by the word table, 10.5 this way
+/// (bf16 pages: 10.1).
+template <bool kE4M3>
+struct Fp8ByteTables {
+  struct Bytes { alignas(64) uint8_t lo[128], hi[128]; };
+  static constexpr Bytes make() {
+    Bytes t{};
+    for (int c = 0; c < 128; ++c) {
+      t.lo[c] = static_cast<uint8_t>(Fp8Bf16Table<kE4M3>::bits(c) & 0xff);
+      t.hi[c] = static_cast<uint8_t>(Fp8Bf16Table<kE4M3>::bits(c) >> 8);
+    }
+    return t;
+  }
+  static constexpr Bytes kBytes = make();
+  __m512i lo0, lo1, hi0, hi1;
+  Fp8ByteTables()
+      : lo0(_mm512_load_si512(kBytes.lo)), lo1(_mm512_load_si512(kBytes.lo + 64)),
+        hi0(_mm512_load_si512(kBytes.hi)), hi1(_mm512_load_si512(kBytes.hi + 64)) {}
+  /// The low and high bytes of the bf16 values of the 64 codes in x (byte i of each: code i's).
+  __attribute__((always_inline)) void lookup(__m512i x, __m512i& lo, __m512i& hi) const {
+    lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+    // hi | (x & 0x80): the code's sign into the bf16's
+    hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, _mm512_set1_epi8(int8_t(0x80)), 0xf8);
+  }
+};
+
+/// fp8 keys with bf16 dot products, 64 dims per step (Fp8ByteTables): vpunpck{l,h}bw join the low and high
+/// bytes into two vectors of 32 bf16 values, per 128-bit lane L codes 16 L .. 16 L + 7 in the first and
+/// 16 L + 8 .. 16 L + 15 in the second; the query is stored in that order once per task (load_query). A last
+/// 32-dim chunk (head_dim % 64 == 32) goes through the word table in natural order.
+template <bool kE4M3, int R = 4>
+struct ScoreFp8Bytes {
+  static constexpr int kRows = R;
+  static constexpr int kKeys = kTile / R;
+  /// Where dim j (0-63) of a 64-dim block sits in the stored query.
+  static constexpr int64_t slot(int64_t j) { return (j % 16 < 8 ? 0 : 32) + 8 * (j / 16) + j % 8; }
+  static void load_query(const AttentionArgs& a, int64_t base, float* q_row) {
+    uint16_t* qb = reinterpret_cast<uint16_t*>(q_row);  // bf16 bits in the fp32 buffer, as ScoreDp
+    const int64_t D = a.layout.head_dim, full = D / 64 * 64;
+    const uint16_t* q = static_cast<const uint16_t*>(a.query);
+    for (int64_t d = 0; d < D; ++d) qb[d < full ? d - d % 64 + slot(d % 64) : d] = q[base + d * a.q_strides[2]];
+  }
+  static void scores(const float* q, int64_t D, const uint8_t* const* krow, const uint16_t* const* /*kmeta*/,
+                     float scale, vf rows[R]) {
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);  // rows D fp32 = 2 D bf16 apart
+    const Fp8ByteTables<kE4M3> t;
+    dp_scores<R>(scale, rows, [&](int g, __m512* acc) __attribute__((always_inline)) {
+      for (int64_t b = 0; b < D / 64; ++b) {
+        __m512bh qa[R], qz[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          qa[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 64 * b);
+          qz[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + 64 * b + 32);
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeys; ++j) {
+          __m512i lo, hi;
+          t.lookup(_mm512_loadu_si512(krow[g * kKeys + j] + 64 * b), lo, hi);
+          const __m512bh ka = (__m512bh)_mm512_unpacklo_epi8(lo, hi), kz = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc[r * kKeys + j] = _mm512_dpbf16_ps(acc[r * kKeys + j], qa[r], ka);
+            acc[r * kKeys + j] = _mm512_dpbf16_ps(acc[r * kKeys + j], qz[r], kz);
+          }
+        }
+      }
+      // the last 32 dims (head_dim % 64 == 32), natural order
+      if (D % 64 != 0) ScoreDp<ReadFp8<kE4M3>, R>::chunk(qb, D, krow, g, D / 32 - 1, acc);
+    });
+  }
+};
+
+/// fp8 values with bf16 dot products, 64 dims per step: two keys' codes interleaved byte-wise first
+/// (vpunpck{l,h}bw), then one lookup (Fp8ByteTables) and vpunpck{l,h}bw of the low and high bytes give the
+/// (key 2i, key 2i + 1) bf16 pairs vdpbf16ps takes: 10 shuffles per pair of keys and 64 dims where the word
+/// table and the pairing took 16. Outputs per 64-dim chunk as PvB8's: accumulator k lane 4 L + m is dim
+/// 16 L + 4 k + m; a last 32-dim chunk as PvDp's.
+template <bool kE4M3, int R = 4>
+struct PvFp8Bytes {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d, int64_t D) {
+    if (d >= D / 64 * 64) return PvDp<ReadFp8<kE4M3>, R>::storage(d);
+    const int64_t c = d / 64, L = d % 64 / 16, k = d % 16 / 4, m = d % 4;
+    return 64 * c + 16 * k + 4 * L + m;
+  }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    using Tail = PvDp<ReadFp8<kE4M3>, R>;
+    alignas(64) typename Tail::Pairs pairs;
+    Tail::make_pairs(p, pairs);
+    const Fp8ByteTables<kE4M3> t;
+    LocalPrefetcher pf(pf_state);
+    {
+      for (int64_t c = 0; c < D / 64; ++c) {
+        __m512 acc[R][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(o + r * D + 64 * c + 16 * k);
+        }
+#pragma GCC unroll 8
+        for (int jp = 0; jp < kTile / 2; ++jp) {
+          pf.step(4);  // as PvDp: D / 2 steps per tile
+          const __m512i x0 = _mm512_loadu_si512(vrow[2 * jp] + 64 * c), x1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 64 * c);
+          __m512i u[4];
+          __m512i lo, hi;
+          t.lookup(_mm512_unpacklo_epi8(x0, x1), lo, hi);  // dims 16 L + 0..7 of both keys
+          u[0] = _mm512_unpacklo_epi8(lo, hi);
+          u[1] = _mm512_unpackhi_epi8(lo, hi);
+          t.lookup(_mm512_unpackhi_epi8(x0, x1), lo, hi);  // dims 16 L + 8..15
+          u[2] = _mm512_unpacklo_epi8(lo, hi);
+          u[3] = _mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)u[k], pp);
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + r * D + 64 * c + 16 * k, acc[r][k]);
+        }
+      }
+    }
+    if (D % 64 != 0) Tail::chunk(o, D, pairs, vrow, D / 32 - 1, pf);  // the last 32 dims
   }
 };
 #endif
