@@ -729,39 +729,98 @@ struct PvDp {
   /// Dims 32 c .. 32 c + 31 of the R output rows.
   __attribute__((always_inline)) static void chunk(float* o, int64_t D, const Pairs& pairs,
                                                    const typename VRead::Elem* const* vrow, int64_t c, Prefetcher& pf) {
-    {
-      // NOTE: even and odd key pairs in two accumulator sets, 16 chains of 4 vdpbf16ps: 8 chains of 8 were
-      // bound by the instruction's latency (from DRAM: bf16 step 0.91-0.97x as long this way, fp8 0.90x, Zen 5)
-      __m512 oa[R], ob[R], oa2[R], ob2[R];
+    // NOTE: even and odd key pairs in two accumulator sets, 16 chains of 4 vdpbf16ps: 8 chains of 8 were
+    // bound by the instruction's latency (from DRAM: bf16 step 0.91-0.97x as long this way, fp8 0.90x, Zen 5)
+    __m512 oa[R], ob[R], oa2[R], ob2[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      oa[r] = _mm512_loadu_ps(o + r * D + 32 * c);
+      ob[r] = _mm512_loadu_ps(o + r * D + 32 * c + 16);
+      oa2[r] = ob2[r] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int jp = 0; jp < kTile / 2; ++jp) {
+      pf.step(2);
+      const __m512i v0 = Bf16Chunks<VRead>::load(vrow[2 * jp], c);
+      const __m512i v1 = Bf16Chunks<VRead>::load(vrow[2 * jp + 1], c);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        oa[r] = _mm512_loadu_ps(o + r * D + 32 * c);
-        ob[r] = _mm512_loadu_ps(o + r * D + 32 * c + 16);
-        oa2[r] = ob2[r] = _mm512_setzero_ps();
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
+        if (jp % 2 == 0) {
+          oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
+          ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
+        } else {
+          oa2[r] = _mm512_dpbf16_ps(oa2[r], lo, pp);
+          ob2[r] = _mm512_dpbf16_ps(ob2[r], hi, pp);
+        }
       }
-#pragma GCC unroll 8
-      for (int jp = 0; jp < kTile / 2; ++jp) {
-        pf.step(2);
-        const __m512i v0 = Bf16Chunks<VRead>::load(vrow[2 * jp], c);
-        const __m512i v1 = Bf16Chunks<VRead>::load(vrow[2 * jp + 1], c);
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
-        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(o + r * D + 32 * c, _mm512_add_ps(oa[r], oa2[r]));
+      _mm512_storeu_ps(o + r * D + 32 * c + 16, _mm512_add_ps(ob[r], ob2[r]));
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/// int8 values: each row's probabilities (the values' per-token scales already on them, so >= 0)
+/// quantized to unsigned 8 bits against the tile's largest, and vpdpbusd against four keys' codes
+/// interleaved byte-wise: 4 keys x 16 dims per instruction, twice vdpbf16ps's. The int32 sums go to
+/// the fp32 outputs once per tile. Needs head_dim % 64 == 0. Outputs, per 64-dim chunk: accumulator k
+/// lane 4L + m is dim 16L + 4k + m (the order of vpunpck{l,h}bw then vpunpck{l,h}wd).
+template <int R = 4>
+struct PvB8 {
+  static constexpr int kRows = R;
+  static int64_t storage(int64_t d) {
+    const int64_t c = d / 64, L = d % 64 / 16, k = d % 16 / 4, m = d % 4;
+    return 64 * c + 16 * k + 4 * L + m;
+  }
+  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const int8_t* const* vrow,
+                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
+    LocalPrefetcher pf(pf_state);
+    alignas(64) uint32_t quads[R][kTile / 4];  // (p8_4i .. p8_4i+3)
+    __m512 ps[R];                               // p = p8 * ps
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_loadu_ps(p[r]);
+      const float pmax = hmax((vf)(pr));
+      const float scale = pmax > 0.f ? pmax / 255.f : 0.f;
+      ps[r] = _mm512_set1_ps(scale);
+      const __m512i p8 = _mm512_cvtps_epi32(_mm512_mul_ps(pr, _mm512_set1_ps(pmax > 0.f ? 1.f / scale : 0.f)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(quads[r]), _mm512_cvtusepi32_epi8(p8));  // saturating
+    }
+    for (int64_t c = 0; c < D / 64; ++c) {
+      __m512i acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int jq = 0; jq < kTile / 4; ++jq) {
+        pf.step(4);  // a tile is 16 x D / 64 lines of K and of V: 4 per (quad, chunk)
+        const int8_t* const* v = vrow + 4 * jq;
+        const __m512i v0 = _mm512_loadu_si512(v[0] + 64 * c), v1 = _mm512_loadu_si512(v[1] + 64 * c);
+        const __m512i v2 = _mm512_loadu_si512(v[2] + 64 * c), v3 = _mm512_loadu_si512(v[3] + 64 * c);
+        const __m512i t0 = _mm512_unpacklo_epi8(v0, v1), t1 = _mm512_unpackhi_epi8(v0, v1);
+        const __m512i t2 = _mm512_unpacklo_epi8(v2, v3), t3 = _mm512_unpackhi_epi8(v2, v3);
+        const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
+                              _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
-          if (jp % 2 == 0) {
-            oa[r] = _mm512_dpbf16_ps(oa[r], lo, pp);
-            ob[r] = _mm512_dpbf16_ps(ob[r], hi, pp);
-          } else {
-            oa2[r] = _mm512_dpbf16_ps(oa2[r], lo, pp);
-            ob2[r] = _mm512_dpbf16_ps(ob2[r], hi, pp);
-          }
+          const __m512i pq = _mm512_set1_epi32(static_cast<int>(quads[r][jq]));
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], pq, u[k]);
         }
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        _mm512_storeu_ps(o + r * D + 32 * c, _mm512_add_ps(oa[r], oa2[r]));
-        _mm512_storeu_ps(o + r * D + 32 * c + 16, _mm512_add_ps(ob[r], ob2[r]));
+        float* out = o + r * D + 64 * c;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), ps[r], _mm512_loadu_ps(out + 16 * k)));
+        }
       }
     }
   }
@@ -853,9 +912,7 @@ template <bool kE4M3, int R = 4>
 struct PvFp8Bytes {
   static constexpr int kRows = R;
   static int64_t storage(int64_t d, int64_t D) {
-    if (d >= D / 64 * 64) return PvDp<ReadFp8<kE4M3>, R>::storage(d);
-    const int64_t c = d / 64, L = d % 64 / 16, k = d % 16 / 4, m = d % 4;
-    return 64 * c + 16 * k + 4 * L + m;
+    return d >= D / 64 * 64 ? PvDp<ReadFp8<kE4M3>, R>::storage(d) : PvB8<R>::storage(d);
   }
   static void accumulate(float* o, int64_t D, const float (*p)[kTile], const uint8_t* const* vrow,
                          const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
@@ -864,102 +921,39 @@ struct PvFp8Bytes {
     Tail::make_pairs(p, pairs);
     const Fp8ByteTables<kE4M3> t;
     LocalPrefetcher pf(pf_state);
-    {
-      for (int64_t c = 0; c < D / 64; ++c) {
-        __m512 acc[R][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(o + r * D + 64 * c + 16 * k);
-        }
-#pragma GCC unroll 8
-        for (int jp = 0; jp < kTile / 2; ++jp) {
-          pf.step(4);  // as PvDp: D / 2 steps per tile
-          const __m512i x0 = _mm512_loadu_si512(vrow[2 * jp] + 64 * c), x1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 64 * c);
-          __m512i u[4];
-          __m512i lo, hi;
-          t.lookup(_mm512_unpacklo_epi8(x0, x1), lo, hi);  // dims 16 L + 0..7 of both keys
-          u[0] = _mm512_unpacklo_epi8(lo, hi);
-          u[1] = _mm512_unpackhi_epi8(lo, hi);
-          t.lookup(_mm512_unpackhi_epi8(x0, x1), lo, hi);  // dims 16 L + 8..15
-          u[2] = _mm512_unpacklo_epi8(lo, hi);
-          u[3] = _mm512_unpackhi_epi8(lo, hi);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)u[k], pp);
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-          for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + r * D + 64 * c + 16 * k, acc[r][k]);
-        }
-      }
-    }
-    if (D % 64 != 0) Tail::chunk(o, D, pairs, vrow, D / 32 - 1, pf);  // the last 32 dims
-  }
-};
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-/// int8 values: each row's probabilities (the values' per-token scales already on them, so >= 0)
-/// quantized to unsigned 8 bits against the tile's largest, and vpdpbusd against four keys' codes
-/// interleaved byte-wise: 4 keys x 16 dims per instruction, twice vdpbf16ps's. The int32 sums go to
-/// the fp32 outputs once per tile. Needs head_dim % 64 == 0. Outputs, per 64-dim chunk: accumulator k
-/// lane 4L + m is dim 16L + 4k + m (the order of vpunpck{l,h}bw then vpunpck{l,h}wd).
-template <int R = 4>
-struct PvB8 {
-  static constexpr int kRows = R;
-  static int64_t storage(int64_t d) {
-    const int64_t c = d / 64, L = d % 64 / 16, k = d % 16 / 4, m = d % 4;
-    return 64 * c + 16 * k + 4 * L + m;
-  }
-  static void accumulate(float* o, int64_t D, const float (*p)[kTile], const int8_t* const* vrow,
-                         const uint16_t* const* /*vmeta*/, int64_t /*n = kTile*/, Prefetcher& pf_state) {
-    LocalPrefetcher pf(pf_state);
-    alignas(64) uint32_t quads[R][kTile / 4];  // (p8_4i .. p8_4i+3)
-    __m512 ps[R];                               // p = p8 * ps
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512 pr = _mm512_loadu_ps(p[r]);
-      const float pmax = hmax((vf)(pr));
-      const float scale = pmax > 0.f ? pmax / 255.f : 0.f;
-      ps[r] = _mm512_set1_ps(scale);
-      const __m512i p8 = _mm512_cvtps_epi32(_mm512_mul_ps(pr, _mm512_set1_ps(pmax > 0.f ? 1.f / scale : 0.f)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(quads[r]), _mm512_cvtusepi32_epi8(p8));  // saturating
-    }
     for (int64_t c = 0; c < D / 64; ++c) {
-      __m512i acc[R][4];
+      __m512 acc[R][4];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-      for (int jq = 0; jq < kTile / 4; ++jq) {
-        pf.step(4);  // a tile is 16 x D / 64 lines of K and of V: 4 per (quad, chunk)
-        const int8_t* const* v = vrow + 4 * jq;
-        const __m512i v0 = _mm512_loadu_si512(v[0] + 64 * c), v1 = _mm512_loadu_si512(v[1] + 64 * c);
-        const __m512i v2 = _mm512_loadu_si512(v[2] + 64 * c), v3 = _mm512_loadu_si512(v[3] + 64 * c);
-        const __m512i t0 = _mm512_unpacklo_epi8(v0, v1), t1 = _mm512_unpackhi_epi8(v0, v1);
-        const __m512i t2 = _mm512_unpacklo_epi8(v2, v3), t3 = _mm512_unpackhi_epi8(v2, v3);
-        const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
-                              _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(o + r * D + 64 * c + 16 * k);
+      }
+#pragma GCC unroll 8
+      for (int jp = 0; jp < kTile / 2; ++jp) {
+        pf.step(4);  // as PvDp: D / 2 steps per tile
+        const __m512i x0 = _mm512_loadu_si512(vrow[2 * jp] + 64 * c), x1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 64 * c);
+        __m512i u[4];
+        __m512i lo, hi;
+        t.lookup(_mm512_unpacklo_epi8(x0, x1), lo, hi);  // dims 16 L + 0..7 of both keys
+        u[0] = _mm512_unpacklo_epi8(lo, hi);
+        u[1] = _mm512_unpackhi_epi8(lo, hi);
+        t.lookup(_mm512_unpackhi_epi8(x0, x1), lo, hi);  // dims 16 L + 8..15
+        u[2] = _mm512_unpacklo_epi8(lo, hi);
+        u[3] = _mm512_unpackhi_epi8(lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m512i pq = _mm512_set1_epi32(static_cast<int>(quads[r][jq]));
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][jp]));
 #pragma GCC unroll 4
-          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], pq, u[k]);
+          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)u[k], pp);
         }
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        float* out = o + r * D + 64 * c;
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), ps[r], _mm512_loadu_ps(out + 16 * k)));
-        }
+        for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + r * D + 64 * c + 16 * k, acc[r][k]);
       }
     }
+    if (D % 64 != 0) Tail::chunk(o, D, pairs, vrow, D / 32 - 1, pf);  // the last 32 dims
   }
 };
 #endif
