@@ -136,6 +136,24 @@ inline vf vexp(vf x) {
 
 #endif
 
+/// Whether some lane of v is above m (NaN lanes are not): the online softmax's test for a new maximum,
+/// a compare and a mask test where the tile's horizontal max would be a chain of four shuffles.
+inline bool any_above(vf v, float m) {
+#if defined(__AVX512F__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(m), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(lo8(v), mv, _CMP_GT_OQ), _mm256_cmp_ps(hi8(v), mv, _CMP_GT_OQ))) != 0;
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    if (v[i] > m) return true;
+  }
+  return false;
+#endif
+}
+
 /// tanh(y) by its odd Taylor series to y^13, within 1 ulp for |y| < kTanhSeriesBound, where
 /// 1 - 2 / (exp(2y) + 1) cancels (relative error ~2^-24 / |y|: 30 ulp for a score of 1 under a cap of 30,
 /// over the attention rule in fp32, as a fuzzer found). V: vf or __m256 (both GCC vector types).

@@ -112,6 +112,7 @@ using FloatBuffer = std::vector<float, Aligned64<float>>;
 /// Scratch memory of one thread, reused across its tasks.
 struct Scratch {
   FloatBuffer q, o;
+  FloatBuffer l_lanes;  // the vector loop's softmax sums, kLanes per row, folded into RowState::l at the end
   std::vector<RowState> rows;
 };
 
