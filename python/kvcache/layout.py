@@ -99,18 +99,8 @@ class PageLayout:
         Large CPU pools ask for transparent huge pages before they are touched: attention jumps from
         page to page, and 4 KiB pages would make most of those jumps TLB misses.
         """
-        k = torch.empty(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
-        v = torch.empty(self.v_shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
-        if k.device.type == "cpu" and not pin_memory:
-            from . import _C  # the extension is loaded by the package __init__
-
-            for t in (k, v):
-                if t.nbytes >= (8 << 20):
-                    _C.advise_huge_pages(t.data_ptr(), t.nbytes)
-        if fill is not None:
-            k.fill_(fill)
-            v.fill_(fill)
-        return k, v
+        return (pool_tensor(self.shape, self.dtype, device, fill=fill, pin_memory=pin_memory),
+                pool_tensor(self.v_shape, self.dtype, device, fill=fill, pin_memory=pin_memory))
 
     @classmethod
     def of(cls, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> "PageLayout":
@@ -145,3 +135,18 @@ class PageLayout:
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
+
+
+def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                fill: float | None = None, pin_memory: bool = False) -> torch.Tensor:
+    """A pool tensor, uninitialized unless ``fill`` is given. A CPU tensor of >= 8 MiB asks for transparent
+    huge pages before its pages are first touched (the fill, or the first append): attention jumps from page
+    to page, and with 4 KiB pages most of those jumps are TLB misses."""
+    t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    if t.device.type == "cpu" and not pin_memory and t.nbytes >= (8 << 20):
+        from . import _C  # the extension is loaded by the package __init__
+
+        _C.advise_huge_pages(t.data_ptr(), t.nbytes)
+    if fill is not None:
+        t.fill_(fill)
+    return t

@@ -25,7 +25,7 @@ import torch
 
 from . import _html, ops
 from .formats import CacheFormat, KVFormat
-from .layout import PageLayout
+from .layout import PageLayout, pool_tensor
 from .quant import fp8_scale_for, rot_scales, rotate
 
 ROTATED = 16  # added to a kernel format id for the hadamard option (kvcache.formats.ROTATED)
@@ -97,14 +97,15 @@ class KVPool:
             for role, f in (("k", fmt.k), ("v", fmt.v)):
                 dim = layout.dim(role)
                 shape = f.code_shape(num_blocks, num_kv_heads, page_size, dim)
-                # full precision starts uninitialized (every slot is written before it is read); codes at zero
-                codes = (torch.empty if not f.quantized else torch.zeros)(shape, dtype=f.code_dtype, device=device)
+                # full precision starts uninitialized (every slot is written before it is read); codes at zero.
+                # (pool_tensor: large CPU pools on huge pages, as PageLayout.allocate's)
+                codes = pool_tensor(shape, f.code_dtype, device, fill=0 if f.quantized else None)
                 scale = None
                 if f.quantized:
                     scale_shape = f.scale_shape(num_blocks, num_kv_heads, page_size, dim, role)
                     # fp8: one scale per kv head, given or computed from the first tokens
                     fill = (f.scale or 1.0) if f.kind.startswith("fp8") else 0.0
-                    scale = torch.full(scale_shape, fill, dtype=f.scale_dtype, device=device)
+                    scale = pool_tensor(scale_shape, f.scale_dtype, device, fill=fill)
                 tensors[role], tensors[f"{role}_scale"] = codes, scale
         except (RuntimeError, MemoryError) as err:  # torch's words name neither the argument nor the size
             need = (fmt.k.bytes_per_token_head(layout.head_dim, page_size, "k")
