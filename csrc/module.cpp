@@ -2,7 +2,6 @@
 // op in this shared library; the module itself only reports how the library was built.
 #include <pybind11/pybind11.h>
 
-#include <sys/mman.h>
 
 #include <cstdint>
 #include <string>
@@ -12,6 +11,7 @@
 #include "core/host_reads.h"
 #include "direct_calls.h"
 #include "core/quant.h"
+#include "pool_memory.h"
 #include "prefix/prefix_pybind.h"
 
 namespace py = pybind11;
@@ -33,16 +33,7 @@ PYBIND11_MODULE(_C, m) {
   // Host reads of index values by the ops (core/host_reads.h): on a GPU each is a synchronization.
   m.def("host_index_reads", [] { return kvcache::host_index_reads().load(); });  // kvcache._C._PrefixTree: the prefix cache without torch's call overhead
 
-  // Transparent huge pages for a CPU pool, asked for before its pages are first touched. A decode step
-  // reads each (block, head) run of a few KiB and jumps: with 4 KiB pages nearly every run costs a TLB
-  // miss, with 2 MiB pages almost none (measured ~20% faster decode). Only the 2 MiB-aligned interior
-  // of the buffer is advised; returns whether the kernel accepted the advice.
-  m.def("advise_huge_pages", [](std::uintptr_t ptr, std::size_t nbytes) {
-    constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-    const std::uintptr_t begin = (ptr + kHuge - 1) & ~(kHuge - 1), end = (ptr + nbytes) & ~(kHuge - 1);
-    if (end <= begin) return false;
-    return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
-  });
+  kvcache::register_pool_memory(m);  // huge_page_tensor, advise_huge_pages
 
   // Test hooks: the scalar quantizers of core/quant.h over raw float32 buffers, so tests/test_quant.py
   // can check them bit for bit against python/kvcache/quant.py (addresses come from tensor.data_ptr()).

@@ -403,9 +403,11 @@ def _huge_kib(t: torch.Tensor) -> int:
 
 
 def test_pools_of_every_format_are_on_huge_pages():
-    """KVPool.allocate (what PagedCache and Engine allocate through) puts large CPU pools on huge pages, as
-    PageLayout.allocate does. (It once made them with torch.zeros, touched before any advice: 4 KiB pages,
-    and a decode step over 8 x 32k tokens 1.04x (bf16) to 1.1x (int8) as long on a Zen 4.)"""
+    """KVPool.allocate (what PagedCache and Engine allocate through) and PageLayout.allocate put large CPU
+    pools on huge pages, whatever memory earlier tests freed. (KVPool.allocate once made them with
+    torch.zeros, touched before any advice: a decode step over 8 x 32k tokens 1.04x (bf16) to 1.1x (int8) as
+    long, Zen 4. Advising torch.empty's memory instead failed this test in the CPU-only suite, where the int8
+    codes came back as heap memory an earlier test had touched.)"""
     thp = "/sys/kernel/mm/transparent_hugepage/"
     if not os.path.exists(thp + "enabled") or "[never]" in open(thp + "enabled").read():
         pytest.skip("transparent huge pages are disabled on this machine")

@@ -15,6 +15,7 @@ A *slot* names one token position in the pool: ``slot = block_id * page_size + o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -139,14 +140,20 @@ class PageLayout:
 
 def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
                 fill: float | None = None, pin_memory: bool = False) -> torch.Tensor:
-    """A pool tensor, uninitialized unless ``fill`` is given. A CPU tensor of >= 8 MiB asks for transparent
-    huge pages before its pages are first touched (the fill, or the first append): attention jumps from page
-    to page, and with 4 KiB pages most of those jumps are TLB misses."""
-    t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-    if t.device.type == "cpu" and not pin_memory and t.nbytes >= (8 << 20):
+    """A pool tensor, uninitialized unless ``fill`` is given. A CPU tensor of >= 8 MiB lives on a fresh mapping
+    advised to transparent huge pages before its pages are first touched (the fill, or the first append):
+    attention jumps from page to page, and with 4 KiB pages most of those jumps are TLB misses. (Advising
+    torch.empty's memory was not enough: it may be heap memory a freed tensor already touched.)"""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if torch.device(device).type == "cpu" and not pin_memory and nbytes >= (8 << 20):
         from . import _C  # the extension is loaded by the package __init__
 
-        _C.advise_huge_pages(t.data_ptr(), t.nbytes)
+        if nbytes >= 1 << 62:  # (no machine maps this much; mmap's failure is a MemoryError too)
+            raise MemoryError(f"a pool tensor of {nbytes} bytes {tuple(shape)} ({dtype}) is larger than any address space")
+        t = _C.huge_page_tensor(nbytes).view(dtype).view(shape)
+    else:
+        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     if fill is not None:
         t.fill_(fill)
     return t
