@@ -2,7 +2,6 @@
 // op in this shared library; the module itself only reports how the library was built.
 #include <pybind11/pybind11.h>
 
-
 #include <cstdint>
 #include <string>
 
