@@ -982,48 +982,96 @@ struct Int4Codes {
     const int64_t c = d / 128, e = d % 128, i = e / 2, h = e % 2;
     return 128 * c + 64 * h + 16 * (i % 16 / 4) + 4 * (i / 16) + i % 4;
   }
+  /// Keys v[0..3], chunk c, pass h, as vpdpbusd takes them: u[k] dword m of 128-bit lane L holds the 4 keys'
+  /// codes of byte 4 k + m of lane L of `codes` (one dim of group L).
+  template <bool kHalf, class Codes = Int4Codes>
+  static void quad(const uint8_t* const* v, int64_t c, int h, __m512i u[4]) {
+    __m512i n[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) n[i] = Codes::template codes<kHalf>(v[i], c, h);
+    const __m512i t0 = _mm512_unpacklo_epi8(n[0], n[1]), t1 = _mm512_unpackhi_epi8(n[0], n[1]);
+    const __m512i t2 = _mm512_unpacklo_epi8(n[2], n[3]), t3 = _mm512_unpackhi_epi8(n[2], n[3]);
+    u[0] = _mm512_unpacklo_epi16(t0, t2);
+    u[1] = _mm512_unpackhi_epi16(t0, t2);
+    u[2] = _mm512_unpacklo_epi16(t1, t3);
+    u[3] = _mm512_unpackhi_epi16(t1, t3);
+  }
 };
 
-/// KIVI value rows (4 or 2 bits, planar per 32-dim chunk = group): pass h takes dims 16 h .. 16 h + 15 of
-/// each group (kivi4: the low or high nibbles of its 16 bytes, as int4's; kivi2: fields 2 h and 2 h + 1 of
-/// its 8 bytes, the 8 bytes copied to both halves of its 128-bit lane and shifted per half). Head_dim 64
-/// (two groups) runs as one pass: 128-bit lanes 0-1 hold pass 0 of groups 0-1 and lanes 2-3 pass 1. (maskz
+/// KIVI value rows (4 or 2 bits, planar per 32-dim chunk = group). kivi4: pass h takes dims 16 h .. 16 h + 15
+/// of each group (the low or high nibbles of its 16 bytes, as int4's). kivi2: pass h takes bytes 4 h .. 4 h + 3
+/// of each group's 8, whose four fields are dims 8 f + 4 h + (0..3): the four keys' packed bytes are
+/// interleaved first (one vpermt2b) and the fields taken from the interleaved bytes, so that no code is
+/// widened or shuffled one at a time (the step's shuffles per 4 keys and pass: 24 -> 12). Head_dim 64 (two
+/// groups) runs as one pass: 128-bit lanes 0-1 hold pass 0 of groups 0-1 and lanes 2-3 pass 1. (maskz
 /// forms of the broadcast and shuffles: GCC 12 warns about the plain intrinsics' undefined pass-through.)
 template <int kBits>
 struct KiviCodes {
   static constexpr bool kHalfChunks = true;
   template <bool kHalf>
   static __m512i codes(const uint8_t* row, int64_t c, int h) {
-    if constexpr (kBits == 4 && kHalf) {  // 32 bytes: lanes [g0, g1, g0, g1], the upper two to their high nibbles
+    static_assert(kBits == 4, "kivi2 codes come a quad of keys at a time (quad)");
+    if constexpr (kHalf) {  // 32 bytes: lanes [g0, g1, g0, g1], the upper two to their high nibbles
       const __m512i x = _mm512_maskz_broadcast_i64x4(0xff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
       const __m512i counts = _mm512_setr_epi64(0, 0, 0, 0, kWords4, kWords4, kWords4, kWords4);
       return _mm512_and_si512(_mm512_srlv_epi16(x, counts), _mm512_set1_epi8(0x0f));
-    } else if constexpr (kBits == 4) {
+    } else {
       return Int4Codes::codes<false>(row, c, h);
-    } else if constexpr (kHalf) {  // 16 bytes: lane L holds group L % 2's 8 bytes twice, fields 2 (L / 2), 2 (L / 2) + 1
-      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-      const __m512i y =
-          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 0, 0, 1, 1), _mm512_castsi128_si512(x));
-      const __m512i counts = _mm512_setr_epi64(0, 2, 0, 2, 4, 6, 4, 6);
-      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
-    } else {  // 32 bytes: lane g holds group g's 8 bytes twice
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
-      const __m512i y =
-          _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), _mm512_castsi256_si512(x));
-      const __m512i counts = h == 0 ? _mm512_setr_epi64(0, 2, 0, 2, 0, 2, 0, 2)  // fields 0 | 1 of each group
-                                    : _mm512_setr_epi64(4, 6, 4, 6, 4, 6, 4, 6);  // fields 2 | 3
-      return _mm512_and_si512(_mm512_maskz_srlv_epi64(0xff, y, counts), _mm512_set1_epi8(0x03));
     }
   }
-  /// Accumulator k lane 4 L + m holds byte 4 k + m of 128-bit lane L: dim 16 h + 4 k + m of its group.
+  template <bool kHalf>
+  static void quad(const uint8_t* const* v, int64_t c, int h, __m512i u[4]) {
+    if constexpr (kBits == 4) {
+      Int4Codes::quad<kHalf, KiviCodes>(v, c, h, u);
+    } else {
+#ifndef __AVX512VBMI__
+      static_assert(kBits != 2, "kivi2 values take AVX512_VBMI byte permutes, which the dot-product build has");
+#else
+      // Byte 16 L + 4 m + j of x: key j's packed byte 4 h + m of group L (head_dim 64: of group L % 2, with
+      // h = L / 2), so that field f of dword m of lane L is the four keys' code of dim 8 f + 4 h + m.
+      __m512i x;
+      if constexpr (kHalf) {  // 16 bytes a key: the four keys in one register, byte 16 j + 8 g + b
+        x = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v[0])));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(v[1])), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(v[2])), 2);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(v[3])), 3);
+        x = _mm512_permutexvar_epi8(half_order(), x);
+      } else {  // 32 bytes a key (chunk c): keys 0-1 in a, 2-3 in b, byte 32 j + 8 g + b of (a, b)
+        const auto load = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[j] + 32 * c)); };
+        const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(load(0)), load(1), 1);
+        const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(load(2)), load(3), 1);
+        x = _mm512_permutex2var_epi8(a, h == 0 ? full_order(0) : full_order(1), b);
+      }
+      const __m512i mask = _mm512_set1_epi8(0x03);
+      u[0] = _mm512_and_si512(x, mask);
+      u[1] = _mm512_and_si512(_mm512_srli_epi16(x, 2), mask);
+      u[2] = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+      u[3] = _mm512_and_si512(_mm512_srli_epi16(x, 6), mask);
+#endif
+    }
+  }
+  /// kivi4: accumulator k lane 4 L + m holds byte 4 k + m of 128-bit lane L, dim 16 h + 4 k + m of its group;
+  /// kivi2: field k of byte 4 h + m of group L, dim 8 k + 4 h + m.
   static int64_t storage(int64_t d, int64_t D) {
-    const int64_t g = d % 128 / 32, h = d % 32 / 16, k = d % 16 / 4, m = d % 4;
+    const int64_t g = d % 128 / 32, e = d % 32, m = d % 4;
+    const int64_t h = kBits == 4 ? e / 16 : e % 8 / 4, k = kBits == 4 ? e % 16 / 4 : e / 8;
     if (D == 64) return 16 * k + 4 * (g + 2 * h) + m;
     return d / 128 * 128 + 64 * h + 16 * k + 4 * g + m;
   }
 
  private:
   static constexpr int64_t kWords4 = 0x0004000400040004;  // a shift by 4 in each 16-bit lane of a qword
+  /// kivi2's byte orders (quad): output byte 16 L + 4 m + j takes key j's byte 4 h + m of group L.
+  static __m512i full_order(int h) {  // from (a, b): key j's byte 8 L + 4 h + m at 32 j + 8 L + 4 h + m
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 64; ++i) idx[i] = uint8_t(32 * (i % 4) + 8 * (i / 16) + 4 * h + i % 16 / 4);
+    return _mm512_load_si512(idx);
+  }
+  static __m512i half_order() {  // head_dim 64: lane L takes group L % 2, h = L / 2, from byte 16 j + 8 g + 4 h + m
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 64; ++i) idx[i] = uint8_t(16 * (i % 4) + 8 * (i / 16 % 2) + 4 * (i / 32) + i % 16 / 4);
+    return _mm512_load_si512(idx);
+  }
 };
 
 /// int4 and KIVI values (groups of 32 dims, fp16 (scale, zero) each): o_d += sum_j p_j s_jg u_jd +
@@ -1034,7 +1082,8 @@ struct KiviCodes {
 /// per group. `Codes` says where a pass finds its codes and so the output order (storage): Int4Codes (low
 /// nibbles = even dims, then high = odd dims; accumulator k lane 4L + m is dim 2 (16L + 4k + m) + h) or
 /// KiviCodes (KIVI's planar codes; head_dim 64 as one pass of 2 groups, whose lanes 2-3 take pass 1 with
-/// groups 0-1's coefficients). Needs head_dim % 128 == 0, or 64 with KiviCodes.
+/// groups 0-1's coefficients). `Codes::quad` gives a quad of keys' codes interleaved for vpdpbusd. Needs
+/// head_dim % 128 == 0, or 64 with KiviCodes.
 template <int R = 4, class Codes = Int4Codes>
 struct PvB4 {
   static constexpr int kRows = R;
@@ -1111,14 +1160,8 @@ struct PvB4 {
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
         const auto quad = [&]<int JQ>(std::integral_constant<int, JQ>) {
           if (h == 0) pf.step(4);  // a tile is 16 x D / 128 lines of K and of V: 4 per (quad, chunk)
-          const uint8_t* const* v = vrow + 4 * JQ;
-          __m512i n[4];
-#pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) n[i] = Codes::template codes<kHalf>(v[i], c, h);
-          const __m512i t0 = _mm512_unpacklo_epi8(n[0], n[1]), t1 = _mm512_unpackhi_epi8(n[0], n[1]);
-          const __m512i t2 = _mm512_unpacklo_epi8(n[2], n[3]), t3 = _mm512_unpackhi_epi8(n[2], n[3]);
-          const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
-                                _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+          __m512i u[4];
+          Codes::template quad<kHalf>(vrow + 4 * JQ, c, h, u);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             // dword JQ of each 128-bit lane: keys 4 JQ .. 4 JQ + 3 of that lane's group
