@@ -564,6 +564,34 @@ def test_kvcache_attention_without_a_paged_cache_falls_back_exactly():
     torch.testing.assert_close(got[1, 5:], ref[1, 5:], atol=1e-5, rtol=0)
 
 
+def test_save_prefix_takes_the_rows_ids_from_a_batch_and_names_a_bad_row():
+    """save_prefix(batch_ids, row) caches row `row`'s ids (a [batch, n] input_ids was flattened, and row 1's
+    K/V were filed under row 0's ids); a row the batch does not have, or ids of another batch, are refused
+    before anything is cached."""
+    model = _model("llama")
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(21))
+    cache = kvcache.PagedCache(config=model.config, prefix_cache=True, page_size=8)
+    with pytest.raises(ValueError, match="save_prefix needs a cache that holds tokens"):
+        cache.save_prefix(ids, 0)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    tree = cache.store.prefix_cache
+    for bad in (2, -1, True, 1.0):
+        with pytest.raises(IndexError, match=f"row={bad!r} is not a row of this cache's batch of 2"):
+            cache.save_prefix(ids, bad)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(3, 24\): give row 1's ids"):
+        cache.save_prefix(ids.repeat(2, 1)[:3], 1)
+    assert tree.stats()["device_tokens"] == 0
+    assert cache.save_prefix(ids, 1) == 0
+
+    def cached(row_ids):  # (load_prefix leaves the last token to compute)
+        return kvcache.PagedCache(config=model.config, store=cache.store).load_prefix(row_ids)
+
+    assert cached(ids[1]) == 23 and cached(ids[0]) == 0
+    assert cache.save_prefix(ids[0:1], 0) == 0          # one row's ids as [1, n]
+    assert cached(ids[0]) == 23
+
+
 def test_prefix_cache_lets_a_new_cache_skip_the_shared_prompt():
     model = _model("llama")
     g = torch.Generator().manual_seed(5)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 import operator
 import warnings
 
@@ -736,12 +737,27 @@ class PagedCache(Cache):
         return m.length
 
     def save_prefix(self, input_ids: torch.Tensor, row: int = 0) -> int:
-        """Caches row ``row``'s first ``len(input_ids)`` tokens (which must be what it holds) in the prefix
-        cache; returns how many were cached already."""
+        """Caches row ``row``'s first ``len(input_ids)`` tokens in the prefix cache; returns how many were
+        cached already. ``input_ids``: that row's ids (``[n]`` or ``[1, n]``) or the whole batch's
+        (``[batch, n]``, left padding included, as the model was given them). Ids past what the row holds
+        are left out (``generate``'s output: its last token has no K/V yet). The ids must be those the row's
+        K/V were computed from: the cache sees K/V, not ids, so it cannot check them, and with other ids
+        every later prompt that starts with those would be served this row's K/V."""
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
         self._refuse_states("save_prefix")
-        tokens = torch.as_tensor(input_ids).reshape(-1).cpu()
+        batch = len(self.rows)
+        if not batch:
+            raise ValueError("save_prefix needs a cache that holds tokens (run the model with it first)")
+        if isinstance(row, bool) or not isinstance(row, numbers.Integral) or not 0 <= row < batch:
+            raise IndexError(f"row={row!r} is not a row of this cache's batch of {batch}")
+        tokens = torch.as_tensor(input_ids)
+        if tokens.dim() == 2 and tokens.shape[0] in (1, batch):  # one row's, or the batch's: take row `row`
+            tokens = tokens[0 if tokens.shape[0] == 1 else row]
+        elif tokens.dim() != 1:
+            raise ValueError(f"input_ids has shape {tuple(tokens.shape)}: give row {row}'s ids ([n] or [1, n]) or "
+                             f"the whole batch's ([{batch}, n])")
+        tokens = tokens.cpu()
         if self.pads[row]:
             tokens = tokens[self.pads[row]:]
         seq = self.rows[row]
@@ -827,7 +843,8 @@ class PagedCache(Cache):
         for pool in list(self.store.pools.values()) + list(self.store.residual_pools.values()):
             if pool.k.is_floating_point() and pool.k.dtype.itemsize > 1 and not pool.format.k.quantized:
                 return pool.k.dtype
-        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        # (transformers 5 names it dtype, and warns when torch_dtype is read; 4.x may have only torch_dtype)
+        dtype = self.config.dtype if hasattr(self.config, "dtype") else getattr(self.config, "torch_dtype", None)
         return dtype if isinstance(dtype, torch.dtype) else None
 
     def _refuse_states(self, what: str) -> None:
