@@ -131,6 +131,10 @@ def test_engine_stops_at_any_eos_id_and_by_default_at_the_generation_configs(mod
                          (torch.tensor([2.0]), r"eos_token_id: .*torch\.float32")):
         with pytest.raises(TypeError, match=pattern):
             engine.generate([prompt], max_new_tokens=8, eos_token_id=bad)
+    for bad, pattern in ((-1, r"eos_token_id=-1: -1 is not a token id"),
+                         ([2, -3], r"eos_token_id=\[2, -3\]: -3 is not a token id")):
+        with pytest.raises(ValueError, match=pattern):  # an int of the wrong value: a ValueError, as elsewhere
+            engine.generate([prompt], max_new_tokens=8, eos_token_id=bad)
 
 
 def test_engine_bad_input(model):

@@ -408,6 +408,9 @@ def test_bad_options(model, monkeypatch):
         _engine(model, disk="/tmp/x", chunk_tokens=24)
     with pytest.raises(ValueError, match="chunk_tokens=0 must be a positive multiple of page_size=16"):
         _engine(model, disk="/tmp/x", chunk_tokens=0)  # not the default in disguise
+    for bad in (10, 0):  # refused where it is given, also with no tier to use it (the docstring's rule)
+        with pytest.raises(ValueError, match=f"chunk_tokens={bad} must be a positive multiple of page_size=16"):
+            _engine(model, chunk_tokens=bad)
     alloc = kvcache.BlockAllocator(64, 16)
     for bad in (0, -16, 24, 32.0):  # the tree's own tier options are checked when it is made
         with pytest.raises(ValueError, match=f"chunk_tokens={bad!r} must be a positive multiple of page_size=16"):

@@ -236,8 +236,10 @@ class Engine:
             residual_length = _integer("residual_length", residual_length, "newest tokens kept in the model's dtype")
         residual_sink_tokens = _integer("residual_sink_tokens", residual_sink_tokens,
                                         "first tokens kept in the model's dtype")
-        if chunk_tokens is not None:
+        if chunk_tokens is not None:  # (checked with or without a tier: a bad value is refused where it is given)
+            from .tiers import check_chunk_tokens
             chunk_tokens = _integer("chunk_tokens", chunk_tokens, "tokens per tier chunk")
+            check_chunk_tokens(chunk_tokens, page_size)
         if not isinstance(prefix_cache, (bool, np.bool_, PrefixCache)):
             raise TypeError(f"prefix_cache={prefix_cache!r} must be True, False or a kvcache.PrefixCache, not "
                             f"{type(prefix_cache).__name__}")
@@ -446,9 +448,12 @@ class Engine:
         elif not isinstance(ids, (list, tuple)):
             raise TypeError(f"eos_token_id={eos_token_id!r} must be an int, a list / tuple of ints or an int tensor, "
                             f"not {type(eos_token_id).__name__}")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if bad:
             raise TypeError(f"eos_token_id={eos_token_id!r}: {bad[0]!r} is not a token id (an int >= 0)")
+        negative = [t for t in ids if t < 0]
+        if negative:
+            raise ValueError(f"eos_token_id={eos_token_id!r}: {negative[0]!r} is not a token id (an int >= 0)")
         return frozenset(int(t) for t in ids)
 
     def _encode(self, prompt, name: str = "prompt") -> list[int]:
