@@ -104,3 +104,28 @@ def test_reprs_are_one_short_line_without_the_tensors():
     text = repr(plan)
     assert text == (f"StepPlan(batch=2, length=0, q_len=1, slot_mapping=[2, 1], stored_queries=2, "
                     f"num_blocks={plan.num_blocks}, version=0, device=cpu)")
+
+
+def test_a_fresh_caches_repr_reads_the_configs_dtype_not_the_deprecated_torch_dtype(monkeypatch):
+    """transformers 5 warns whenever config.torch_dtype is read; a cache that has seen no forward takes its
+    model dtype from config.dtype (repr and stats print it) and must not touch the deprecated name."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    if not hasattr(config, "dtype"):
+        pytest.skip("this transformers has no config.dtype (4.x): torch_dtype is the only name")
+    reads = []
+
+    def torch_dtype(self):
+        reads.append(1)
+        return self.dtype
+
+    monkeypatch.setattr(type(config), "torch_dtype", property(torch_dtype), raising=False)
+    for dtype in (None, torch.bfloat16):  # a config made in code has none (the case that read torch_dtype)
+        config.dtype = dtype
+        cache = kvcache.PagedCache(config=config, kv_format="int8")
+        repr(cache)
+        cache._repr_html_()
+        cache.stats()
+        assert cache._model_dtype() == dtype
+    assert reads == []
