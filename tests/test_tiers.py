@@ -617,3 +617,33 @@ def test_tiers_of_engines_sharing_a_store_keep_their_namespaces(model, tmp_path,
     assert s["disk_hit_tokens"] == 0 and s["prefix_hit_tokens"] == _local_hits(SECOND)  # none of the first's
     first.close()
     second.close()
+
+
+def test_a_bounded_pool_fetches_each_chunk_once(model, tmp_path):
+    """Three long prompts on disk, read back by an engine whose pool holds about one of them: each chunk is
+    read once and every chunk loaded is used. A batch's fills evicted each other's freshly loaded chunks
+    (a pool of 640 tokens read 27 chunks 180 times, counting 4,608 'hit' tokens of 1,800 prompt tokens),
+    and chunks were read for a pool with no room for them."""
+    import collections
+    g = torch.Generator().manual_seed(4)
+    big = [torch.randint(3, 128, (600,), generator=g).tolist() for _ in range(3)]
+    writer = _engine(model, disk=tmp_path)
+    ref = [r.tokens for r in writer.generate(big, max_new_tokens=2)]
+    writer.close()
+
+    class CountingDisk(kvcache.DiskTier):
+        def fetch(self, ns, keys):
+            self.fetched.update(keys)
+            return super().fetch(ns, keys)
+
+    chunks = 3 * (599 // CHUNK)
+    for max_tokens in (640, 1300, None):
+        disk = CountingDisk(tmp_path)
+        disk.fetched = collections.Counter()
+        reader = _engine(model, disk=disk, max_tokens=max_tokens, max_batch=3)
+        out = reader.generate(big, max_new_tokens=2)
+        reader.close()
+        s = reader.stats()
+        assert len(disk.fetched) == chunks and max(disk.fetched.values()) == 1, (max_tokens, disk.fetched)
+        assert s["disk_hit_tokens"] == chunks * CHUNK <= s["prompt_tokens"], (max_tokens, s)
+        assert [r.tokens for r in out] == ref

@@ -625,14 +625,19 @@ class Engine:
         matches = [(0, None, None)] * len(batch)  # (length, blocks, node) per request
         if tree is not None:
             keys = [(r.prompt + r.tokens)[:-1] for _, r in batch]  # keep >= 1 token to compute
-            if self.tiers is not None:  # chunks beyond the local match, from disk or Redis, into the tree
-                for k in keys:
-                    stats["tier_hit_tokens"] += self.tiers.fill(k)
-            page = self.store.page_size
-            table = torch.empty(len(keys), max(-(-len(k) // page) for k in keys), dtype=torch.int32)
-            cu = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
-            flat = torch.tensor([t for k in keys for t in k], dtype=torch.int32)
-            lengths, nodes = tree.match_ragged_into(flat, cu, table, self.namespace, lock=True)
+            held: list[int] = []  # what the fills loaded, locked until the match below pins it
+            try:
+                if self.tiers is not None:  # chunks beyond the local match, from disk or Redis, into the tree
+                    for k in keys:
+                        stats["tier_hit_tokens"] += self.tiers.fill(k, held)
+                page = self.store.page_size
+                table = torch.empty(len(keys), max(-(-len(k) // page) for k in keys), dtype=torch.int32)
+                cu = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
+                flat = torch.tensor([t for k in keys for t in k], dtype=torch.int32)
+                lengths, nodes = tree.match_ragged_into(flat, cu, table, self.namespace, lock=True)
+            finally:
+                for node in held:
+                    tree.unlock(node)
             matches = [(n, table[i, :-(-n // page)], node) for i, (n, node) in enumerate(zip(lengths.tolist(),
                                                                                           nodes.tolist()))]
         running = []

@@ -598,10 +598,12 @@ class PrefixTiers:
         return {"prompt_tokens": len(tokens), "local_tokens": local, "disk_tokens": disk, "remote_tokens": remote,
                 "diverged_at": max(local, disk, remote)}
 
-    def fill(self, tokens) -> int:
+    def fill(self, tokens, held: list | None = None) -> int:
         """Brings the chunks of ``tokens`` beyond the local match into the prefix tree, from disk then
         Redis, up to the first miss (or bad blob) and only where the cost model expects a gain. Returns
-        the tokens added. Never raises for a tier's failure."""
+        the tokens added. Never raises for a tier's failure. ``held``: when given, what is loaded stays
+        locked in the tree (its node appended to ``held``; the caller unlocks it): a batch's next fill, which
+        may need room, would otherwise evict it before the batch's match pins it, and fetch it again later."""
         tokens = list(tokens)
         tree, ns_local = self.store.prefix_cache, self.namespace
         keys = self.chain(tokens)
@@ -633,6 +635,9 @@ class PrefixTiers:
                     s["declined_fetches"] += 1
                     s["declined_tokens"] += n_tokens
                     continue
+                if not self._room_for(len(sizes)):  # no bytes read that could not be loaded
+                    s["no_room"] += 1
+                    break
                 t0 = time.perf_counter()
                 data = tier.fetch(self.ns, keys[pos:pos + len(sizes)])
                 got = 0
@@ -651,7 +656,7 @@ class PrefixTiers:
                 if got < len(sizes):
                     break
             t0 = time.perf_counter()
-            added = self._load(tokens, keys, m, start, blobs, info) if blobs else 0
+            added = self._load(tokens, keys, m, start, blobs, info, held) if blobs else 0
             if added:
                 load_s = time.perf_counter() - t0
                 for tier in (self.disk, self.remote):
@@ -663,7 +668,17 @@ class PrefixTiers:
         finally:
             tree.unlock(m.node)
 
-    def _load(self, tokens, keys, m, start: int, blobs, info) -> int:
+    def _room_for(self, chunks: int) -> bool:
+        """Whether ``chunks`` chunks' pages can be had now (evicting unlocked prefixes, as loading them would)."""
+        from .prefix import OutOfBlocksError
+        alloc = self.store.allocator
+        try:
+            alloc.free(alloc.allocate(chunks * (self.chunk_tokens // self.store.page_size)))
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def _load(self, tokens, keys, m, start: int, blobs, info, held: list | None = None) -> int:
         """Validates every blob (up to the first bad one, or the first whose fp8 scales differ), then writes
         them into new blocks of every layer and inserts the prefix into the tree. Nothing is written before
         all are validated."""
@@ -701,7 +716,10 @@ class PrefixTiers:
                 return 0
             end = (start + len(decoded)) * C
             table = torch.cat([m.blocks[:start * (C // P)].to(torch.int32), blocks])
-            self.store.prefix_cache.insert(torch.tensor(tokens[:end]), table, self.namespace)
+            ins = self.store.prefix_cache.insert(torch.tensor(tokens[:end]), table, self.namespace,
+                                                 lock=held is not None)
+            if held is not None:
+                held.append(ins.node)
         finally:
             alloc.free(blocks)  # the tree holds its own references now
         loaded = blobs[:len(decoded)]
