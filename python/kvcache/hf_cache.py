@@ -291,7 +291,8 @@ class PagedCache(Cache):
         max_tokens: size the pool for this many tokens (all rows together) up front; by default it grows.
         device, dtype: only checked against the tensors the model passes (pages follow the model).
         sink_tokens: with a sliding-window model and ``"kvcache"`` attention, the first tokens stay
-            visible (StreamingLLM attention sinks).
+            visible (StreamingLLM attention sinks). Not with residual pages: a quantized format needs
+            ``residual_length=0``, and KIVI formats (always residual) are refused (a ``ValueError``).
         residual_length: with a quantized ``kv_format``, the newest ``residual_length`` tokens of every row
             stay in the model's dtype (as HF QuantizedCache's ``residual_length``; KIVI's window): their
             pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 (HF's default,

@@ -499,8 +499,10 @@ class PrefixCache:
         self._unlock(int(node))
 
     def evict(self, num_blocks: int) -> int:
-        """Evicts unlocked leaves (to the host tier if any) until ``num_blocks`` device blocks are free
-        again or nothing is left; returns how many were freed."""
+        """Evicts unlocked leaves, least recently used first (to the host tier if any), until ``num_blocks``
+        device blocks went back to the allocator or nothing evictable is left; returns how many did (a
+        leaf's blocks go together, so it can be more than asked). Blocks already free do not count:
+        ``evict(n)`` frees n more, and ``clear()`` is ``evict(allocator.num_blocks)``."""
         return self._evict(int(num_blocks))
 
     def clear(self) -> int:
