@@ -647,3 +647,24 @@ def test_a_bounded_pool_fetches_each_chunk_once(model, tmp_path):
         assert len(disk.fetched) == chunks and max(disk.fetched.values()) == 1, (max_tokens, disk.fetched)
         assert s["disk_hit_tokens"] == chunks * CHUNK <= s["prompt_tokens"], (max_tokens, s)
         assert [r.tokens for r in out] == ref
+
+
+def test_a_disk_budget_smaller_than_a_chain_keeps_its_head(model, tmp_path):
+    """Lookups read a chain from its first chunk, so the LRU must drop a chain's tail first: with a budget of
+    about half a prompt's chunks, the first half stays and is read back. (Every chunk was stamped with its
+    write or read time in chain order, so the head was the oldest and went first: 0 tokens from disk.)"""
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(3, 128, (10 * CHUNK + 5,), generator=g).tolist()
+    whole = _engine(model, disk=tmp_path / "whole")
+    whole.generate([prompt], max_new_tokens=2)
+    whole.close()
+    size = max(f.stat().st_size for f in (tmp_path / "whole").glob("*/*.kvc"))
+    budget = 5 * size + size // 2
+    for _ in range(2):  # written once under the budget, then read (and re-stamped) and written again
+        e = _engine(model, disk=kvcache.DiskTier(tmp_path / "small", max_bytes=budget))
+        e.generate([prompt], max_new_tokens=2)
+        e.close()
+        assert len(list((tmp_path / "small").glob("*/*.kvc"))) == 5
+        reader = _engine(model, disk=kvcache.DiskTier(tmp_path / "small", max_bytes=budget))
+        assert reader.explain(prompt)["disk_tokens"] == 5 * CHUNK
+        reader.close()

@@ -274,8 +274,10 @@ class CostModel:
 # ---- tiers ---------------------------------------------------------------------------------------
 class DiskTier:
     """Blobs as files under ``path/<namespace id>/<key>.kvc``, at most ``max_bytes`` in all (LRU by
-    access time, which reads refresh). Writes go to a temporary file renamed into place, so a reader in
-    another process sees a whole blob or none; a file evicted under a reader is a miss."""
+    access time, which reads refresh). A chain's chunks are stamped as used one nanosecond apart, its first
+    chunk last: a lookup reads a chain from its start, so a tail without its head is never read, and under a
+    budget smaller than a prompt's chain the head is what stays. Writes go to a temporary file renamed into
+    place, so a reader in another process sees a whole blob or none; a file evicted under a reader is a miss."""
 
     name = "disk"
 
@@ -313,26 +315,40 @@ class DiskTier:
         return sizes
 
     def fetch(self, ns: bytes, keys: list[bytes]) -> list[bytes | None]:
+        """The blobs of ``keys`` (a run of one chain, in chain order; None where one is missing)."""
         out = []
         for key in keys:
-            f = self._file(ns, key)
             try:
-                data = f.read_bytes()
-                os.utime(f)  # recency for the LRU
+                out.append(self._file(ns, key).read_bytes())
             except OSError:
-                data = None
-            out.append(data)
+                out.append(None)
+        self.touch(ns, keys)
         return out
+
+    def touch(self, ns: bytes, keys: list[bytes], used_ns: int | None = None) -> None:
+        """Marks a run of one chain's chunks (chain order) as used at ``used_ns`` (a time.time_ns() stamp;
+        now by default), each later chunk 1 ns older: recency for the LRU, the chain's head the most recent.
+        Missing files are skipped."""
+        used_ns = time.time_ns() if used_ns is None else used_ns
+        for i, key in enumerate(keys):
+            try:
+                os.utime(self._file(ns, key), ns=(used_ns - i, used_ns - i))
+            except OSError:
+                pass
 
     def discard(self, ns: bytes, key: bytes) -> None:
         """Deletes a blob (found bad: the next write of its chunk replaces it)."""
         self._file(ns, key).unlink(missing_ok=True)
 
-    def put(self, ns: bytes, key: bytes, blob: bytes) -> bool:
+    def put(self, ns: bytes, key: bytes, blob: bytes, used_ns: int | None = None) -> bool:
+        """Writes a blob unless its file exists; ``used_ns``: its recency for the LRU (a time.time_ns()
+        stamp; by default the write's time)."""
         target = self._file(ns, key)
         if target.exists():
             return False
         self._write(target, blob)
+        if used_ns is not None:
+            os.utime(target, ns=(used_ns, used_ns))
         self._written_since_scan += len(blob)
         if self._written_since_scan >= self.max_bytes // 16:
             self.trim()
@@ -358,7 +374,7 @@ class DiskTier:
                 st = f.stat()
             except OSError:
                 continue
-            files.append((st.st_mtime, st.st_size, f))
+            files.append((st.st_mtime_ns, st.st_size, f))  # (ns: a chain's chunks are 1 ns apart)
         total, freed = sum(s for _, s, _ in files), 0
         for _, size, f in sorted(files):
             if total - freed <= self.max_bytes:
@@ -729,9 +745,10 @@ class PrefixTiers:
         self.stats_["disk_hit_tokens"] += disk_n
         self.stats_["remote_hit_tokens"] += remote_n
         if self.disk is not None:  # remote hits are kept on disk too
+            stamp = time.time_ns()  # (recency: DiskTier)
             for i, blob, t in loaded:
                 if t == "remote":
-                    self._enqueue(("disk", keys[i], blob))
+                    self._enqueue(("disk", keys[i], blob, stamp - i))
         self._remember_remote([keys[i] for i, _, t in loaded if t == "remote"])
         return len(loaded) * C
 
@@ -859,6 +876,9 @@ class PrefixTiers:
         queued = 0
         residual = self.store.residual
         block_list = blocks.tolist()
+        stamp = time.time_ns()  # the chain's recency on disk, its head the most recent (DiskTier)
+        if self.disk is not None and known[id(self.disk)]:  # the chunks it holds were used now too: newer than the
+            self.disk.touch(self.ns, keys[:known[id(self.disk)]], stamp)  # ones queued below, which they precede
         for i, key in enumerate(keys):
             if all(known[id(t)] is not None and i < known[id(t)] for t in targets):
                 continue
@@ -866,7 +886,7 @@ class PrefixTiers:
             pages = "".join("O" if residual is not None and b in residual.slot_of else "S" for b in ids)
             tensors = self._snapshot(ids, pages)
             item = ("chunk", key, tokens[i * C:(i + 1) * C], pages, tensors,
-                    [t.name for t in targets if not (known[id(t)] is not None and i < known[id(t)])])
+                    [t.name for t in targets if not (known[id(t)] is not None and i < known[id(t)])], stamp - i)
             if self._enqueue(item):
                 queued += 1
         return queued
@@ -931,20 +951,20 @@ class PrefixTiers:
 
     def _write(self, item) -> None:
         if item[0] == "disk":
-            _, key, blob = item
-            self._put(self.disk, key, blob)
+            _, key, blob, used_ns = item
+            self._put(self.disk, key, blob, used_ns)
             return
-        _, key, tokens, pages, tensors, names = item
+        _, key, tokens, pages, tensors, names, used_ns = item
         blob = encode_blob(self.ns, key, tokens, pages, tensors, self.meta)
         for tier in (self.disk, self.remote):
             if tier is not None and tier.name in names:
-                self._put(tier, key, blob)
+                self._put(tier, key, blob, used_ns)
 
-    def _put(self, tier, key: bytes, blob: bytes) -> None:
+    def _put(self, tier, key: bytes, blob: bytes, used_ns: int) -> None:
         if tier.name not in self._namespace_written:
             tier.put_namespace(self.ns, self.description)
             self._namespace_written.add(tier.name)
-        written = tier.put(self.ns, key, blob)
+        written = tier.put(self.ns, key, blob, used_ns) if tier is self.disk else tier.put(self.ns, key, blob)
         if tier is self.remote and not tier.breaker_open:
             self._remember_remote([key])  # written now, or already there (SET NX)
         if written:
