@@ -668,3 +668,41 @@ def test_a_disk_budget_smaller_than_a_chain_keeps_its_head(model, tmp_path):
         reader = _engine(model, disk=kvcache.DiskTier(tmp_path / "small", max_bytes=budget))
         assert reader.explain(prompt)["disk_tokens"] == 5 * CHUNK
         reader.close()
+
+
+def test_a_foreign_value_at_a_chunk_key_is_a_miss_there_and_is_deleted(model, server):
+    """Something else's list at chunk 3's key: the chunks before it still hit, the key is deleted (the next
+    write of the chunk replaces it), and nothing else counts as an error. (STRLEN's WRONGTYPE failed the
+    whole pipelined lookup: every later lookup was a miss, one remote error each, and the key stayed.)"""
+    a = _engine(model, remote=server.url)
+    a.generate(FIRST, max_new_tokens=2)
+    a.close()
+    b = _engine(model, remote=server.url)
+    keys = b.tiers.chain(FIRST[0])
+    name = b.tiers.remote._key(b.tiers.ns, keys[3])
+    client = server.client()
+    client.delete(name)
+    client.rpush(name, b"not a blob")
+    assert b.explain(FIRST[0])["remote_tokens"] == 3 * CHUNK
+    s = b.stats()["tiers"]
+    assert not client.exists(name) and s["remote_foreign_keys"] == 1 and "WRONGTYPE" in s["remote_last_error"]
+    assert s["remote_errors"] == 0 and not s["remote_breaker_open"]
+    b.generate(FIRST, max_new_tokens=2)
+    b.close()
+    assert client.strlen(name) > 0  # written again
+    client.close()
+
+
+def test_a_redis_that_refuses_the_client_warns_once_and_says_why(model, server):
+    """A database index the server does not have (or a wrong password) fails every call alike: one
+    RuntimeWarning naming the server without its password, and the reason in stats; generation goes on."""
+    url = server.url.replace("redis://", "redis://:topsecret@")[:-1] + "99"  # db 99 of 16
+    e = _engine(model, remote=url)
+    with pytest.warns(RuntimeWarning, match=r"refuses this client .*DB index") as caught:
+        out = e.generate(FIRST, max_new_tokens=2)
+    assert len([w for w in caught if "refuses" in str(w.message)]) == 1
+    assert "topsecret" not in str(caught[0].message) and ":***@" in str(caught[0].message)
+    s = e.stats()["tiers"]
+    assert "DB index" in s["remote_last_error"] and s["remote_errors"] >= 1
+    e.close()
+    assert [r.tokens for r in out] == [r.tokens for r in _engine(model).generate(FIRST, max_new_tokens=2)]

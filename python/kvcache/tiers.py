@@ -43,11 +43,13 @@ import hashlib
 import json
 import os
 import queue
+import re
 import struct
 import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -411,11 +413,18 @@ class RedisTier:
         self.url, self.timeout, self.breaker_s, self.ttl_s, self.prefix = url, timeout, breaker_s, int(ttl_s), prefix
         self._errors = (redis.RedisError, OSError)
         self._down_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # a server that answers but refuses us (password, ACL): configuration, not an outage
+        ex = redis.exceptions
+        self._refusals = tuple(getattr(ex, n) for n in ("AuthenticationError", "AuthorizationError",
+                                                         "NoPermissionError") if hasattr(ex, n))
+        self._response_error = ex.ResponseError
+        self.last_error: str | None = None  # the last error, type and message (stats: remote_last_error)
+        self._warned = False
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.cost = CostModel()
         self.open_until = 0.0
-        self.counters = {"errors": 0, "breaker_trips": 0, "skipped_calls": 0}
+        self.counters = {"errors": 0, "breaker_trips": 0, "skipped_calls": 0, "foreign_keys": 0}
         self._lock = threading.Lock()
 
     def _key(self, ns: bytes, key: bytes) -> str:
@@ -436,25 +445,46 @@ class RedisTier:
         except self._errors as err:
             with self._lock:
                 self.counters["errors"] += 1
+                self.last_error = f"{type(err).__name__}: {err}"  # (redis-py 8's repr hides the message)
                 if isinstance(err, self._down_errors):
                     self.counters["breaker_trips"] += 1
                     self.open_until = time.monotonic() + self.breaker_s
+                refused = isinstance(err, self._refusals) or (isinstance(err, self._response_error)
+                                                              and "DB index" in str(err))  # SELECT of a bad db
+                warn = refused and not self._warned
+                self._warned |= warn
+            if warn:  # once: every later call fails alike, and a misconfiguration must not pass for an outage
+                warnings.warn(f"the Redis tier at {self._safe_url()} refuses this client ({self.last_error}): its "
+                              f"lookups are misses and its writes are dropped; check the URL's password and database",
+                              RuntimeWarning, stacklevel=2)
             return None
+
+    def _safe_url(self) -> str:
+        """The URL without its password."""
+        return re.sub(r"//([^@/]*):[^@/]*@", r"//\1:***@", self.url)
 
     def put_namespace(self, ns: bytes, description: dict) -> None:
         self._call(lambda c: c.set(f"{self.prefix}:{ns.hex()}:namespace", json.dumps(description, sort_keys=True),
                                    ex=self.ttl_s))
 
     def lookup(self, ns: bytes, keys: list[bytes]) -> list[int]:
-        """Sizes of the blobs present, up to the first missing key: one pipelined round trip."""
+        """Sizes of the blobs present, up to the first missing key: one pipelined round trip. A key that
+        holds no string (something else wrote it) is a miss and is deleted, as a bad blob is: the next
+        write of its chunk replaces it."""
         def run(c):
             pipe = c.pipeline(transaction=False)
             for key in keys:
                 pipe.strlen(self._key(ns, key))
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
         sizes = self._call(run) if keys else []
         out = []
-        for size in sizes or []:
+        for i, size in enumerate(sizes or []):
+            if isinstance(size, Exception):
+                with self._lock:
+                    self.counters["foreign_keys"] += 1
+                    self.last_error = f"{type(size).__name__}: {size}"
+                self.discard(ns, keys[i])
+                break
             if not size:
                 break
             out.append(int(size))
@@ -1009,6 +1039,7 @@ class PrefixTiers:
             s["remote_cost_model"] = self.remote.cost.constants()
             s["remote_breaker_open"] = self.remote.breaker_open
             s.update({f"remote_{k}": v for k, v in self.remote.counters.items()})
+            s["remote_last_error"] = self.remote.last_error
         s["queued_writes"] = self._queue.unfinished_tasks
         return s
 
