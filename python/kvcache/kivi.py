@@ -61,6 +61,9 @@ class KIVIPool:
     - ``nbytes``: bytes of both pools.
 
     The residual bookkeeping lives on the host; every method validates its arguments before it writes.
+    The pool keeps no sequence lengths, so it cannot check that an append's ``seq_lens`` continue what a
+    sequence holds: one that skips ahead leaves the skipped slots unwritten (read back as whatever they
+    held), one that goes back overwrites, as a crop would.
     """
 
     def __init__(self, sealed: KVPool, residual: KVPool, window: int, sink_pages: int):
