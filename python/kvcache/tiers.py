@@ -475,7 +475,11 @@ class RedisTier:
             pipe = c.pipeline(transaction=False)
             for key in keys:
                 pipe.strlen(self._key(ns, key))
-            return pipe.execute(raise_on_error=False)
+            sizes = pipe.execute(raise_on_error=False)
+            for size in sizes:  # only a key of another type is the key's own failure; the rest fail the call
+                if isinstance(size, Exception) and "WRONGTYPE" not in str(size):
+                    raise size
+            return sizes
         sizes = self._call(run) if keys else []
         out = []
         for i, size in enumerate(sizes or []):
