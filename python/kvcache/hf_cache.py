@@ -844,8 +844,11 @@ class PagedCache(Cache):
         for pool in list(self.store.pools.values()) + list(self.store.residual_pools.values()):
             if pool.k.is_floating_point() and pool.k.dtype.itemsize > 1 and not pool.format.k.quantized:
                 return pool.k.dtype
-        # (transformers 5 names it dtype, and warns when torch_dtype is read; 4.x may have only torch_dtype)
-        dtype = self.config.dtype if hasattr(self.config, "dtype") else getattr(self.config, "torch_dtype", None)
+        # transformers 5 names it dtype and warns when its torch_dtype property is read; a 4.x config may hold
+        # only a torch_dtype attribute, read from its __dict__ (never through that property)
+        dtype = getattr(self.config, "dtype", None)
+        if dtype is None:
+            dtype = vars(self.config).get("torch_dtype") if hasattr(self.config, "__dict__") else None
         return dtype if isinstance(dtype, torch.dtype) else None
 
     def _refuse_states(self, what: str) -> None:
