@@ -39,8 +39,9 @@ def kv(batch=1, heads=2, q_len=3, dim=8, dtype=F16):
 def test_append_slot_out_of_range_writes_nothing(backend, pools):
     key, value = kv()
     # slots 0 and 1 are valid: a half-applying kernel would write them before reaching 16.
-    for bad, match in [(16, r"slot_mapping\[0, 2\]|slot_mapping\[2\] = 16 .*\[0, 16\)"),
-                       (-2, r"slot_mapping\[2\] = -2")]:
+    # (slot_mapping is [batch, q_len]: the message names the bad slot by row and column, as the user indexes it)
+    for bad, match in [(16, r"slot_mapping\[0, 2\] = 16 .*\[0, 16\)"),
+                       (-2, r"slot_mapping\[0, 2\] = -2")]:
         slots = torch.tensor([[0, 1, bad]])
         expect_rejected(pools, IndexError, match, lambda: kvcache.append(key, value, *pools, slots))
 
@@ -48,7 +49,7 @@ def test_append_slot_out_of_range_writes_nothing(backend, pools):
 def test_append_duplicate_slot(backend, pools):
     key, value = kv()
     slots = torch.tensor([[3, 5, 3]])
-    expect_rejected(pools, IndexError, r"writes slot 3 twice \(positions 0 and 2\)",
+    expect_rejected(pools, IndexError, r"writes slot 3 twice \(slot_mapping\[0, 0\] and slot_mapping\[0, 2\]\)",
                     lambda: kvcache.append(key, value, *pools, slots))
 
 

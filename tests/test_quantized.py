@@ -238,7 +238,7 @@ def test_bad_quantized_arguments_write_nothing(backend):
         with pytest.raises(exc, match=match):
             kvcache.append(key, key, pool.k, pool.v, slots, **kw)
         assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])
-    with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 64 is out of range"):
+    with pytest.raises(IndexError, match=r"slot_mapping\[0, 2\] = 64 is out of range"):
         kvcache.append(key, key, pool.k, pool.v, torch.tensor([[0, 1, 64]]), **pool.op_kwargs())
     assert torch.equal(pool.k, before[0]) and torch.equal(pool.k_scale, before[1])
     full = kvcache.PageLayout(4, 16, 2, 64, torch.float32).allocate(fill=0.0)

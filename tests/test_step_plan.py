@@ -179,9 +179,9 @@ def test_plan_refuses_bad_indices_like_the_ops(run_on):
             kvcache.plan_step(pool.k, pool.v, *args, q_heads=4)
         assert str(planned.value).splitlines()[0] == str(unplanned.value).splitlines()[0]
     slots = torch.tensor([[pool.num_blocks * 16], [3]])
-    with pytest.raises(IndexError, match=r"slot_mapping\[0\] = .* is out of range"):
+    with pytest.raises(IndexError, match=r"slot_mapping\[0, 0\] = .* is out of range"):
         kvcache.plan_step(pool.k, pool.v, table, lens, cu, slots, q_heads=4)
-    with pytest.raises(IndexError, match="writes slot 3 twice"):
+    with pytest.raises(IndexError, match=r"writes slot 3 twice \(slot_mapping\[0, 0\] and slot_mapping\[1, 0\]\)"):
         kvcache.plan_step(pool.k, pool.v, table, lens, cu, torch.tensor([[3], [3]]), q_heads=4)
     with pytest.raises(ValueError, match="q_heads = 3 must be a positive multiple"):
         kvcache.plan_step(pool.k, pool.v, table, lens, cu, q_heads=3)

@@ -285,7 +285,7 @@ AppendArgs check_append_call(const at::Tensor& key, const at::Tensor& value, con
 }  // namespace
 
 void check_slot_values(const int64_t* slots, int64_t rows, int64_t q_len, const PagedLayout& layout, KVKind k_kind) {
-  kvc_raise_index_error(check_slots("slot_mapping", slots, rows * q_len, layout.num_slots()));
+  kvc_raise_index_error(check_slots("slot_mapping", slots, rows * q_len, layout.num_slots(), q_len));
   if (is_kivi(k_kind)) {
     // KIVI keys take their per-channel statistics over a whole page: each row writes whole pages.
     const int64_t P = layout.page_size;

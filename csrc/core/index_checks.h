@@ -15,16 +15,25 @@
 namespace kvcache {
 
 /// slot_mapping: n slots, each -1 (skip) or in [0, num_slots); no slot may repeat, because two
-/// tokens written to one slot in one call leave an order-dependent result.
-inline std::string check_slots(const char* name, const int64_t* slots, int64_t n, int64_t num_slots) {
+/// tokens written to one slot in one call leave an order-dependent result. `cols` > 0: the slots are a
+/// row-major [n / cols, cols] tensor, and messages name a slot by its (row, column), as the user indexes it.
+inline std::string check_slots(const char* name, const int64_t* slots, int64_t n, int64_t num_slots, int64_t cols = 0) {
+  const auto at = [cols](int64_t i) {
+    std::ostringstream m;
+    m << "[";
+    if (cols > 0) m << i / cols << ", " << i % cols;
+    else m << i;
+    m << "]";
+    return m.str();
+  };
   std::vector<std::pair<int64_t, int64_t>> used;  // (slot, position)
   used.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = slots[i];
     if (s < -1 || s >= num_slots) {
       std::ostringstream m;
-      m << name << "[" << i << "] = " << s << " is out of range: slots must be -1 (skip) or in [0, "
-        << num_slots << ") (num_blocks * page_size)";
+      m << name << at(i) << " = " << s << " is out of range: slots must be -1 (skip) or in [0, " << num_slots
+        << ") (num_blocks * page_size)";
       return m.str();
     }
     if (s >= 0) used.emplace_back(s, i);
@@ -33,8 +42,8 @@ inline std::string check_slots(const char* name, const int64_t* slots, int64_t n
   for (size_t i = 1; i < used.size(); ++i) {
     if (used[i].first == used[i - 1].first) {
       std::ostringstream m;
-      m << name << " writes slot " << used[i].first << " twice (positions " << used[i - 1].second
-        << " and " << used[i].second << "); each slot may be written once per call";
+      m << name << " writes slot " << used[i].first << " twice (" << name << at(used[i - 1].second) << " and "
+        << name << at(used[i].second) << "); each slot may be written once per call";
       return m.str();
     }
   }

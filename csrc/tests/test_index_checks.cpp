@@ -23,7 +23,19 @@ TEST(CheckSlots, RejectsOutOfRangeNamingPositionAndBound) {
 TEST(CheckSlots, RejectsDuplicates) {
   const std::vector<int64_t> s = {4, 1, 4};
   EXPECT_EQ(check_slots("slot_mapping", s.data(), 3, 8),
-            "slot_mapping writes slot 4 twice (positions 0 and 2); each slot may be written once per call");
+            "slot_mapping writes slot 4 twice (slot_mapping[0] and slot_mapping[2]); each slot may be written once "
+            "per call");
+}
+
+TEST(CheckSlots, NamesARowMajorSlotByRowAndColumn) {
+  // [2, 3]: the bad slot is row 1, column 2 (flat position 5); the repeated one rows 0 and 1.
+  const std::vector<int64_t> bad = {0, 1, 2, 3, 4, 99};
+  EXPECT_EQ(check_slots("slot_mapping", bad.data(), 6, 8, 3),
+            "slot_mapping[1, 2] = 99 is out of range: slots must be -1 (skip) or in [0, 8) (num_blocks * page_size)");
+  const std::vector<int64_t> twice = {0, 5, 2, 3, 4, 5};
+  EXPECT_EQ(check_slots("slot_mapping", twice.data(), 6, 8, 3),
+            "slot_mapping writes slot 5 twice (slot_mapping[0, 1] and slot_mapping[1, 2]); each slot may be written "
+            "once per call");
 }
 
 TEST(CheckBlockTable, ValidatesOnlyTheBlocksALengthUses) {
