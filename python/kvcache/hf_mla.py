@@ -53,8 +53,12 @@ def clear_pending() -> None:
 
 def holds_latents(module, pool) -> bool:
     """Whether ``pool`` holds ``module``'s latents (transformers >= 5), not the expanded per-head K/V that
-    transformers 4.x hands the cache (the attention function then reads those through the dense path)."""
-    return pool.head_dim == module.kv_lora_rank and pool.v_head_dim == module.qk_rope_head_dim
+    transformers 4.x hands the cache (the attention function then reads those through the dense path).
+    NOTE: the widths alone can coincide (kv_lora_rank = qk_nope + qk_rope and v_head_dim = qk_rope: a 4.x
+    module's expanded K/V then looked like latents and decoded wrong tokens), so the module must also be one
+    that hands latents (it has ``expand_kv``) and the pool one head wide, as latents are."""
+    return (callable(getattr(module, "expand_kv", None)) and pool.num_kv_heads == 1
+            and pool.head_dim == module.kv_lora_rank and pool.v_head_dim == module.qk_rope_head_dim)
 
 
 def leave_pending(cache, layer_idx: int, plan) -> None:
