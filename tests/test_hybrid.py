@@ -98,6 +98,32 @@ def test_crop_refuses_a_recurrent_state_and_leaves_the_cache_untouched(model):
     cache.crop(0)  # nothing to remove: allowed
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_a_full_pool_refuses_before_any_state_moves(model, impl):
+    """max_tokens too small for the next forward: OutOfBlocksError, and the states keep the tokens they had (the
+    state layers run before the first attention layer; eager/sdpa allocated the pages there, so the states took
+    the refused tokens and every later forward was off DynamicCache's)."""
+    model.set_attn_implementation(impl)
+    try:
+        torch.manual_seed(1)
+        a, b, c = (torch.randint(2, 128, (1, n)) for n in (20, 20, 4))
+        cache, ref = kvcache.PagedCache(config=model.config, max_tokens=32), DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(a, past_key_values=cache), model(a, past_key_values=ref)
+            held = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, kvcache.PagedLayer)]
+            states = lambda: [t.clone() for i in held for t in (cache.get_conv_state(i), cache.get_recurrent_state(i))]
+            before = states()
+            assert held and len(before) == 2 * len(held)
+            with pytest.raises(kvcache.OutOfBlocksError):
+                model(b, past_key_values=cache)
+            assert cache.get_seq_length() == 20
+            assert all(torch.equal(x, y) for x, y in zip(states(), before))
+            got, want = model(c, past_key_values=cache).logits, model(c, past_key_values=ref).logits
+        assert (got - want).abs().max() <= (1e-5 if impl == "kvcache" else 0.0)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_deepcopy_continues_independently(model):
     ids = _inputs()[0][:1]
     cache = kvcache.PagedCache(config=model.config)

@@ -186,6 +186,8 @@ class PagedLayer(CacheLayerMixin):
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
         if self.cache.fused and PLAN_AHEAD:  # the mask function comes next: it plans the step there (_plan_ahead)
             _leave_for_mask(self.cache)
+        elif self.cache._has_state_layers():  # eager/sdpa on a hybrid model: the pages before any state moves
+            self.cache._reserve_ahead(q)
         return self.length + q, 0
 
     def get_seq_length(self) -> int:
@@ -948,6 +950,22 @@ class PagedCache(Cache):
         if pending is not None:
             PENDING_PADDING.set(None)
         return pending
+
+    def _has_state_layers(self) -> bool:
+        return any(not isinstance(layer, PagedLayer) for layer in self.layers)
+
+    @torch.compiler.disable
+    def _reserve_ahead(self, q_len: int) -> None:
+        """A hybrid model's state layers (linear attention, Mamba) may run before its first attention layer, which
+        allocated the step's pages (eager/sdpa attention): a full pool then raised OutOfBlocksError after the states
+        had taken the refused tokens (audit: the next forward 0.07 off DynamicCache's on Qwen3-Next). So its
+        continuation steps are planned here, from get_mask_sizes, before the layer loop; the first layer's update
+        finds the plan made (_step_plan). The "kvcache" attention plans here anyway (_plan_ahead)."""
+        if self._external_plan is not None or not self.rows or not self.store.pools:
+            return
+        first = self.layers[self._first_paged()] if self.layers else None
+        if isinstance(first, PagedLayer) and first.is_initialized:
+            self._step_plan(first.length, q_len)
 
     @torch.compiler.disable
     def _plan_ahead(self, batch: int, q_len: int) -> None:
