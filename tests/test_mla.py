@@ -143,7 +143,10 @@ def test_int4_and_kivi_latents_need_widths_of_multiples_of_32():
                                          ("kivi4", "K", "head_dim", 16, "kivi4")):
         cache = kvcache.PagedCache(config=model.config, kv_format=fmt, page_size=4, residual_length=0)
         model.set_attn_implementation("sdpa")
-        with pytest.raises(ValueError, match=rf"layer 0: {side} rows: {name}={width} must be a multiple of 32 for {kind}"):
+        # (the widths named as the model's: "head_dim" was the latents' kv_lora_rank here)
+        with pytest.raises(ValueError, match=rf"layer 0: the model hands the cache K rows of 16 and V rows of 8 values "
+                                             rf"\(MLA: kv_lora_rank and qk_rope_head_dim\); {side} rows: {name}={width} "
+                                             rf"must be a multiple of 32 for {kind}"):
             with torch.no_grad():
                 model(ids[:1], past_key_values=cache, use_cache=True)
         assert not cache.store.pools  # nothing allocated

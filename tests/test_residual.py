@@ -282,8 +282,19 @@ def test_bad_residual_arguments():
         kvcache.PagedCache(kv_format="int8", residual_sink_tokens=2.0, num_layers=1)
     with pytest.raises(TypeError, match=r"kv_format: a KV format is a str .* got 123 \(int\)"):
         kvcache.PagedCache(kv_format=123, num_layers=1)
-    with pytest.raises(ValueError, match=r"sink_tokens=4 .* cannot be combined with residual pages"):
+    with pytest.raises(ValueError, match=r"sink_tokens=4 .* cannot be combined with residual pages.*pass residual_length=0"):
         kvcache.PagedCache(kv_format="int8", residual_length=16, sink_tokens=4, num_layers=1)
+    # (KIVI keeps its open page whatever residual_length says: the advice to pass residual_length=0 was no help)
+    with pytest.raises(ValueError, match=r"a KIVI format always has them .* int8 / fp8 / int4 with residual_length=0"):
+        kvcache.PagedCache(kv_format="kivi2", residual_length=0, sink_tokens=4, num_layers=1)
+    # sizes and flags of the wrong type were taken (max_tokens=True: a one-page pool; page_size=True: pages of 1)
+    for name, bad in (("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", 64.0), ("max_tokens", "64"),
+                      ("page_size", True), ("page_size", 16.0), ("sink_tokens", 2.0)):
+        with pytest.raises(TypeError, match=rf"{name}={bad!r} must be an int"):
+            kvcache.PagedCache(**{name: bad}, num_layers=1)
+    with pytest.raises(TypeError, match=r"prefix_cache='yes' must be a bool or a kvcache.PrefixCache"):
+        kvcache.PagedCache(prefix_cache="yes", num_layers=1)
+    assert kvcache.PagedCache(max_tokens=torch.tensor(64), page_size=torch.tensor(16), num_layers=1).store.max_tokens == 64
     # full precision has nothing to keep: no residual pools, no label
     cache = kvcache.PagedCache(residual_length=16, num_layers=1)
     assert cache.store.residual is None and cache.store.residual_label == ""

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from . import _html, residual as res
-from .hf_cache import (ATTENTION_NAME, PagedCache, cache_geometry, check_pageable, is_mla_config,
+from .hf_cache import (ATTENTION_NAME, PagedCache, _state_layers, cache_geometry, check_pageable, is_mla_config,
                        packed_attention_mask)
 from .step import plan_step
-from .store import PagedStore
+from .store import PagedStore, integer_arg as _integer
 from .prefix import Match, Namespace, OutOfBlocksError, PrefixCache, Sequence
 
 __all__ = ["Engine", "Result"]
@@ -54,17 +54,6 @@ def _request_seed(seed: int, index: int) -> int:
     constant (the golden ratio's), so that nearby seeds and indices give distinct streams; in [0, 2**64), which
     torch.Generator.manual_seed takes."""
     return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
-
-
-def _integer(name: str, value, what: str) -> int:
-    """``value`` as an int: ints and numpy / torch integer scalars pass. A bool, a float (even ``2.0``) or
-    anything else is a TypeError naming the argument: a float would be truncated silently, a bool read as 0 / 1."""
-    if torch.is_tensor(value) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
-                                                             or value.dtype == torch.bool):
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int ({what}), not {type(value).__name__}")
-    return int(value)
 
 
 def _real(name: str, value, what: str) -> float:
@@ -221,7 +210,15 @@ class Engine:
                  chunk_tokens: int | None = None):
         # The arguments are all checked before anything is made or bound: a given PrefixCache is bound to the store
         # made below for good, so a bad argument found after it would leave the cache tied to a dead Engine's store.
-        check_pageable(model.config.get_text_config(decoder=True), "Engine (its steps use the \"kvcache\" attention)")
+        text_config = model.config.get_text_config(decoder=True)
+        check_pageable(text_config, "Engine (its steps use the \"kvcache\" attention)")
+        states = _state_layers(text_config)
+        if states is not None:  # (refused here, not at the first generate: nothing is made or bound for it)
+            layer = next(i for i, s in enumerate(states) if s is not None)
+            raise ValueError(f"kvcache.Engine does not run hybrid models: layer {layer} of {type(text_config).__name__} "
+                             f"is a {type(states[layer]).__name__} (a linear-attention/Mamba state of the whole "
+                             f"history, not paged per token); use model.generate with "
+                             f"kvcache.PagedCache(config=model.config)")
         max_batch = _integer("max_batch", max_batch, "the requests decoded together")
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1 (the requests decoded together)")

@@ -15,7 +15,7 @@ from . import _html, hf_mla, residual as res
 from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
-from .store import PagedStore
+from .store import PagedStore, integer_arg
 
 __all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME", "cache_geometry"]
 
@@ -85,7 +85,12 @@ def _state_layers(config) -> list | None:
     if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
         check_pageable(config, "PagedCache")
     types = getattr(config, "layer_types", None) if config is not None else None
-    if not types or not any(t in ("linear_attention", "conv") or t.startswith("hybrid") for t in types):
+    # (transformers 4.x's Jamba names its Mamba layers in layers_block_type only: its first forward then failed
+    # inside PagedCache with an AttributeError instead of the version refusal below)
+    older = getattr(config, "layers_block_type", None) if config is not None and not types else None
+    if older and "mamba" in older and DYNAMIC_LAYER_TYPE_MAPPING is None:
+        types = older
+    if not types or not any(t in ("linear_attention", "conv", "mamba") or t.startswith("hybrid") for t in types):
         return None  # attention only (layers without attention never call update: PagedLayers are fine)
     bad = next(((i, t) for i, t in enumerate(types) if t.startswith("hybrid")), None)
     if bad is not None:  # one layer holding both a Mamba state and attention K/V (Falcon-H1, Zamba)
@@ -336,14 +341,17 @@ class PagedCache(Cache):
         self.config = text_config
         self.device = None if device is None else torch.device(device)
         self.dtype = dtype
+        sink_tokens = integer_arg("sink_tokens", sink_tokens, "attention sinks of a sliding window")
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens={sink_tokens} must be >= 0")
-        self.sink_tokens = int(sink_tokens)
+        self.sink_tokens = sink_tokens
         if self.sink_tokens and store.residual is not None:
+            fix = ("a KIVI format always has them (its open page); use full precision or int8 / fp8 / int4 with "
+                   "residual_length=0" if store.kv_format.family == "kivi"
+                   else "pass residual_length=0 (and no residual_sink_tokens) to quantize every token as it is written")
             raise ValueError(f"sink_tokens={sink_tokens} (attention sinks of a sliding window) cannot be combined with "
                              f"residual pages ({store.residual_label}, format {store.kv_format}): the kernel's window "
-                             f"needs every token at its position in one pool; pass residual_length=0 to quantize every "
-                             f"token as it is written")
+                             f"needs every token at its position in one pool; {fix}")
         self.rows: list[Sequence] = []   # per batch row: its stored tokens (pads not stored)
         self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
         self._version = 0
@@ -494,6 +502,34 @@ class PagedCache(Cache):
             f"only this forward's {plan.q_len} token(s), not the cache: build the cache from the model's own config "
             f"(PagedCache(config=model.config)) or run the model with model.set_attn_implementation("
             f"{ATTENTION_NAME!r})" + ("" if owned else "; the cache was emptied"))
+
+    # A hybrid model's linear-attention / Mamba layers ask the cache for their states by layer index; transformers'
+    # Cache answers from self.layers, where a PagedCache made without the model's config has no state layers (an
+    # IndexError or "Cannot get conv state for non linear attention layer 0 of type PagedLayer" from inside
+    # transformers). These name what is missing instead.
+    def _state_layer_of(self, layer_idx: int, what: str) -> None:
+        if 0 <= layer_idx < len(self.layers) and not isinstance(self.layers[layer_idx], PagedLayer):
+            return
+        has = "no layer" if layer_idx >= len(self.layers) else "a paged attention layer"
+        raise ValueError(f"layer {layer_idx} of the model asked the cache for its {what} (a linear-attention / Mamba "
+                         f"layer of a hybrid model), but this PagedCache has {has} there: its state layers are made "
+                         f"from the model's config, so create it as PagedCache(config=model.config)")
+
+    def get_conv_state(self, layer_idx: int, *args, **kwargs):
+        self._state_layer_of(layer_idx, "conv state")
+        return super().get_conv_state(layer_idx, *args, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, *args, **kwargs):
+        self._state_layer_of(layer_idx, "recurrent state")
+        return super().get_recurrent_state(layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states, layer_idx: int, *args, **kwargs):
+        self._state_layer_of(layer_idx, "conv state")
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, *args, **kwargs):
+        self._state_layer_of(layer_idx, "recurrent state")
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .formats import CacheFormat
@@ -21,6 +23,17 @@ KIVI_RESIDUAL_LENGTH = DEFAULT_RESIDUAL_LENGTH  # the name before every quantize
 # Block ids the allocator may hand out when no max_tokens is given: the pools themselves grow on demand,
 # so this is a budget, not memory (4M tokens at page 16).
 _UNBOUNDED_BLOCKS = 1 << 18
+
+
+def integer_arg(name: str, value, what: str) -> int:
+    """``value`` as an int: ints and numpy / torch integer scalars pass. A bool, a float (even ``2.0``) or
+    anything else is a TypeError naming the argument: a float would be truncated silently, a bool read as 0 / 1."""
+    if torch.is_tensor(value) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                                             or value.dtype == torch.bool):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int ({what}), not {type(value).__name__}")
+    return int(value)
 
 
 class PagedStore:
@@ -44,8 +57,15 @@ class PagedStore:
                  prefix_cache: bool | PrefixCache = False, namespace: Namespace | None = None,
                  allocator: BlockAllocator | None = None, residual_length: int | None = None,
                  residual_sink_tokens: int = 0):
-        if max_tokens is not None and max_tokens <= 0:
-            raise ValueError(f"max_tokens={max_tokens} must be positive")
+        # (a float or a bool was taken as a size: max_tokens=True made a one-page pool, page_size=True pages of 1)
+        page_size = integer_arg("page_size", page_size, "tokens per page")
+        if max_tokens is not None:
+            max_tokens = integer_arg("max_tokens", max_tokens, "the tokens the pool holds; None: it grows")
+            if max_tokens <= 0:
+                raise ValueError(f"max_tokens={max_tokens} must be positive")
+        if not isinstance(prefix_cache, (bool, PrefixCache)):
+            raise TypeError(f"prefix_cache={prefix_cache!r} must be a bool or a kvcache.PrefixCache, not "
+                            f"{type(prefix_cache).__name__}")
         for name, value in (("residual_length", residual_length), ("residual_sink_tokens", residual_sink_tokens)):
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
                 raise TypeError(f"{name}={value!r} must be an int (tokens)")
@@ -130,7 +150,12 @@ class PagedStore:
                 pool = KVPool.allocate(blocks, self.page_size, heads, dim, fmt, device=key.device,
                                        v_head_dim=value.shape[3])
             except ValueError as err:
-                raise ValueError(f"layer {layer}: {err}") from None
+                # (KVPool names its own arguments, head_dim and v_head_dim: here they are what the model hands the
+                # cache, which for MLA are the latents, not the config's head_dim / v_head_dim)
+                v_dim = value.shape[3]
+                what = (f"K rows of {dim} and V rows of {v_dim} values (MLA: kv_lora_rank and qk_rope_head_dim)"
+                        if v_dim != dim else f"K and V rows of {dim} values")
+                raise ValueError(f"layer {layer}: the model hands the cache {what}; {err}") from None
             self.pools[layer] = pool
         elif pool.num_blocks < min_blocks:
             pool = self.pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
