@@ -155,9 +155,23 @@ def test_prefix_reuse_and_the_engine_refuse_clearly(model):
         cache.save_prefix(ids)
     with pytest.raises(ValueError, match="load_prefix is not supported for a hybrid model"):
         kvcache.PagedCache(config=model.config, store=cache.store).load_prefix(ids)
-    engine = kvcache.Engine(model, page_size=4)
-    with pytest.raises(ValueError, match=r"packed steps \(kvcache.Engine\) is not supported for a hybrid model"):
-        engine.generate([ids[0].tolist()], max_new_tokens=2)
+    impl = model.config._attn_implementation
+    layer = "LinearAttentionLayer" if model.config.model_type == "qwen3_next" else "Layer"  # (the class's name)
+    with pytest.raises(ValueError, match=rf"kvcache.Engine does not run hybrid models: layer 0 of .* is a \w*{layer}"):
+        kvcache.Engine(model, page_size=4)  # at construction, not at the first generate
+    assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("kwargs, has", [({}, "no layer"), ({"num_layers": 4}, "a paged attention layer")])
+def test_a_cache_made_without_the_config_names_what_is_missing(model, kwargs, has):
+    """Without config= the cache has no state layers: the model's first state lookup failed inside transformers
+    (an IndexError, or "Cannot get conv state for non linear attention layer 0 of type PagedLayer")."""
+    cache = kvcache.PagedCache(**kwargs)
+    with pytest.raises(ValueError, match=rf"layer 0 of the model asked the cache for its conv state .* this PagedCache "
+                                         rf"has {has} there: .* PagedCache\(config=model.config\)"):
+        with torch.no_grad():
+            model(_inputs()[0][:1], past_key_values=cache)
+    assert cache.get_seq_length() == 0 and not cache.store.pools
 
 
 def test_a_layer_with_state_and_attention_is_refused():
