@@ -225,6 +225,29 @@ def test_absorbed_attention_on_quantized_latents_matches_the_dense_path(model, f
     assert _max_diff(dense, fused) <= 1e-5 * max(1.0, scale)
 
 
+def test_output_attentions_with_kvcache_attention_are_eagers(model):
+    """output_attentions=True with the "kvcache" attention on latent pages returns eager attention's weights over the
+    expanded history, as for other models (it returned none, with a warning), prefill and decode, left-padded."""
+    ids, mask = _inputs()
+    runs = []
+    for impl, cache in (("eager", DynamicCache(config=model.config)), ("kvcache", kvcache.PagedCache(config=model.config))):
+        model.set_attn_implementation(impl)
+        try:
+            with torch.no_grad():
+                first = model(ids, attention_mask=mask, past_key_values=cache, output_attentions=True)
+                step = model(first.logits[:, -1:].argmax(-1), past_key_values=cache, output_attentions=True,
+                             attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1))
+        finally:
+            model.set_attn_implementation("sdpa")
+        runs.append((first, step))
+    for eager, ours in zip(*runs):
+        assert len(ours.attentions) == len(eager.attentions) == model.config.num_hidden_layers
+        for a, b in zip(eager.attentions, ours.attentions):
+            assert a is not None and b is not None and a.shape == b.shape
+            real = mask.bool()[:, -a.shape[2]:] if a.shape[2] > 1 else torch.ones(a.shape[0], 1, dtype=torch.bool)
+            assert (a - b).abs()[real.unsqueeze(1).expand(-1, a.shape[1], -1)].max() <= 1e-6  # (pad queries differ)
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_latents_as_wide_as_the_rotary_part_are_mla_too(name):
     """kv_lora_rank == qk_rope_head_dim: the latents were recognized by their two widths, so equal widths went

@@ -4,7 +4,6 @@ kernel cannot express goes through PyTorch. :func:`kvcache_mask` is its mask fun
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -97,11 +96,9 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if tag is not None and not torch.compiler.is_compiling():
         tag[0]._unattended = None  # this layer's K/V reached the "kvcache" attention (PagedCache._check_attended)
     if hf_mla.is_mla(module) and tag is not None and hf_mla.holds_latents(module, tag[0].store.pools[tag[1]]):
-        if weights:
-            warnings.warn("the \"kvcache\" attention of MLA latents returns no attention weights "
-                          "(output_attentions=True); use attn_implementation=\"eager\" for them", stacklevel=2)
-        return _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0,
-                    scaling), None
+        out = _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
+                   weights=weights)
+        return out if weights else (out, None)
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     # learned per-head sink logits (gpt-oss and the models built like it): a softmax term of their own, which
@@ -132,9 +129,15 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, value, mask, dropout: float,
-         scaling: float) -> torch.Tensor:
+         scaling: float, weights: bool = False):
     """An MLA layer (kvcache.hf_mla): a fresh prompt through SDPA on the module's own expansion of its tokens,
-    later steps through the absorbed kernel over the latent pages, anything else on the expanded history."""
+    later steps through the absorbed kernel over the latent pages, anything else on the expanded history.
+    ``weights`` (output_attentions=True): (output, attention weights), eager attention's over the expanded history."""
+    if weights:
+        grad = wants_grad(query, key, value)
+        key, value = module.expand_kv(*cache._dense(layer_idx, query.dtype, key if grad else None,
+                                                    value if grad else None))
+        return _dense_attention(query, key, value, mask, dropout, scaling, None, None, weights=True)
     pool = cache.store.pools[layer_idx]
     # no history, and the pages hold this forward's latents as given (full precision in the model's dtype, or a
     # full-precision window): key/value are the whole of it
