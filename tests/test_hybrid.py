@@ -147,6 +147,18 @@ def test_reset_empties_pages_and_states(model):
     assert torch.equal(_prefill(model, cache, ids), first)
 
 
+@pytest.mark.parametrize("empty", ["reset", "free"])
+def test_after_reset_or_free_a_prompt_may_have_another_batch_size(model, empty):
+    """The states kept the last batch's size (zeroed in place): a 1-row prompt after a 2-row one failed in
+    transformers' state update ("Sizes of tensors must match")."""
+    ids = _inputs()[0]
+    cache = kvcache.PagedCache(config=model.config)
+    _prefill(model, cache, ids[:2])
+    getattr(cache, empty)()
+    assert cache.stats()["state_bytes"] == 0
+    assert torch.equal(_prefill(model, cache, ids[:1]), _prefill(model, kvcache.PagedCache(config=model.config), ids[:1]))
+
+
 def test_prefix_reuse_and_the_engine_refuse_clearly(model):
     ids = _inputs()[0][:1]
     cache = kvcache.PagedCache(config=model.config, prefix_cache=True)

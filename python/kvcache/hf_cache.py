@@ -542,13 +542,21 @@ class PagedCache(Cache):
         raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
 
     def reset(self) -> None:
-        """Empties the cache (its pages go back to the allocator); the pools stay allocated. fp8 scales taken from
+        """Empties the cache (its pages go back to the allocator; a hybrid model's states are dropped, so the next
+        prompt may have any batch size); the pools stay allocated. fp8 scales taken from
         the first tokens are taken again from the next ones, unless the pages are shared (a prefix cache, a
         ``deepcopy`` still holding pages), whose stored tokens keep needing them."""
         self._release_rows()
         self.store.forget_scales()
-        for layer in self.layers:
-            layer.reset()  # (a PagedLayer's: its length and indexer keys)
+        # A hybrid model's state layers are made anew: reset in place they keep their tensors, zeroed, of the last
+        # batch's size, so a prompt of another batch size failed in transformers' state update (as it does after
+        # DynamicCache.reset(); every PagedCache starts any batch size after reset() or free()).
+        fresh = _state_layers(self.config) if self._has_state_layers() else None
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, PagedLayer) or fresh is None or fresh[i] is None:
+                layer.reset()  # (a PagedLayer's: its length and indexer keys)
+            else:
+                self.layers[i] = fresh[i]
 
     def free(self) -> None:
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
