@@ -641,6 +641,12 @@ def test_sink_tokens_work_in_every_generate_mode_and_need_the_kernel():
     # it told the user to set the attention implementation they had set)
     with pytest.raises(ValueError, match=r"sink_tokens=2 needs the kernel's attention .*without config="):
         _generate(model, kvcache.PagedCache(sink_tokens=2), "kvcache", input_ids=ids[:1])
+    # on a model with no sliding window every token is visible: sinks change nothing, and the cache says so
+    with pytest.warns(UserWarning, match=r"sink_tokens=2: LlamaConfig has no sliding window"):
+        kvcache.PagedCache(config=_model("llama").config, sink_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvcache.PagedCache(config=model.config, sink_tokens=2)  # (Mistral's window: no warning)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "kvcache"])

@@ -161,7 +161,14 @@ def test_after_reset_or_free_a_prompt_may_have_another_batch_size(model, empty):
 
 def test_prefix_reuse_and_the_engine_refuse_clearly(model):
     ids = _inputs()[0][:1]
-    cache = kvcache.PagedCache(config=model.config, prefix_cache=True)
+    prefix = kvcache.PrefixCache(kvcache.BlockAllocator(64, 16))
+    with pytest.raises(ValueError, match=r"prefix_cache: \w+Config cannot share prefixes .*hybrid model's"):
+        kvcache.PagedCache(config=model.config, prefix_cache=True)
+    with pytest.raises(ValueError, match=r"prefix_cache: "):
+        kvcache.PagedCache(config=model.config, prefix_cache=prefix)
+    assert prefix.store is None  # (refused before it was bound to a store)
+    # a store with a prefix cache, shared (made for another model): save_prefix / load_prefix refuse
+    cache = kvcache.PagedCache(config=model.config, store=kvcache.PagedCache(prefix_cache=True).store)
     _prefill(model, cache, ids)
     with pytest.raises(ValueError, match="save_prefix is not supported for a hybrid model: layer 0"):
         cache.save_prefix(ids)

@@ -438,7 +438,9 @@ def test_deepseek_sparse_attention_is_refused_where_the_kvcache_attention_would_
     assert prefix.store is None
     ids = _inputs()[0][:1]
     model.set_attn_implementation("sdpa")
-    cache = kvcache.PagedCache(config=model.config, page_size=4, prefix_cache=True)
+    with pytest.raises(ValueError, match=r"prefix_cache: \w+Config cannot share prefixes .*indexer keys"):
+        kvcache.PagedCache(config=model.config, page_size=4, prefix_cache=True)
+    cache = kvcache.PagedCache(config=model.config, store=kvcache.PagedCache(page_size=4, prefix_cache=True).store)
     with pytest.raises(ValueError, match=r"load_prefix is not supported for DeepSeek sparse attention"):
         cache.load_prefix(ids)
     made_for_sdpa = kvcache.PagedCache(config=model.config, page_size=4)

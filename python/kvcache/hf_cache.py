@@ -324,6 +324,13 @@ class PagedCache(Cache):
                  residual_length: int | None = None, residual_sink_tokens: int = 0):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         states = _state_layers(text_config)  # (first: a refused config leaves a given store or prefix cache unbound)
+        if prefix_cache is not False and prefix_cache is not None:  # (before a given PrefixCache is bound to a store)
+            indexed = indexed_layer(text_config) if text_config is not None else None
+            if states is not None or indexed is not None:
+                why = ("a hybrid model's linear-attention/Mamba states are not paged per token" if states is not None
+                       else f"DeepSeek sparse attention's indexer keys (layer {indexed}) are not paged")
+                raise ValueError(f"prefix_cache: {type(text_config).__name__} cannot share prefixes through the pages "
+                                 f"({why}, so save_prefix / load_prefix refuse it); leave prefix_cache off")
         configured = getattr(text_config, "num_hidden_layers", None) if text_config is not None else None
         if num_layers is not None:
             if isinstance(num_layers, bool) or not hasattr(num_layers, "__index__") or num_layers < 0:
@@ -345,6 +352,10 @@ class PagedCache(Cache):
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens={sink_tokens} must be >= 0")
         self.sink_tokens = sink_tokens
+        if sink_tokens and text_config is not None and not getattr(text_config, "sliding_window", None) and not any(
+                "sliding" in str(t) for t in getattr(text_config, "layer_types", None) or ()):
+            warnings.warn(f"sink_tokens={sink_tokens}: {type(text_config).__name__} has no sliding window, so every "
+                          f"token is visible and attention sinks change nothing", stacklevel=2)
         if self.sink_tokens and store.residual is not None:
             fix = ("a KIVI format always has them (its open page); use full precision or int8 / fp8 / int4 with "
                    "residual_length=0" if store.kv_format.family == "kivi"
