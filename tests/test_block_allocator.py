@@ -123,6 +123,10 @@ def test_exhaustion_raises_out_of_blocks_and_changes_nothing():
     ("float_id_free", TypeError, r"blocks must be .* sequence of ints, got an element 1.5 \(float\)"),
     ("float_id_share", TypeError, r"blocks must be .* sequence of ints, got an element 0.9 \(float\)"),
     ("float_refcount", TypeError, r"'float' object cannot be interpreted as an integer"),
+    # counts of the wrong type were truncated (allocate(2.7) gave 2 blocks, append(seq, 2.9) room for 2)
+    ("float_allocate", TypeError, r"num_blocks=2.7 must be an int \(blocks to allocate\), not float"),
+    ("str_allocate", TypeError, r"num_blocks='3' must be an int"),
+    ("float_append", TypeError, r"num_tokens=2.9 must be an int \(tokens to make room for\), not float"),
 ])
 def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
     alloc = kvcache.BlockAllocator(8, 4)
@@ -143,6 +147,9 @@ def test_bad_input_is_rejected_with_state_unchanged(case, exc, match):
         "float_id_free": lambda: alloc.free([0, 1.5]),
         "float_id_share": lambda: alloc.share([0.9]),
         "float_refcount": lambda: alloc.refcount(1.5),
+        "float_allocate": lambda: alloc.allocate(2.7),
+        "str_allocate": lambda: alloc.allocate("3"),
+        "float_append": lambda: alloc.append(alloc.sequence(), 2.9),
     }
     expect_rejected(alloc, exc, match, calls[case])
 
@@ -152,6 +159,45 @@ def test_bad_construction():
         kvcache.BlockAllocator(8, 3)
     with pytest.raises(ValueError, match="num_blocks = -2"):
         kvcache.BlockAllocator(-2, 16)
+    for args, kwargs, match in (((8.9, 4), {}, r"num_blocks=8.9 must be an int"),
+                                ((True, 4), {}, r"num_blocks=True must be an int"),  # (was a one-block pool)
+                                ((8, 4.0), {}, r"page_size=4.0 must be an int"),
+                                ((8, 4), {"bytes_per_block": 1.5}, r"bytes_per_block=1.5 must be an int")):
+        with pytest.raises(TypeError, match=match):
+            kvcache.BlockAllocator(*args, **kwargs)
+    with pytest.raises(ValueError, match=r"bytes_per_block=-1024 must be >= 0"):
+        kvcache.BlockAllocator(8, 4, bytes_per_block=-1024)
+
+
+@pytest.mark.parametrize("case", ["none_in_list", "too_few_blocks", "other_page_size", "int_pair", "bare_tensor"])
+def test_append_checks_pools_before_the_allocator_moves_a_shared_page(case):
+    """A fork's shared partial page is moved to a new block before the copy: a bad ``pools`` found only when
+    copying left the sequence on the new block, which never got the page's tokens (token 5 read 0.0)."""
+    layout = kvcache.PageLayout(8, 4, 1, 2, torch.float32)
+    k, v = layout.allocate(fill=0.0)
+    alloc = kvcache.BlockAllocator(8, 4)
+    parent = alloc.sequence()
+    alloc.append(parent, 5)
+    fork = alloc.fork(parent)
+    bad = {"none_in_list": [(k, v), None], "too_few_blocks": (k[:4], v[:4]),
+           "other_page_size": (k.view(8, 1, 2, 4), v.view(8, 1, 2, 4)),
+           "int_pair": (k.to(torch.int32), v.to(torch.int32)), "bare_tensor": k}[case]
+    table, tokens = fork.blocks.clone(), fork.num_tokens
+    expect_rejected(alloc, (TypeError, ValueError), r"pools", lambda: alloc.append(fork, 1, pools=bad))
+    assert torch.equal(fork.blocks, table) and fork.num_tokens == tokens
+
+
+def test_append_applies_the_copy_to_a_quantized_kvpool():
+    pool = kvcache.KVPool.allocate(8, 4, 1, 32, "int8")
+    alloc = kvcache.BlockAllocator(8, 4)
+    parent = alloc.sequence()
+    alloc.append(parent, 3)
+    x = torch.randn(1, 1, 3, 32)
+    pool.append(x, -x, parent.slots().view(1, -1))
+    fork = alloc.fork(parent)
+    copies = alloc.append(fork, 1, pools=pool)
+    src, dst = copies.tolist()[0]
+    assert torch.equal(pool.k[dst, :, :3], pool.k[src, :, :3]) and torch.equal(pool.k_scale[dst, :, :3], pool.k_scale[src, :, :3])
 
 
 def test_int64_ids_must_fit_in_int32():

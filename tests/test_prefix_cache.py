@@ -138,6 +138,13 @@ def test_locks_pin_paths_and_count():
     assert cache.clear() == 2 and alloc.num_free == 16
     with pytest.raises(IndexError, match=rf"node handle {m.node} is unknown or stale"):
         cache.unlock(m.node)
+    # a handle that is not an int was converted (lock(str(node)) locked the node): refused, nothing locked
+    for bad in (str(m.node), m.node + 0.7, True):
+        with pytest.raises(TypeError, match=r"node=.* must be an int \(a handle from a match\)"):
+            cache.lock(bad)
+    with pytest.raises(TypeError, match=r"num_blocks=1.5 must be an int"):
+        cache.evict(1.5)
+    assert cache.stats()["locked_nodes"] == 0
 
 
 def test_full_pool_evicts_cached_prefixes():

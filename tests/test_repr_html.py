@@ -27,6 +27,11 @@ def test_kvpool_shows_format_bytes_and_bits_per_value():
     assert cells["bytes in bf16"] == f"{2 * 2 * 64 * 2 * 64 / 1024:.1f} KiB"
 
 
+def test_an_empty_kvpool_displays():
+    pool = kvcache.KVPool.allocate(0, 16, 2, 32, "int8")  # (its display divided by its 0 values)
+    assert _cells(pool._repr_html_())["bits per value (scales included)"] == "- (no blocks)"
+
+
 def test_block_allocator_shows_use_and_waste():
     alloc = kvcache.BlockAllocator(8, 4, bytes_per_block=1024)
     seq = alloc.sequence()

@@ -33,7 +33,8 @@ from . import _html, residual as res
 from .hf_cache import (ATTENTION_NAME, PagedCache, _state_layers, cache_geometry, check_pageable, is_mla_config,
                        packed_attention_mask)
 from .step import plan_step
-from .store import PagedStore, integer_arg as _integer
+from ._args import integer_arg as _integer
+from .store import PagedStore
 from .prefix import Match, Namespace, OutOfBlocksError, PrefixCache, Sequence
 
 __all__ = ["Engine", "Result"]

@@ -15,7 +15,8 @@ from . import _html, hf_mla, residual as res
 from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
 from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
 from .step import StepPlan, plan_step
-from .store import PagedStore, integer_arg
+from ._args import integer_arg
+from .store import PagedStore
 
 __all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME", "cache_geometry"]
 

@@ -305,6 +305,7 @@ class KVPool:
             "kv heads x head_dim": f"{self.num_kv_heads} x {self.head_dim}" + (
                 "" if self.v_head_dim == self.head_dim else f" (V rows: {self.v_head_dim})"),
             "bytes": _html.human_bytes(self.nbytes),
-            "bits per value (scales included)": f"{8 * self.nbytes / values:.2f}",
+            # (an empty pool, num_blocks=0, holds no values: its display raised ZeroDivisionError)
+            "bits per value (scales included)": f"{8 * self.nbytes / values:.2f}" if values else "- (no blocks)",
             "bytes in bf16": _html.human_bytes(2 * values),
         }, "one layer")

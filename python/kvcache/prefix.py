@@ -49,6 +49,7 @@ from typing import Iterable, NamedTuple
 import torch
 
 from . import _C, _html, ops
+from ._args import integer_arg
 
 __all__ = [
     "BlockAllocator", "Insert", "Match", "MatchInto", "Namespace", "OutOfBlocksError", "PrefixCache", "RaggedMatch",
@@ -90,6 +91,34 @@ def _pool_list(pools) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if isinstance(pools, tuple) and len(pools) == 2 and isinstance(pools[0], torch.Tensor):
         return [pools]
     return [tuple(p) for p in pools]
+
+
+def _append_targets(pools, num_blocks: int, page_size: int) -> list:
+    """``pools`` of :meth:`BlockAllocator.append` as a list of ``(k_cache, v_cache)`` pairs or KVPools, each checked
+    to hold every block id of an allocator of ``num_blocks`` pages of ``page_size`` tokens: checked before the
+    allocator changes, since a copy that fails after it moved a shared page would leave the sequence on a block
+    that never got the page's tokens."""
+    if (isinstance(pools, tuple) and len(pools) == 2 and isinstance(pools[0], torch.Tensor)) or hasattr(pools, "copy_blocks"):
+        pools = [pools]
+    if isinstance(pools, torch.Tensor) or not isinstance(pools, Iterable):
+        raise TypeError(f"pools: a (k_cache, v_cache) pair, a KVPool or a list of them, got {type(pools).__name__}")
+    out = []
+    for i, entry in enumerate(pools):
+        if hasattr(entry, "copy_blocks") and hasattr(entry, "k"):  # a KVPool (any format)
+            k, v = entry.k, entry.v
+        elif isinstance(entry, (tuple, list)) and len(entry) == 2 and all(isinstance(t, torch.Tensor) for t in entry):
+            k, v = entry
+            if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in entry):
+                raise TypeError(f"pools[{i}]: full-precision caches are float32, float16 or bfloat16, got "
+                                f"{entry[0].dtype} / {entry[1].dtype}; a quantized pool goes in as its KVPool")
+        else:
+            raise TypeError(f"pools[{i}]: a (k_cache, v_cache) pair of tensors or a KVPool, got {type(entry).__name__}")
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            if t.dim() < 3 or t.shape[0] < num_blocks or t.shape[2] != page_size:
+                raise ValueError(f"pools[{i}] {name} has shape {tuple(t.shape)}, but the allocator's blocks need "
+                                 f"[>= num_blocks = {num_blocks}, kv_heads, page_size = {page_size}, ...]")
+        out.append(entry)
+    return out
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -213,12 +242,18 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, page_size: int, *, bytes_per_block: int = 0):
+        # (a float was truncated and a bool read as 1: BlockAllocator(True, 4) made a one-block pool)
+        num_blocks = integer_arg("num_blocks", num_blocks, "blocks in the pool")
+        page_size = integer_arg("page_size", page_size, "tokens per block")
+        bytes_per_block = integer_arg("bytes_per_block", bytes_per_block, "bytes of one block over all layers")
+        if bytes_per_block < 0:
+            raise ValueError(f"bytes_per_block={bytes_per_block} must be >= 0 (0: no byte figures in stats())")
         try:
-            self.native = torch.classes.kvcache.BlockAllocator(int(num_blocks), int(page_size))
+            self.native = torch.classes.kvcache.BlockAllocator(num_blocks, page_size)
         except RuntimeError as err:
             raise ValueError(str(err).splitlines()[0]) from None
-        self.page_size = int(page_size)
-        self.bytes_per_block = int(bytes_per_block)
+        self.page_size = page_size
+        self.bytes_per_block = bytes_per_block
         # Bound once: every attribute lookup on a torch ScriptObject builds a new method object (~1 us).
         self._append, self._share, self._free = self.native.append, self.native.share, self.native.free
 
@@ -233,8 +268,9 @@ class BlockAllocator:
     # ---- blocks ---------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> torch.Tensor:
         """``num_blocks`` blocks (int32 ids) with one reference each."""
+        num_blocks = integer_arg("num_blocks", num_blocks, "blocks to allocate")
         try:
-            return self.native.allocate(int(num_blocks))
+            return self.native.allocate(num_blocks)
         except RuntimeError as err:
             _raise_out_of_blocks(err)
             raise
@@ -269,19 +305,26 @@ class BlockAllocator:
 
         If the sequence's partial last page is shared (a fork, or a prefix match that ended inside a
         page), it is first moved to a new block. Returns those copies as ``[n, 2]`` int64 (src, dst)
-        pairs, which must be applied before writing: pass ``pools`` (a ``(k_cache, v_cache)`` pair or a
-        list of them, one per layer) to have them applied with :func:`kvcache.copy_blocks`.
+        pairs, which must be applied before writing: pass ``pools`` (a ``(k_cache, v_cache)`` pair, a
+        :class:`kvcache.KVPool`, or a list of them, one per layer) to have them applied with
+        :func:`kvcache.copy_blocks` (``KVPool.copy_blocks`` for a KVPool). ``pools`` is checked before anything
+        changes (each must hold every block id of this allocator, pages of its page_size).
         Write the new tokens at ``seq.slots(seq.num_tokens - num_tokens)``.
         """
+        num_tokens = integer_arg("num_tokens", num_tokens, "tokens to make room for")
+        targets = None if pools is None else _append_targets(pools, self.num_blocks, self.page_size)
         try:
-            table, copies = self._append(seq.blocks, seq.num_tokens, int(num_tokens))
+            table, copies = self._append(seq.blocks, seq.num_tokens, num_tokens)
         except RuntimeError as err:
             _raise_out_of_blocks(err)
             raise
-        seq.blocks, seq.num_tokens = table, seq.num_tokens + int(num_tokens)
-        if pools is not None and len(copies):
-            for k_cache, v_cache in _pool_list(pools):
-                ops.copy_blocks(k_cache, v_cache, copies)
+        seq.blocks, seq.num_tokens = table, seq.num_tokens + num_tokens
+        if targets and len(copies):
+            for entry in targets:
+                if hasattr(entry, "copy_blocks") and hasattr(entry, "k"):
+                    entry.copy_blocks(copies)
+                else:
+                    ops.copy_blocks(entry[0], entry[1], copies)
         return copies
 
     def fork(self, seq: Sequence) -> Sequence:
@@ -492,18 +535,19 @@ class PrefixCache:
     def lock(self, node: int) -> None:
         """Pins ``node`` and its ancestors (counted; each lock needs one :meth:`unlock`). The empty
         prefix's handle 0, what a match of nothing returns, pins nothing: its lock and unlock do nothing."""
-        self._lock(int(node))
+        self._lock(integer_arg("node", node, "a handle from a match"))
 
     def unlock(self, node: int) -> None:
         """Undoes one :meth:`lock` of ``node`` (or a lock taken by ``lock=True``)."""
-        self._unlock(int(node))
+        self._unlock(integer_arg("node", node, "a handle from a match"))
 
     def evict(self, num_blocks: int) -> int:
-        """Evicts unlocked leaves, least recently used first (to the host tier if any), until ``num_blocks``
+        """Evicts unlocked leaves in the policy's order (``"lru"``: least recently used first; ``"lfu"``: least
+        often hit first) (to the host tier if any), until ``num_blocks``
         device blocks went back to the allocator or nothing evictable is left; returns how many did (a
         leaf's blocks go together, so it can be more than asked). Blocks already free do not count:
         ``evict(n)`` frees n more, and ``clear()`` is ``evict(allocator.num_blocks)``."""
-        return self._evict(int(num_blocks))
+        return self._evict(integer_arg("num_blocks", num_blocks, "device blocks to free"))
 
     def clear(self) -> int:
         """Evicts every unlocked prefix; returns the device blocks freed."""

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ._args import integer_arg
 from .formats import CacheFormat
 from .pool import KVPool
 from .prefix import BlockAllocator, Namespace, PrefixCache
@@ -23,17 +22,6 @@ KIVI_RESIDUAL_LENGTH = DEFAULT_RESIDUAL_LENGTH  # the name before every quantize
 # Block ids the allocator may hand out when no max_tokens is given: the pools themselves grow on demand,
 # so this is a budget, not memory (4M tokens at page 16).
 _UNBOUNDED_BLOCKS = 1 << 18
-
-
-def integer_arg(name: str, value, what: str) -> int:
-    """``value`` as an int: ints and numpy / torch integer scalars pass. A bool, a float (even ``2.0``) or
-    anything else is a TypeError naming the argument: a float would be truncated silently, a bool read as 0 / 1."""
-    if torch.is_tensor(value) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
-                                                             or value.dtype == torch.bool):
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int ({what}), not {type(value).__name__}")
-    return int(value)
 
 
 class PagedStore:
