@@ -813,6 +813,22 @@ def test_a_failed_first_forward_leaves_the_cache_empty():
     assert torch.equal(ref.sequences, got.sequences)
 
 
+def test_a_batch_too_big_for_the_pool_is_refused_whole():
+    """Rows took their blocks one after another: the last row's refusal named its own need against a pool its
+    batch-mates had just emptied, and the rows before it kept their new blocks."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, max_tokens=80)  # 5 pages of 16
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)  # 2 pages per row: 1 left
+        tables = [(row.blocks.tolist(), row.num_tokens) for row in cache.rows]
+        with pytest.raises(kvcache.OutOfBlocksError, match=r"this forward's 2 rows need 2 more blocks of 16 tokens "
+                                                           r"\(per row: \[1, 1\]\), but 1 of the pool's 5 are free"):
+            model(ids, past_key_values=cache)
+    assert [(row.blocks.tolist(), row.num_tokens) for row in cache.rows] == tables
+    assert cache.store.allocator.num_free == 1 and cache.get_seq_length() == 20
+
+
 @pytest.mark.parametrize("bad", [2.5, "3", True, None])
 def test_crop_refuses_what_is_not_an_integer(bad):
     """crop(2.5) kept 2 tokens (int() truncated), silently; DynamicCache refuses it."""

@@ -13,7 +13,7 @@ import torch
 from .formats import CacheFormat
 from . import _html, hf_mla, residual as res
 from .padding import PENDING_CACHE, PENDING_PADDING, Padding, leading_pads
-from .prefix import BlockAllocator, Namespace, PrefixCache, Sequence
+from .prefix import BlockAllocator, Namespace, OutOfBlocksError, PrefixCache, Sequence
 from .step import StepPlan, plan_step
 from ._args import integer_arg
 from .store import PagedStore
@@ -634,8 +634,11 @@ class PagedCache(Cache):
     def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
         """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
         transformers < 5.14 convention) keeps the first ``n``. The kept tokens read as before, and the dropped
-        slots are simply rewritten later: in full precision or with ``residual_length=0`` the cache is then
-        bit for bit one that never held the dropped tokens. With a full-precision window, kept tokens that had
+        slots are simply rewritten later: in full precision or with ``residual_length=0`` (int8, fp8, int4) the
+        cache is then bit for bit one that never held the dropped tokens. KIVI formats keep the page being written
+        in full precision even with ``residual_length=0``: a crop into a sealed page reopens it with its dequantized
+        values, where a cache that never held the dropped tokens would hold that page's keys in full precision
+        (the next logits differ within KIVI's rounding). With a full-precision window, kept tokens that had
         aged out of it before the crop stay quantized (their page is reopened with its dequantized values), where
         a cache that never held the dropped tokens would still hold them in full precision. A hybrid model's conv
         states are cropped by transformers' own layers (after :meth:`activate_past_recording`); a recurrent (linear-attention/Mamba) state cannot be rolled
@@ -1067,6 +1070,9 @@ class PagedCache(Cache):
         alloc = self.store.allocator
         self.store.compact_residual()
         end = length + q_len
+        page = self.store.page_size
+        if self.store.prefix_cache is None and alloc.num_free < len(self.rows) * (-(-q_len // page) + 1):
+            self._check_room(alloc, end)  # (a nearly full pool: the whole batch's blocks, before any row takes some)
         for b, seq in enumerate(self.rows):  # room for the new tokens (copy-on-write of shared pages)
             need = end - self.pads[b] - seq.num_tokens
             if need > 0:
@@ -1079,6 +1085,25 @@ class PagedCache(Cache):
                                       packed=False, page_size=self.store.page_size, device=device,
                                       residual=self.store.residual, length=length, version=self._version)
         return plan
+
+    def _check_room(self, alloc: BlockAllocator, end: int) -> None:
+        """OutOfBlocksError unless the pool's free blocks cover every row's new pages (and a copy of a shared partial
+        last page): rows took blocks one after another, so the last row's refusal named its own need against a pool
+        its batch-mates had just emptied ("needs 3 blocks, 0 free of 6" while the cache held none), and the rows
+        before it kept theirs. Only without a prefix cache, whose evictions the allocator makes when short."""
+        page, need = self.store.page_size, []
+        for b, seq in enumerate(self.rows):
+            tokens = end - self.pads[b] - seq.num_tokens
+            if tokens <= 0:
+                need.append(0)
+                continue
+            held = seq.blocks.numel()
+            shared = seq.num_tokens % page and held and alloc.refcount(int(seq.blocks[-1])) > 1
+            need.append(-(-(seq.num_tokens + tokens) // page) - held + bool(shared))
+        if sum(need) > alloc.num_free:
+            raise OutOfBlocksError(f"this forward's {len(need)} rows need {sum(need)} more blocks of {page} tokens "
+                                   f"(per row: {need}), but {alloc.num_free} of the pool's {alloc.num_blocks} are free "
+                                   f"(max_tokens={self.store.max_tokens}); the cache is unchanged")
 
     def _dense(self, layer_idx: int, dtype: torch.dtype, new_k: torch.Tensor | None = None,
                new_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
