@@ -822,7 +822,7 @@ def test_a_batch_too_big_for_the_pool_is_refused_whole():
     with torch.no_grad():
         model(ids, past_key_values=cache)  # 2 pages per row: 1 left
         tables = [(row.blocks.tolist(), row.num_tokens) for row in cache.rows]
-        with pytest.raises(kvcache.OutOfBlocksError, match=r"this forward's 2 rows need 2 more blocks of 16 tokens "
+        with pytest.raises(kvcache.OutOfBlocksError, match=r"out of blocks: this forward's 2 rows need 2 more blocks of 16 tokens "
                                                            r"\(per row: \[1, 1\]\), but 1 of the pool's 5 are free"):
             model(ids, past_key_values=cache)
     assert [(row.blocks.tolist(), row.num_tokens) for row in cache.rows] == tables

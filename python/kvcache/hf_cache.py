@@ -1101,7 +1101,7 @@ class PagedCache(Cache):
             shared = seq.num_tokens % page and held and alloc.refcount(int(seq.blocks[-1])) > 1
             need.append(-(-(seq.num_tokens + tokens) // page) - held + bool(shared))
         if sum(need) > alloc.num_free:
-            raise OutOfBlocksError(f"this forward's {len(need)} rows need {sum(need)} more blocks of {page} tokens "
+            raise OutOfBlocksError(f"out of blocks: this forward's {len(need)} rows need {sum(need)} more blocks of {page} tokens "
                                    f"(per row: {need}), but {alloc.num_free} of the pool's {alloc.num_blocks} are free "
                                    f"(max_tokens={self.store.max_tokens}); the cache is unchanged")
 
