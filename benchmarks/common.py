@@ -99,6 +99,18 @@ def time_call(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a count of 0 ended the scripts in a ZeroDivisionError or IndexError)."""
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def best(samples: list[float]) -> float:
     return min(samples)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import kvcache
-from common import machine, write_results
+from common import machine, positive_int, write_results
 from kvcache import memory
 
 CONTEXT = 2048
@@ -105,12 +105,12 @@ def markdown(info: dict, rows: list[dict], requests: list[tuple[int, int]]) -> s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="page 16 and 200 requests, for a smoke run")
-    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="page 16 and 200 requests (unless --requests), for a smoke run")
+    parser.add_argument("--requests", type=positive_int, default=None, help="requests of the trace (default: 1000)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    requests = sharegpt_like(200 if args.quick else args.requests)
+    requests = sharegpt_like(args.requests or (200 if args.quick else 1000))
     pages = [16] if args.quick else [1, 4, 8, 16, 32, 64, 128, 256]
     info = machine()
     rows = [simulate(requests, p) for p in pages]

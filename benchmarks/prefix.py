@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 import kvcache
-from common import machine, write_results
+from common import machine, positive_int, write_results
 
 PAGE = 16
 WAVE = 16
@@ -376,12 +376,12 @@ def markdown(info: dict, rows: list[dict], sgl_version: str | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smaller trace and 2 repeats, for a smoke run")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="a smaller trace and 2 repeats (unless --repeats), for a smoke run")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="replays of the trace, best taken (default: 7)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    repeats = 2 if args.quick else args.repeats
+    repeats = args.repeats or (2 if args.quick else 7)
     trace = make_trace(8, 16, 5, 4) if args.quick else make_trace(64, 16, 20, 4)
     sgl = load_sglang()
     info = machine()
