@@ -65,6 +65,12 @@ def test_from_config_llama_with_head_dim_none_falls_back_to_hidden_over_heads():
     assert shape.sliding_windows is None
 
 
+def test_from_config_refuses_more_kv_heads_than_query_heads():
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 8, "hidden_size": 64}
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8 exceeds num_attention_heads=4"):
+        KVShape.from_config(cfg)
+
+
 def test_from_config_explicit_head_dim_wins_over_hidden_size():
     # Gemma-7B: hidden 3072, 16 heads, but head_dim 256 (not 3072 // 16 = 192)
     cfg = _llama_like(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
@@ -508,6 +514,7 @@ def test_dtype_names_and_dtype_like_objects():
     np = pytest.importorskip("numpy")
     assert memory.dtype_bits(np.dtype("float16")) == 16
     assert memory.dtype_bits(np.dtype("float64")) == 64
+    assert memory.dtype_bits(np.float16) == 16 and memory.dtype_bits(np.int8) == 8  # scalar types, as the docstring says
 
 
 def test_real_torch_dtypes():

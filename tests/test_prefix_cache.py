@@ -15,6 +15,7 @@ import array
 import gc
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ import weakref
 from collections import Counter
 
 import numpy as np
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -834,6 +836,14 @@ def every_lookup(cache, tokens, ns, *, lock):
     nodes = [m.node, into.node, *ragged.nodes.tolist(), *ragged_into.nodes.tolist(), *(x.node for x in many), node,
              *native_ragged[3].tolist(), empty.node, *empty_ragged[1].tolist()]
     return lengths, nodes
+
+
+@pytest.mark.parametrize("field, bad", [("model", 5), ("model", None), ("salt", ["x"]), ("revision", b"r")])
+def test_namespace_fields_are_strings(field, bad):
+    with pytest.raises(TypeError, match=rf"Namespace {field}={re.escape(repr(bad))} must be a str"):
+        kvcache.Namespace(**{field: bad})
+    assert kvcache.Namespace(model="m", kv_format=kvcache.CacheFormat.parse("int8")).key == \
+        kvcache.Namespace(model="m", kv_format="int8").key  # (a CacheFormat is keyed by its str)
 
 
 def test_lookups_in_unknown_namespaces_leave_no_state_behind():

@@ -98,6 +98,9 @@ def dtype_bits(dtype: Any, name: str = "dtype") -> int:
     if key in _DTYPE_BITS:
         return _DTYPE_BITS[key]
     itemsize = getattr(dtype, "itemsize", None)  # unnamed dtype objects (numpy, torch >= 2.1)
+    if isinstance(dtype, type) and dtype.__module__ == "numpy":  # a numpy scalar type (np.float16): its dtype's
+        import numpy
+        itemsize = numpy.dtype(dtype).itemsize
     if not isinstance(dtype, str) and _is_int(itemsize) and itemsize > 0:
         return 8 * int(itemsize)
     raise ValueError(f"{name} must be a positive number of bits or a known dtype, got {dtype!r}")
@@ -340,6 +343,9 @@ class KVShape:
             num_kv_heads = 1  # Falcon-7B / GPTBigCode: the flag wins over their kv-head counts
         elif (num_kv_heads := _first(config, *kv_names)) is None:
             raise _missing(*kv_names)
+        elif _is_int(num_heads) and _is_int(num_kv_heads) and num_kv_heads > num_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} exceeds num_attention_heads={num_heads}: every KV "
+                             f"head serves a group of query heads, so there are at most as many")
         head_dim = _get(config, "head_dim")
         if head_dim is None:
             hidden = _first(config, "hidden_size", "n_embd")

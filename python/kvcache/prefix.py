@@ -198,6 +198,12 @@ class Namespace:
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # (a non-str field was keyed as itself: model=5 and model=None made keys no str can name, model=["x"] an
+        # unhashable one); kv_format may be a CacheFormat, keyed by its str
+        for name in ("model", "revision", "adapter", "rope", "salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"Namespace {name}={value!r} must be a str, not {type(value).__name__}")
         values = (self.model, self.revision, self.adapter, str(self.kv_format), self.rope, self.salt)
         object.__setattr__(self, "key", json.dumps(values))
 
