@@ -3,6 +3,9 @@ pools and outputs exactly as they were (nothing written outside the pool, nothin
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -235,6 +238,24 @@ def test_ints_out_of_int64_are_named_briefly(backend, pools):
             assert all(torch.equal(bits(t), b) for t, b in zip(pools, before)), name
     with pytest.raises(ValueError, match=r"^sink_tokens = an integer of 1001 bits is out of range"):
         calls["sink_tokens"](2**1000)
+
+
+def test_window_and_sinks_must_be_ints(backend, pools):
+    # Regression: window_left=2.5 ran as window_left=2 (int() truncated it) and sink_tokens=True as 1; numpy
+    # and 0-dim torch integers are ints.
+    T = lambda x: torch.tensor(x, dtype=torch.int32)
+    table, lens, cu = T([[0, 1]]), T([5]), T([0, 1])
+    plan = kvcache.plan_step(*pools, table, lens, cu, q_heads=2)
+    q = torch.randn(1, 2, 8, dtype=F16)
+    out = torch.full_like(q, 5.0)
+    calls = {"paged_attention": lambda **kw: kvcache.paged_attention(q, *pools, table, lens, cu, out=out, **kw),
+             "paged_attention_planned": lambda **kw: kvcache.paged_attention_planned(plan, q, *pools, out=out, **kw)}
+    for name, call in calls.items():
+        for kw, shown in ((dict(window_left=2.5), "window_left=2.5"), (dict(sink_tokens=True), "sink_tokens=True"),
+                          (dict(window_left=2.0), "window_left=2.0"), (dict(sink_tokens="1"), "sink_tokens='1'")):
+            expect_rejected([out, *pools], TypeError, "^" + re.escape(shown) + " must be an int", lambda: call(**kw))
+        want = call(window_left=2, sink_tokens=1).clone()
+        assert torch.equal(call(window_left=np.int64(2), sink_tokens=torch.tensor(1)), want), name
 
 
 def test_planned_attention_refuses_floats_that_overflow_float32(backend, pools):

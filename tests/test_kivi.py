@@ -4,6 +4,8 @@ attention within the FlashAttention tolerance, and KIVIPool's sealed + residual 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -289,3 +291,79 @@ def test_pool_bytes_match_the_format_accounting(fmt):
     blocks, page, heads, dim = 6, 16, 2, 128
     pool = kvcache.KVPool.allocate(blocks, page, heads, dim, fmt)
     assert pool.nbytes == blocks * page * heads * kvcache.CacheFormat.parse(fmt).bytes_per_token_head(dim, page)
+
+
+def _kivi_pool_with_a_sealed_page():
+    pool = kvcache.KIVIPool.allocate(8, 8, 2, 64, "kivi2", dtype=torch.float32, residual_blocks=8)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    x = torch.randn(1, 2, 12, 64, generator=torch.Generator().manual_seed(0))
+    pool.append(x, x, table, torch.tensor([12], dtype=torch.int32))
+    return pool, table
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "kv_heads", "integer", "short seq_lens", "block id", "table rows"])
+def test_refused_kivi_append_seals_nothing(bad):
+    # A refused append must leave both pools and the residual bookkeeping as they were: checked before the
+    # page that the call would seal (page 0, complete and past the window) is quantized.
+    pool, table = _kivi_pool_with_a_sealed_page()
+    lens = torch.tensor([13], dtype=torch.int32)
+    x = torch.randn(1, 2, 1, 64)
+    args = {"head_dim": (torch.randn(1, 2, 1, 32),) * 2 + (table, lens),
+            "kv_heads": (torch.randn(1, 4, 1, 64),) * 2 + (table, lens),
+            "integer": (torch.ones(1, 2, 1, 64, dtype=torch.int32),) * 2 + (table, lens),
+            "short seq_lens": (torch.randn(1, 2, 4, 64),) * 2 + (table, torch.tensor([3], dtype=torch.int32)),
+            "block id": (x, x, torch.tensor([[0, 9, 2, 3]], dtype=torch.int32), lens),
+            "table rows": (x, x, torch.cat([table, table]), lens)}[bad]
+    k, v = pool.sealed.k.clone(), pool.residual.k.clone()
+    slots = dict(pool.pages.slot_of)
+    with pytest.raises((ValueError, TypeError, IndexError)) as err:
+        pool.append(*args)
+    assert {"head_dim": "head_dim = 32", "kv_heads": "kv_heads = 4", "integer": "floating point",
+            "short seq_lens": "seq_lens[0] = 3", "block id": "block_tables[0][1] = 9",
+            "table rows": "2 rows"}[bad] in str(err.value)
+    assert torch.equal(pool.sealed.k, k) and torch.equal(pool.residual.k, v) and pool.pages.slot_of == slots
+    assert pool.sealed_pages(table, torch.tensor([12], dtype=torch.int32)) == [0]
+
+
+def test_kivi_attention_and_gather_name_the_bad_argument():
+    pool, table = _kivi_pool_with_a_sealed_page()
+    q, cu = torch.randn(1, 4, 64), torch.tensor([0, 1], dtype=torch.int32)
+    lens = lambda n: torch.tensor([n], dtype=torch.int32)  # noqa: E731
+    for call in (lambda t, n: pool.attention(q, t, lens(n), cu), lambda t, n: pool.gather(t, lens(n))):
+        with pytest.raises(IndexError, match=r"seq_lens\[0\] = 40 needs 5 blocks but block_tables has 4 columns"):
+            call(table, 40)
+        with pytest.raises(IndexError, match=r"block_tables\[0\]\[1\] = -1 is not a block .* seq_lens\[0\] = 12"):
+            call(torch.tensor([[0, -1, 2, 3]], dtype=torch.int32), 12)
+        with pytest.raises(ValueError, match=r"seq_lens\[0\] = -3 must be >= 0"):
+            call(table, -3)
+    with pytest.raises(ValueError, match=r"cu_q_lens gives sequence 0 13 queries, but it must have 0 .. seq_lens"):
+        pool.attention(torch.randn(13, 4, 64), table, lens(12), torch.tensor([0, 13], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"seq_lens must be a 1-D integer tensor"):
+        pool.gather(table, torch.tensor([12.0]))
+
+
+def test_kivi_release_takes_a_block_table_and_refuses_other_ids():
+    pool = kvcache.KIVIPool.allocate(8, 16, 1, 32, "kivi4", dtype=torch.float32, residual_blocks=4)
+    table = torch.arange(3, dtype=torch.int32).view(1, 3)
+    x = torch.randn(1, 1, 20, 32)
+    pool.append(x, x, table, torch.tensor([20], dtype=torch.int32))   # pages 0, 1 open: residual slots
+    held = dict(pool.pages.slot_of)
+    assert sorted(held) == [0, 1]
+    for bad, shown in (([0, 99], "block_ids[1] = 99"), ([-1], "block_ids[0] = -1"),
+                       (torch.tensor([[0, 8]]), "block_ids[1] = 8")):
+        with pytest.raises(IndexError, match=re.escape(shown) + r" is not a block of this pool \(0 .. 7\)"):
+            pool.release(bad)
+        assert pool.pages.slot_of == held                            # checked whole before anything is freed
+    with pytest.raises(TypeError, match=r"block_ids\[0\]=0.5 must be an int"):
+        pool.release([0.5])
+    pool.release(table)                                              # a [1, n] block table, as the ops take
+    assert pool.pages.slot_of == {}
+    pool.append(x[:, :, :5], x[:, :, :5], table, torch.tensor([5], dtype=torch.int32))
+    assert torch.equal(pool.gather(table, torch.tensor([5], dtype=torch.int32))[0][0, :, :5], x[0, :, :5])
+
+
+def test_kivi_pool_integer_arguments():
+    for name, value in (("window", 2.5), ("sink_pages", 1.0), ("residual_blocks", True)):
+        with pytest.raises(TypeError, match=rf"{name}={value!r} must be an int"):
+            kvcache.KIVIPool.allocate(4, 16, 1, 32, "kivi4", dtype=torch.float32,
+                                      **{"residual_blocks": 2, name: value})

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import _html, residual as res
+from ._args import integer_arg
 from .formats import CacheFormat
 from .pool import KVPool
 from .residual import ResidualPages
@@ -57,7 +58,8 @@ class KIVIPool:
     - ``gather(block_tables, seq_lens, max_len=None, dtype=None)``: dense K/V ``[batch, kv_heads, max_len,
       head_dim]`` (sealed pages dequantized, the rest as stored), zero past each length.
     - ``release(block_ids)``: call when the caller frees blocks (or a sequence ends): their residual
-      blocks, if any, go back to the free list.
+      blocks, if any, go back to the free list. ``block_ids``: an int, a list, or a 1-D or 2-D tensor (a
+      sequence's block table) of ids in ``[0, num_blocks)``; any other id is refused before anything is freed.
     - ``nbytes``: bytes of both pools.
 
     The residual bookkeeping lives on the host; every method validates its arguments before it writes.
@@ -80,6 +82,9 @@ class KIVIPool:
         fmt = CacheFormat.parse(format)
         if not (fmt.k.kind.startswith("kivi") and fmt.v.kind.startswith("kivi")):
             raise ValueError(f"KIVIPool needs kivi formats for K and V, got {fmt}")
+        window = integer_arg("window", window, "full-precision tokens")
+        sink_pages = integer_arg("sink_pages", sink_pages, "pages never sealed")
+        residual_blocks = integer_arg("residual_blocks", residual_blocks, "full-precision blocks")
         if window < 0 or sink_pages < 0 or residual_blocks <= 0:
             raise ValueError(f"window={window} and sink_pages={sink_pages} must be >= 0 and "
                              f"residual_blocks={residual_blocks} positive")
@@ -114,39 +119,87 @@ class KIVIPool:
 
     def sealed_pages(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
         """Number of sealed (quantized) pages of each sequence."""
-        return [self.pages.sealed_pages(row, n) for row, n in zip(block_tables.tolist(), seq_lens.tolist())]
+        tables, lens = self._check_tables(block_tables, seq_lens)
+        return [self.pages.sealed_pages(row, n) for row, n in zip(tables, lens)]
 
     def release(self, block_ids) -> None:
-        for b in (block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids):
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+        if isinstance(ids, int) or not isinstance(ids, (list, tuple)):
+            ids = [ids]
+        flat = [x for item in ids for x in (item if isinstance(item, (list, tuple)) else [item])]
+        n = self.sealed.num_blocks
+        for i, b in enumerate(flat):  # (all checked before any is freed)
+            b = integer_arg(f"block_ids[{i}]", b, "a block id")
+            if not 0 <= b < n:
+                raise IndexError(f"block_ids[{i}] = {b} is not a block of this pool (0 .. {n - 1})")
+        for b in flat:
             self.pages.close(int(b))
+
+    def _check_tables(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, min_len: int = 0):
+        """The host lists of ``block_tables`` and ``seq_lens``, checked: ``[batch, max_blocks]`` and ``[batch]``
+        integers, every length >= ``min_len`` (and >= 0), a valid block id for every page of it."""
+        for name, t, dims in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
+            if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.dtype == torch.bool:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be a {dims}-D integer tensor, got {shape}"
+                                + (f" {t.dtype}" if isinstance(t, torch.Tensor) else ""))
+        tables, lens = block_tables.tolist(), seq_lens.tolist()
+        if len(tables) != len(lens):
+            raise ValueError(f"block_tables has {len(tables)} rows but seq_lens has {len(lens)} entries")
+        P, nb = self.page_size, self.sealed.num_blocks
+        for b, (row, n) in enumerate(zip(tables, lens)):
+            if n < max(min_len, 0):
+                raise ValueError(f"seq_lens[{b}] = {n} must be >= {max(min_len, 0)}"
+                                 + (f" (the {min_len} tokens appended)" if min_len else ""))
+            pages = -(-n // P)
+            if len(row) < pages:
+                raise IndexError(f"seq_lens[{b}] = {n} needs {pages} blocks but block_tables has {len(row)} columns "
+                                 f"(page_size {P})")
+            for j, blk in enumerate(row[:pages]):
+                if not 0 <= blk < nb:
+                    raise IndexError(f"block_tables[{b}][{j}] = {blk} is not a block of this pool (0 .. {nb - 1}); "
+                                     f"seq_lens[{b}] = {n} needs its first {pages} entries")
+        return tables, lens
 
     # ---- ops ---------------------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor) -> None:
-        P = self.page_size
+        if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+            raise TypeError(f"key and value must be tensors, got {type(key).__name__} and {type(value).__name__}")
         if key.dim() != 4 or key.shape != value.shape:
             raise ValueError(f"key and value must both be [batch, kv_heads, q_len, head_dim], got {tuple(key.shape)} "
                              f"and {tuple(value.shape)}")
-        batch, _, q_len, _ = key.shape
-        tables, lens = block_tables.tolist(), seq_lens.tolist()
-        if len(lens) != batch or len(tables) != batch:
+        batch, heads, q_len, dim = key.shape
+        if heads != self.sealed.num_kv_heads or dim != self.sealed.head_dim:
+            raise ValueError(f"key and value {tuple(key.shape)}: kv_heads = {heads} and head_dim = {dim} must be the "
+                             f"pool's {self.sealed.num_kv_heads} and {self.sealed.head_dim}")
+        if not (key.is_floating_point() and value.is_floating_point()):
+            raise TypeError(f"key and value must be floating point, got {key.dtype} and {value.dtype}")
+        device = self.residual.k.device
+        if key.device != device or value.device != device:
+            raise ValueError(f"key and value are on {key.device} and {value.device}, the pool on {device}")
+        # (every check before the residual bookkeeping moves: a refused call seals nothing)
+        tables, lens = self._check_tables(block_tables, seq_lens, min_len=q_len)
+        if len(lens) != batch:
             raise ValueError(f"block_tables has {len(tables)} rows and seq_lens {len(lens)} entries, but key has "
                              f"batch {batch}")
-        for b, (row, n) in enumerate(zip(tables, lens)):
-            if n < q_len:
-                raise ValueError(f"seq_lens[{b}] = {n} is shorter than the {q_len} tokens appended")
-            pages = -(-n // P)
-            if len(row) < pages or min(row[:pages], default=0) < 0 or max(row[:pages], default=0) >= self.sealed.num_blocks:
-                raise IndexError(f"block_tables[{b}] must hold {pages} valid block ids for seq_lens[{b}] = {n}, "
-                                 f"got {row[:pages]}")
         before = [n - q_len for n in lens]
         positions = torch.tensor(before, dtype=torch.int64).view(-1, 1) + torch.arange(q_len)
         plan = self.pages.plan(tables, before, lens, positions, torch.ones(batch, q_len, dtype=torch.bool))
         res.apply(plan.on(self.residual.k.device), self.sealed, self.residual, key, value)
 
     def _view(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor | None, device):
-        cu = [0] * (seq_lens.numel() + 1) if cu_q_lens is None else cu_q_lens.tolist()
-        view = self.pages.view(block_tables.tolist(), seq_lens.tolist(), [b - a for a, b in zip(cu, cu[1:])])
+        tables, lens = self._check_tables(block_tables, seq_lens)
+        cu = [0] * (len(lens) + 1) if cu_q_lens is None else cu_q_lens.tolist()
+        if cu_q_lens is not None:
+            if not isinstance(cu, list) or len(cu) != len(lens) + 1:
+                raise ValueError(f"cu_q_lens must have batch + 1 = {len(lens) + 1} entries, got "
+                                 f"{tuple(cu_q_lens.shape)}")
+            for b, n in enumerate(lens):
+                if not 0 <= cu[b + 1] - cu[b] <= n:
+                    raise ValueError(f"cu_q_lens gives sequence {b} {cu[b + 1] - cu[b]} queries, but it must have "
+                                     f"0 .. seq_lens[{b}] = {n}")
+        view = self.pages.view(tables, lens, [b - a for a, b in zip(cu, cu[1:])])
         return view.on(torch.device(device))
 
     def attention(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import _C as _native  # (its import registers torch.ops.kvcache)
+from ._args import integer_arg
 from .formats import KVFormat
 
 _ops = torch.ops.kvcache
@@ -59,6 +60,16 @@ def _name_bad_float(**floats) -> None:
         except OverflowError:
             raise ValueError(f"{name} = an integer of {value.bit_length()} bits is out of range: it must be a "
                              f"finite float") from None
+
+
+def _int_args(window_left, sink_tokens):
+    """``window_left`` and ``sink_tokens`` as ints: a float (``2.5``) or a bool is a TypeError naming the argument,
+    not a window silently truncated by ``int()``. Plain ints pass at once (this runs per layer and step)."""
+    if type(window_left) is not int and not isinstance(window_left, torch.SymInt):  # (SymInts: torch.compile)
+        window_left = integer_arg("window_left", window_left, "keys to the left of each query, -1: all")
+    if type(sink_tokens) is not int and not isinstance(sink_tokens, torch.SymInt):
+        sink_tokens = integer_arg("sink_tokens", sink_tokens, "the first keys, always visible")
+    return window_left, sink_tokens
 
 
 def _format_of(kernel_id: int, name: str) -> KVFormat:
@@ -243,6 +254,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Inference only: the op has no backward, so the output of a query that requires grad does not.
     """
     _name_bad_float(scale=scale, softcap=softcap)
+    window_left, sink_tokens = _int_args(window_left, sink_tokens)
     scale, out, lse = _attention_outputs(query, scale, return_lse, out, lse)
     op = _native.paged_attention if _direct(query, k_cache) else _ops.paged_attention.default
     try:
@@ -373,6 +385,7 @@ def paged_attention_planned(plan: StepPlanTensors, query: torch.Tensor, k_cache:
     """:func:`paged_attention` of one layer on a step's :func:`plan_step` (its tables, lengths and task list)."""
     host, device = plan
     _name_bad_float(scale=scale, softcap=softcap)
+    window_left, sink_tokens = _int_args(window_left, sink_tokens)
     if return_lse and lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     try:
