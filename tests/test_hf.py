@@ -414,6 +414,55 @@ def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
     assert n == 39 and cache.stats()["dynamic_cache_bytes"] == n * per_token
 
 
+def test_refused_load_prefix_takes_nothing():
+    """Regression: a cache with no layers (no config=, no num_layers=) took the matched prefix's blocks before it
+    refused load_prefix, so the pages stayed held and a retry said "load_prefix needs an empty cache"."""
+    model = _model("llama")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    source = kvcache.PagedCache(config=model.config, prefix_cache=True)
+    with torch.no_grad():
+        model(ids, past_key_values=source)
+    source.save_prefix(ids[0])
+    alloc = source.store.allocator
+    refs = [alloc.refcount(b) for b in range(alloc.num_blocks)]
+    cache = kvcache.PagedCache(store=source.store)
+    with pytest.raises(ValueError, match=r"load_prefix needs the number of layers: PagedCache\(config=model.config\) "
+                                         r"or PagedCache\(num_layers=...\)"):
+        cache.load_prefix(ids)
+    assert not cache.rows and [alloc.refcount(b) for b in range(alloc.num_blocks)] == refs
+    assert kvcache.PagedCache(config=model.config, store=source.store).load_prefix(ids) == 39
+
+
+def test_stats_count_shared_pages_once():
+    """Regression: stats() summed each row's pages, so 8 rows sharing a 200-token prompt's 13 pages reported 104
+    blocks and 8x the bytes (more than the pool holds)."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config, page_size=16)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    one = cache.stats()
+    assert one["blocks"] == one["block_refs"] == 13 and one["waste_tokens"] == 13 * 16 - 200
+    cache.batch_repeat_interleave(8)
+    s = cache.stats()
+    assert s["blocks"] == 13 and s["bytes"] == one["bytes"] <= s["pool_bytes"]
+    assert s["block_refs"] == 8 * 13 and s["tokens"] == 8 * 200 and s["waste_tokens"] == 8 * (13 * 16 - 200)
+    assert "blocks=13," in repr(cache)
+    copy = cache.batch_select_indices(torch.tensor([0, 3])) or cache   # (in place)
+    assert copy.stats()["blocks"] == 13 and copy.stats()["block_refs"] == 26
+
+
+def test_config_must_be_a_transformers_config():
+    """Regression: config=model (or a str, an int) was taken, and the cache silently ran dense."""
+    model = _model("llama")
+    with pytest.raises(TypeError, match=r"config must be the model's transformers config \(model.config\), got "
+                                        r"LlamaForCausalLM \(pass model.config, not the model\)"):
+        kvcache.PagedCache(config=model)
+    for bad in ("llama", 42, {"num_hidden_layers": 2}):
+        with pytest.raises(TypeError, match=rf"config must be .* got {type(bad).__name__}$"):
+            kvcache.PagedCache(config=bad)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "kivi2"])
 @pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
 def test_deepcopy_of_a_quantized_cache_does_not_depend_on_the_original(fmt, impl):

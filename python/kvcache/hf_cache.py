@@ -23,9 +23,10 @@ __all__ = ["PagedCache", "PagedLayer", "ATTENTION_NAME", "cache_geometry"]
 ATTENTION_NAME = "kvcache"  # the attention (and mask) implementation registered with transformers
 
 try:  # transformers is optional for the rest of kvcache
+    from transformers import PretrainedConfig
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError:  # pragma: no cover - exercised only without transformers
-    Cache, CacheLayerMixin = object, object
+    Cache, CacheLayerMixin, PretrainedConfig = object, object, object
 try:  # the state layers of hybrid models (linear attention, conv, Mamba): transformers 5.5+
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
 except ImportError:
@@ -323,6 +324,12 @@ class PagedCache(Cache):
                  store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
                  allocator: BlockAllocator | None = None, num_layers: int | None = None,
                  residual_length: int | None = None, residual_sink_tokens: int = 0):
+        if config is not None and not isinstance(config, PretrainedConfig):
+            # (config=model slipped through before: the cache ran dense, and its warnings blamed the model)
+            given = getattr(config, "config", None)
+            hint = " (pass model.config, not the model)" if isinstance(given, PretrainedConfig) else ""
+            raise TypeError(f"config must be the model's transformers config (model.config), got "
+                            f"{type(config).__name__}{hint}")
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         states = _state_layers(text_config)  # (first: a refused config leaves a given store or prefix cache unbound)
         if prefix_cache is not False and prefix_cache is not None:  # (before a given PrefixCache is bound to a store)
@@ -634,8 +641,10 @@ class PagedCache(Cache):
     def crop(self, tokens_to_remove: int | None = None, **kwargs) -> None:
         """``crop(-n)`` drops the newest ``n`` tokens; ``crop(0)`` does nothing; ``crop(n > 0)`` (the
         transformers < 5.14 convention) keeps the first ``n``. The kept tokens read as before, and the dropped
-        slots are simply rewritten later: in full precision or with ``residual_length=0`` (int8, fp8, int4) the
-        cache is then bit for bit one that never held the dropped tokens. KIVI formats keep the page being written
+        slots are simply rewritten later: in full precision or with ``residual_length=0`` (int8, int4, and fp8 with
+        a given scale) the cache is then bit for bit one that never held the dropped tokens. fp8 without a given
+        scale keeps the scale its first forward took, dropped tokens included (only ``reset()`` / ``free()`` take
+        it anew), so the kept tokens match such a cache within fp8's rounding, not bit for bit. KIVI formats keep the page being written
         in full precision even with ``residual_length=0``: a crop into a sealed page reopens it with its dequantized
         values, where a cache that never held the dropped tokens would hold that page's keys in full precision
         (the next logits differ within KIVI's rounding). With a full-precision window, kept tokens that had
@@ -785,14 +794,15 @@ class PagedCache(Cache):
         tokens = tokens.reshape(-1).cpu()
         if self.rows or self.get_seq_length():
             raise ValueError("load_prefix needs an empty cache")
+        if not self.layers:  # (checked before the match takes any block: a refused call changes nothing)
+            raise ValueError("load_prefix needs the number of layers: PagedCache(config=model.config) or "
+                             "PagedCache(num_layers=...)")
         m = self.store.prefix_cache.match(tokens[:-1], self._namespace())
         if m.length == 0:
             return 0
         # a partial last page is shared too: it is copied on the first write (copy-on-write)
         seq = self.store.allocator.sequence(m)
         self.rows, self.pads = [seq], [0]
-        if not self.layers:
-            raise ValueError("load_prefix needs the number of layers (PagedCache(config=...))")
         for layer in self.paged_layers:
             layer.length = m.length
         self._version += 1
@@ -835,16 +845,23 @@ class PagedCache(Cache):
         row, where the pages hold every token, so on such models ``bytes`` can exceed it). With residual
         pages, ``residual_blocks`` of the blocks are also held in full precision, and ``bytes`` counts both
         copies. Held beside the pages, as DynamicCache holds them, and counted in neither: a hybrid model's
-        states (``state_bytes``) and DeepSeek sparse attention's indexer keys (``indexer_bytes``)."""
+        states (``state_bytes``) and DeepSeek sparse attention's indexer keys (``indexer_bytes``).
+
+        ``blocks`` (and ``bytes``, ``residual_blocks``) count distinct pages: rows that share pages
+        (``batch_repeat_interleave``, beam search, ``deepcopy``, prefix hits) store them once. ``block_refs``
+        counts each row's pages (a shared page once per row); ``tokens`` and ``waste_tokens`` are per row, the
+        unused slots of every row's last page."""
         page = self.store.page_size
         length = self.get_seq_length()
         tokens = sum(length - p for p in self.pads)
-        blocks = sum(len(s.blocks) for s in self.rows)
+        # Rows share pages (batch_repeat_interleave, beam reorders, deepcopy, prefix hits): a page is stored once.
+        held = {int(b) for s in self.rows for b in s.blocks.tolist()}
+        blocks, block_refs = len(held), sum(len(s.blocks) for s in self.rows)
         per_block = self.store.bytes_per_block()
         residual_blocks = 0
         if self.store.residual is not None:
             open_blocks = self.store.residual.slot_of
-            residual_blocks = sum(int(b) in open_blocks for s in self.rows for b in s.blocks.tolist())
+            residual_blocks = sum(b in open_blocks for b in held)
         model_dtype = self._model_dtype()
         elem = torch.finfo(model_dtype).bits // 8 if model_dtype is not None else 2
         from . import _dynamic
@@ -865,12 +882,13 @@ class PagedCache(Cache):
             "seq_length": length,
             "tokens": tokens,
             "blocks": blocks,
+            "block_refs": block_refs,
             "page_size": page,
             "residual_blocks": residual_blocks,
             "bytes": blocks * per_block + residual_blocks * self.store.residual_bytes_per_block(),
             "pool_bytes": self.store.nbytes,
-            "waste_tokens": blocks * page - tokens,
-            "waste_fraction": (blocks * page - tokens) / (blocks * page) if blocks else 0.0,
+            "waste_tokens": block_refs * page - tokens,
+            "waste_fraction": (block_refs * page - tokens) / (block_refs * page) if block_refs else 0.0,
             "dynamic_cache_bytes": dense,
             "state_bytes": self._state_bytes(),  # a hybrid model's own linear-attention/Mamba states (not paged)
             # DeepSeek sparse attention's indexer keys, held beside the pages (DynamicCache holds the same)
