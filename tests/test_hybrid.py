@@ -124,6 +124,30 @@ def test_a_full_pool_refuses_before_any_state_moves(model, impl):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+@pytest.mark.parametrize("why", ["full pool", "head_dim the format refuses"])
+def test_a_refused_first_forward_leaves_the_states_empty(model, impl, why):
+    """Regression: on a fresh cache the pages come with the first attention layer's K/V, after the state layers
+    ran; a refused first forward (OutOfBlocksError, or a quantized format the layer's width refuses) kept the
+    refused prompt's states, and the retry's logits were 3e-2 (Qwen3-Next) off a fresh cache's."""
+    model.set_attn_implementation(impl)
+    try:
+        torch.manual_seed(2)
+        long, short = torch.randint(2, 128, (1, 40)), torch.randint(2, 128, (1, 6))
+        kw = dict(max_tokens=16) if why == "full pool" else dict(kv_format="int4", residual_length=0)
+        cache = kvcache.PagedCache(config=model.config, **kw)
+        with torch.no_grad():
+            with pytest.raises(kvcache.OutOfBlocksError if why == "full pool" else ValueError):
+                model(long, past_key_values=cache)
+            assert cache.get_seq_length() == 0 and cache.stats()["state_bytes"] == 0
+            if why == "full pool":
+                got = model(short, past_key_values=cache).logits
+                want = model(short, past_key_values=kvcache.PagedCache(config=model.config, **kw)).logits
+                assert torch.equal(got, want)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_deepcopy_continues_independently(model):
     ids = _inputs()[0][:1]
     cache = kvcache.PagedCache(config=model.config)

@@ -430,8 +430,12 @@ class PagedCache(Cache):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
                              f"attention layer: it has no K/V to update")
         if not layer.is_initialized:
-            self._check_placement(key_states)
-            layer.lazy_initialization(key_states, value_states)
+            try:
+                self._check_placement(key_states)
+                layer.lazy_initialization(key_states, value_states)
+            except BaseException:
+                self._undo_failed_first_forward()
+                raise
         if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
             plan = self._external_plan.on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
@@ -444,6 +448,7 @@ class PagedCache(Cache):
             why = ("this cache was built without config=, so it cannot see the model's attention: "
                    "PagedCache(config=model.config, ...)" if self.config is None else
                    "model.set_attn_implementation('kvcache') before the cache's first forward")
+            self._undo_failed_first_forward()
             raise ValueError(f"sink_tokens={self.sink_tokens} needs the kernel's attention (transformers' masks "
                              f"have no sinks): {why}")
         if not self.rows:
@@ -455,6 +460,7 @@ class PagedCache(Cache):
             except BaseException:
                 if all(other.length == 0 for other in self.paged_layers):
                     self._release_rows()
+                    self._undo_failed_first_forward()
                 raise
         elif batch != len(self.rows):
             raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
@@ -570,12 +576,27 @@ class PagedCache(Cache):
         # A hybrid model's state layers are made anew: reset in place they keep their tensors, zeroed, of the last
         # batch's size, so a prompt of another batch size failed in transformers' state update (as it does after
         # DynamicCache.reset(); every PagedCache starts any batch size after reset() or free()).
+        for layer in self.paged_layers:
+            layer.reset()  # (its length and indexer keys)
+        self._fresh_state_layers()
+
+    def _fresh_state_layers(self) -> None:
+        """A hybrid model's state layers made anew (empty, any batch size)."""
         fresh = _state_layers(self.config) if self._has_state_layers() else None
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, PagedLayer) or fresh is None or fresh[i] is None:
-                layer.reset()  # (a PagedLayer's: its length and indexer keys)
-            else:
+            if isinstance(layer, PagedLayer):
+                continue
+            if fresh is not None and fresh[i] is not None:
                 self.layers[i] = fresh[i]
+            else:
+                layer.reset()
+
+    def _undo_failed_first_forward(self) -> None:
+        """A first forward refused at its first attention layer (a full pool, a width the format refuses, a
+        device) had already run a hybrid model's state layers before it: their states go back to empty, so that
+        the cache is unchanged, as the error says (a retry read the refused prompt's states: logits 3e-2 off)."""
+        if not self.rows and all(layer.length == 0 for layer in self.paged_layers):
+            self._fresh_state_layers()
 
     def free(self) -> None:
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
