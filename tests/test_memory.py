@@ -545,11 +545,33 @@ def test_sliding_window_caps_tokens_per_layer():
     shape = KVShape(2, 1, 1, sliding_windows=[4, None])
     # int8 K and V: 2 bytes per token-layer; the windowed layer holds min(T, 4 - 1)
     assert memory.cache_bytes(shape, [6, 8, 3], dtype="int8") == 2 * ((3 + 3 + 3) + (6 + 8 + 3))
-    # a window of 1 holds nothing between steps (the next token attends to itself only)
-    assert memory.cache_bytes(KVShape(1, 1, 1, sliding_windows=1), [5], dtype="int8") == 0
+    # a window of 1: DynamicCache's keys[:, :, -1 + 1:] keeps every token (it held 0 here: audit, 5120 bytes
+    # held by DynamicCache and PagedCache.stats()'s dynamic_cache_bytes against 0)
+    assert memory.cache_bytes(KVShape(1, 1, 1, sliding_windows=1), [5], dtype="int8") == 2 * 5
+    assert memory.paged_memory(KVShape(1, 1, 1, sliding_windows=1), [5], 4, dtype="int8").blocks_per_seq == (2,)
     assert memory.bytes_per_token(shape, dtype="int8") == 4
     assert KVShape(2, 1, 1, sliding_windows=[None, None]).sliding_windows is None
     assert KVShape(2, 1, 1, sliding_windows=7).sliding_windows == (7, 7)
+
+
+def test_hybrid_dict_without_layer_types_and_kv_shared_layers():
+    # Qwen3-Next's published config.json has full_attention_interval and no layer_types: every 4th layer is
+    # attention (as transformers derives them); it was read as 48 attention layers and no state.
+    qwen = dict(model_type="qwen3_next", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                head_dim=256, hidden_size=2048, full_attention_interval=4, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32)
+    s = KVShape.from_config(qwen)
+    assert s.num_layers == 12 and s.state_layers == 36
+    transformers = pytest.importorskip("transformers")
+    obj = transformers.Qwen3NextConfig(**{k: v for k, v in qwen.items() if k != "model_type"})
+    assert KVShape.from_config(obj) == s
+    # Gemma 3n: the last num_kv_shared_layers layers reuse earlier layers' K/V (DynamicCache holds none for them)
+    gemma = dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                 num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3)
+    g = KVShape.from_config(gemma)
+    assert g.num_layers == 4 and g.sliding_windows == (8, None, 8, None)
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers=6 leaves no layer of num_layers=6 caching K/V"):
+        KVShape.from_config({**gemma, "num_kv_shared_layers": 6})
 
 
 # ---------------------------------------------------------------- paged and contiguous views
@@ -595,8 +617,8 @@ def test_paged_sliding_window_frees_blocks_behind_the_window():
     assert r.used_bytes == 2 * ((6 + 8 + 3) + (3 + 3 + 3)) == 52
     assert r.reserved_bytes == 9 * 4 * 2 == 72
     assert r.waste_bytes == 20
-    # T=5, page 4, window 2: the one live token (4) sits in block 1; window 1 keeps no block
-    for window, blocks in ((2, (1,)), (1, (0,))):
+    # T=5, page 4, window 2: the one live token (4) sits in block 1; window 1 keeps every token, as DynamicCache
+    for window, blocks in ((2, (1,)), (1, (2,))):
         one = KVShape(1, 1, 1, sliding_windows=window)
         assert memory.paged_memory(one, [5], page_size=4).blocks_per_seq == blocks
 

@@ -279,9 +279,11 @@ class KVShape:
         Multimodal configs are read through ``text_config``.
 
         - **Layers.** From ``layer_types`` when present (else Jamba's ``layers_block_type`` or
-          ``attn_layer_period``/``attn_layer_offset``): ``full_attention``, ``sliding_attention``,
+          ``attn_layer_period``/``attn_layer_offset``, or Qwen3-Next's ``full_attention_interval``):
+          ``full_attention``, ``sliding_attention``,
           ``chunked_attention`` and ``attention`` layers cache every token; ``linear_attention``,
-          ``mamba`` and ``conv`` layers are counted as ``state_layers``. Any other type raises.
+          ``mamba`` and ``conv`` layers are counted as ``state_layers``. Any other type raises. The
+          last ``num_kv_shared_layers`` layers (Gemma 3n) reuse earlier layers' K/V and are not counted.
         - **Windows.** A sliding layer's window is ``sliding_window`` (a chunked layer's
           ``attention_chunk_size``); it holds ``window - 1`` tokens, as DynamicCache does. Without
           ``layer_types``, Qwen-style ``use_sliding_window``/``max_window_layers``, Gemma-3-style
@@ -313,6 +315,15 @@ class KVShape:
             raise _missing("num_hidden_layers", "n_layer", "num_layers")
         kinds = _layer_kinds(config, num_layers)
         windows = _config_windows(config, num_layers, kinds)
+        shared = _get(config, "num_kv_shared_layers")
+        if shared:  # Gemma 3n: the last layers attend to earlier layers' K/V and cache none of their own
+            shared = _non_negative_int(shared, "num_kv_shared_layers")
+            if shared >= num_layers:
+                raise ValueError(f"num_kv_shared_layers={shared} leaves no layer of num_layers={num_layers} "
+                                 f"caching K/V")
+            num_layers -= shared
+            kinds = None if kinds is None else kinds[:num_layers]
+            windows = None if windows is None else windows[:num_layers]
         state_layers, state = 0, (0, 0)
         if kinds is not None:
             attention = [i for i, kind in enumerate(kinds) if kind in _ATTENTION_TYPES]
@@ -372,6 +383,12 @@ def _layer_kinds(config: Any, num_layers: Any) -> list[str] | None:
     kinds, name = _get(config, "layer_types"), "layer_types"
     if kinds is None:  # Jamba: a property in transformers 4.x, absent from its config.json
         kinds, name = _get(config, "layers_block_type"), "layers_block_type"
+    interval = _get(config, "full_attention_interval")
+    if kinds is None and interval is not None and _is_int(num_layers):
+        # Qwen3-Next / Qwen3.5's config.json: no layer_types, every interval-th layer full attention (as
+        # transformers derives them)
+        interval = _positive_int(interval, "full_attention_interval")
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
     if kinds is None:
         period, offset = _get(config, "attn_layer_period"), _get(config, "attn_layer_offset")
         if period is None or offset is None or not _is_int(num_layers):
@@ -526,7 +543,8 @@ def cache_bytes(
     v_meta_bytes_per_token_head: Real = 0,
 ) -> Bytes:  # fmt: skip
     """Bytes held by a batch of sequences; sliding-window layers hold ``min(T_i, W - 1)`` tokens
-    (what ``DynamicCache`` keeps between steps: the next token attends to them and to itself).
+    (what ``DynamicCache`` keeps between steps: the next token attends to them and to itself; at ``W = 1``
+    its slice ``keys[:, :, -W + 1:]`` keeps every token, and so does this).
 
     Parameters
     ----------
@@ -609,8 +627,9 @@ def _held_tokens(shape: KVShape, seqs: tuple[int, ...]) -> int:
 
 
 def _window_tokens(t: int, window: int | None) -> int:
-    """Tokens a layer of this window holds after ``t`` tokens: all, or the newest ``window - 1``."""
-    return t if window is None else min(t, window - 1)
+    """Tokens a layer of this window holds after ``t`` tokens: all, or the newest ``window - 1`` (DynamicCache's
+    ``keys[:, :, -window + 1:]``: at ``window=1`` that slice keeps every token, and so does this)."""
+    return t if window is None else len(range(t)[1 - window:])
 
 
 @dataclass(frozen=True)
@@ -666,10 +685,8 @@ class MemoryReport:
 
 def _window_blocks(t: int, window: int | None, page_size: int) -> int:
     live = _window_tokens(t, window)
-    if live == t:
+    if live == t:  # (a window of 1 too: DynamicCache keeps every token there)
         return -(-t // page_size)
-    if live == 0:  # a window of 1: the next token attends to itself only
-        return 0
     # Blocks wholly before the window are freed; the live tokens [t - W + 1, t) may straddle a page.
     return (t - 1) // page_size - (t - live) // page_size + 1
 
