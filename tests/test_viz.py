@@ -106,6 +106,26 @@ def test_heatmap_and_occupancy_take_torch_tensors_in_any_dtype():
     assert data.shape == (3, 2) and bool(data.mask[0, 0]) and not data.mask[1, 0]
 
 
+def test_line_plot_and_bar_chart_take_tensors_as_values():
+    """A tensor's elements are 0-d tensors: x = torch.tensor([1024, ...]) was drawn as labels 'tensor(1024)' (and
+    logx=True refused it), bf16 values raised numpy's 'unsupported ScalarType BFloat16'."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([1024, 2048, 4096])
+    fig = viz.line_plot(x, {"ms": torch.tensor([1.0, 2.0, 4.0], dtype=torch.bfloat16)}, logx=True)
+    line = fig.axes[0].lines[0]
+    assert list(line.get_xdata()) == [1024.0, 2048.0, 4096.0] and list(line.get_ydata()) == [1.0, 2.0, 4.0]
+    bars = viz.bar_chart(["a", "b"], {"v": torch.tensor([3.0, 5.0], dtype=torch.bfloat16)}).axes[0].patches
+    assert [b.get_height() for b in bars] == [3.0, 5.0]
+
+
+def test_occupancy_gives_every_request_its_own_colour():
+    """owner % 20 on tab20 drew requests 0 and 20 (and 1 and 21, ...) in one colour, side by side."""
+    owners = [list(range(48))]                  # one step, 48 blocks of 48 requests
+    image = viz.occupancy(owners).axes[0].images[0]
+    colours = {tuple(image.cmap(image.norm(i))) for i in range(48)}
+    assert len(colours) == 48
+
+
 def test_occupancy_masks_free_blocks():
     owners = [[-1, 0, 0], [1, 0, -1]]          # 2 steps x 3 blocks
     fig = viz.occupancy(owners)
@@ -195,8 +215,11 @@ def test_roofline_draws_the_roof_and_points():
     assert len(ax.collections) == 2
     with pytest.raises(ValueError, match="peak_bandwidth must be a positive number, got 0"):
         viz.roofline([("a", 1.0, 1.0)], peak_flops=1.0, peak_bandwidth=0)
-    with pytest.raises(ValueError, match="point 'a' needs a positive intensity"):
+    with pytest.raises(ValueError, match="point 'a' needs a positive, finite intensity"):
         viz.roofline([("a", 0.0, 1.0)], peak_flops=1.0, peak_bandwidth=1.0)
+    for bad in ((float("inf"), 1.0), (1.0, float("nan")), ("2", 1.0)):  # (inf drew a figure that could not be saved)
+        with pytest.raises(ValueError, match="point 'a' needs a positive, finite intensity and FLOP/s"):
+            viz.roofline([("a", *bad)], peak_flops=1.0, peak_bandwidth=1.0)
     np = pytest.importorskip("numpy")  # numpy scalars (e.g. a measured peak) are numbers too
     fig = viz.roofline([("a", 1.0, 1.0)], peak_flops=np.float32(1e9), peak_bandwidth=np.int64(10**9))
     roof = next(line for line in fig.axes[0].lines if line.get_label() == "roof")

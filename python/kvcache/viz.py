@@ -58,6 +58,16 @@ def _host_floats(values):
     return values
 
 
+def _host_list(values):
+    """Values as a Python list: a torch tensor (any dtype, bfloat16 included) or numpy array via float32 on the
+    host, so that its elements are numbers (a tensor's elements are 0-d tensors: drawn as labels, 'tensor(1024)')."""
+    if hasattr(values, "detach") and hasattr(values, "float"):
+        return [float(v) for v in _host_floats(values).reshape(-1).tolist()]
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple, str)):
+        return list(values.tolist())
+    return list(values)
+
+
 def _check_series(x: Sequence, series: Mapping, x_name: str = "x") -> None:
     if not isinstance(series, Mapping) or not series:
         raise ValueError("series must be a non-empty mapping of label -> values")
@@ -71,7 +81,11 @@ def line_plot(x: Sequence, series: Mapping[str, Sequence[float]], *, xlabel: str
               hlines: Mapping[str, float] | None = None, figsize=(6.4, 4.0)):
     """One line per entry of ``series`` (label -> y values, one per ``x``); ``hlines`` adds labelled
     horizontal reference lines (e.g. a memory budget). ``x`` holds numbers, or labels (strings such as
-    ``["1k", "8k"]``), which are drawn evenly spaced in their order, one tick each (no ``logx`` then)."""
+    ``["1k", "8k"]``), which are drawn evenly spaced in their order, one tick each (no ``logx`` then). Tensors
+    and numpy arrays are taken as their values."""
+    x = _host_list(x)
+    if isinstance(series, Mapping):
+        series = {label: _host_list(ys) for label, ys in series.items()}
     _check_series(x, series)
     numeric = [_is_number(v) for v in x]
     categorical = len(numeric) > 0 and not any(numeric)
@@ -103,7 +117,11 @@ def line_plot(x: Sequence, series: Mapping[str, Sequence[float]], *, xlabel: str
 
 def bar_chart(labels: Sequence[str], series: Mapping[str, Sequence[float]], *, ylabel: str = "", title: str = "",
               logy: bool = False, horizontal: bool = False, figsize=(6.4, 4.0)):
-    """Grouped bars: one group per label, one bar per entry of ``series`` (name -> one value per label)."""
+    """Grouped bars: one group per label, one bar per entry of ``series`` (name -> one value per label; tensors
+    and numpy arrays are taken as their values)."""
+    labels = _host_list(labels) if hasattr(labels, "tolist") else labels
+    if isinstance(series, Mapping):
+        series = {name: _host_list(values) for name, values in series.items()}
     _check_series(labels, series, "labels")
     fig, ax = _figure(figsize)
     n = len(series)
@@ -157,7 +175,8 @@ def heatmap(values, *, xlabel: str = "", ylabel: str = "", title: str = "", colo
 
 def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "block", figsize=(7.0, 4.0)):
     """Pool occupancy over time: ``owners[t][b]`` is the request holding block ``b`` at step ``t``
-    (``-1`` = free). Each request gets a colour, free blocks are white."""
+    (``-1`` = free). Each request gets a colour of its own (tab20's for the first 20, then hues a golden angle
+    apart), free blocks are white."""
     import numpy as np
 
     rows = list(owners) if isinstance(owners, Sequence) and not isinstance(owners, str) else None
@@ -173,8 +192,17 @@ def occupancy(owners, *, title: str = "", xlabel: str = "step", ylabel: str = "b
     plt = _pyplot()
     fig, ax = _figure(figsize)
     masked = np.ma.masked_less(grid.T, 0)
-    cmap = plt.get_cmap("tab20").with_extremes(bad="white")
-    ax.imshow(masked % 20, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=19, origin="lower")
+    import colorsys
+
+    from matplotlib.colors import ListedColormap
+
+    # one colour per request id (owner % 20 on tab20 gave requests 0 and 20 the same one, side by side)
+    count = max(int(grid.max()) + 1, 1)
+    colours = list(plt.get_cmap("tab20").colors)[:count]
+    colours += [colorsys.hsv_to_rgb((i * 0.618033988749895) % 1.0, 0.55 + 0.45 * (i % 2), 0.65 + 0.35 * (i // 2 % 2))
+                for i in range(count - len(colours))]
+    cmap = ListedColormap(colours).with_extremes(bad="white")
+    ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=count - 0.5, origin="lower")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     return fig
 
@@ -266,8 +294,12 @@ def roofline(points: Sequence[tuple[str, float, float]], *, peak_flops: float, p
         if not (_is_number(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     for label, intensity, flops in points:
-        if not (intensity > 0 and flops > 0):
-            raise ValueError(f"point {label!r} needs a positive intensity and FLOP/s, got {intensity}, {flops}")
+        try:
+            values = float(intensity), float(flops)
+        except (TypeError, ValueError):
+            values = (math.nan, math.nan)
+        if isinstance(intensity, (bool, str)) or not all(0 < v < math.inf for v in values):
+            raise ValueError(f"point {label!r} needs a positive, finite intensity and FLOP/s, got {intensity}, {flops}")
     import numpy as np
 
     fig, ax = _figure(figsize)
