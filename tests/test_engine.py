@@ -376,6 +376,49 @@ def test_engines_given_one_prefix_cache_share_its_pages(model):
     cache.check()
 
 
+def _llama(seed: int, name: str = "", **kw):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2), **kw})
+    config._name_or_path = name
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_a_paged_cache_on_an_engines_store_reads_only_its_own_models_prefixes():
+    """Regression: a PagedCache keyed its prefixes by the store's namespace whatever its model, so a PagedCache for
+    model B on model A's Engine store loaded A's K/V (B then generated other tokens, or failed in its forward
+    when its heads differed); two unnamed models of one class sharing a store through PagedCaches did the same."""
+    a, b = _llama(0, "org/model-a"), _llama(1, "org/model-b")
+    prompt = _prompts()[0]
+    engine = kvcache.Engine(a, page_size=8, prefix_cache=True)
+    engine.generate([prompt], max_new_tokens=2)
+    ids = torch.tensor([prompt])
+    assert kvcache.PagedCache(config=a.config, store=engine.store).load_prefix(ids) == len(prompt) - 1  # A: shared
+    cache = kvcache.PagedCache(config=b.config, store=engine.store)
+    assert cache.load_prefix(ids) == 0
+    b.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        out = b.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == _reference(b, prompt, 4)
+    with pytest.raises(ValueError, match=r"store: its pools hold pages of another model geometry: this model has "
+                                         r"kv_heads=4 \(its pages: 2\)"):
+        kvcache.PagedCache(config=_llama(2, "org/model-c", num_key_value_heads=4).config, store=engine.store)
+    # two unnamed models of one class: one default namespace (the config's class), so the second is refused
+    x, y = _llama(3), _llama(4)
+    cx = kvcache.PagedCache(config=x.config, prefix_cache=True, page_size=8)
+    with torch.no_grad():
+        x(ids, past_key_values=cx)
+    cx.save_prefix(ids)
+    cy = kvcache.PagedCache(config=y.config, store=cx.store)
+    with pytest.raises(ValueError, match=r"namespace: this model has no name_or_path, so its prefixes would be cached "
+                                         r"under 'LlamaConfig'.*namespace=kvcache.Namespace"):
+        cy.load_prefix(ids)
+    assert kvcache.PagedCache(config=y.config, store=cx.store, namespace=kvcache.Namespace(model="y")).load_prefix(ids) == 0
+    assert kvcache.PagedCache(config=x.config, store=cx.store).load_prefix(ids) == len(prompt) - 1
+    with pytest.raises(TypeError, match=r"namespace='y' must be a kvcache.Namespace"):
+        kvcache.PagedCache(config=y.config, namespace="y")
+
+
 def test_requests_sharing_a_cached_prefix_are_batched_together(model):
     """Cache-aware scheduling holds back a request only for what it would share with a prompt prefilled in the
     same step and not cached yet: once the shared system prompt is cached, 32 requests over max_batch=16 run in

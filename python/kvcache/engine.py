@@ -296,6 +296,7 @@ class Engine:
                              f"their K/V would be hits here); give it namespace=kvcache.Namespace(model=..., salt=...)")
         models.setdefault(self.namespace.key, weakref.ref(model))
         self.store.namespace = self.namespace
+        self.store.namespace_owner = (config, name)
         self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)

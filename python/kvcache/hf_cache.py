@@ -7,6 +7,7 @@ import copy
 import numbers
 import operator
 import warnings
+import weakref
 
 import torch
 
@@ -40,6 +41,26 @@ def is_mla_config(config) -> bool:
     """Whether ``config`` is an MLA model's (``kv_lora_rank`` and ``qk_rope_head_dim``): in transformers >= 5 its
     layers hand the cache latents. (Not decided by the widths: a latent as wide as the rotary part is MLA too.)"""
     return bool(getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None))
+
+
+def _check_store_geometry(store: PagedStore, config) -> None:
+    """A shared store's pools hold rows of one model geometry: a model of another is refused here, naming the
+    store (its first forward failed inside the append op: "key.shape[1] = 4 must equal num_kv_heads = 2")."""
+    if is_mla_config(config):  # (transformers 4.x expands the latents: the pools' rows depend on the version)
+        return
+    try:
+        heads, k_dim, v_dim = cache_geometry(config)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return
+    bound = {key: (store.engine_geometry or {}).get(key) for key in ("kv_heads", "k_dim", "v_dim")}
+    for pool in store.pools.values():
+        bound = dict(kv_heads=pool.num_kv_heads, k_dim=pool.head_dim, v_dim=pool.v_head_dim or pool.head_dim)
+        break
+    mine = dict(kv_heads=heads, k_dim=k_dim, v_dim=v_dim)
+    diff = [f"{k}={mine[k]} (its pages: {v})" for k, v in bound.items() if v is not None and mine[k] != v]
+    if diff:
+        raise ValueError(f"store: its pools hold pages of another model geometry: this model has {', '.join(diff)}; "
+                         f"give this cache a store of its own")
 
 
 def cache_geometry(config) -> tuple[int, int, int]:
@@ -317,13 +338,22 @@ class PagedCache(Cache):
         allocator: number the pages with this :class:`kvcache.BlockAllocator` (its size bounds the pool).
         num_layers: the number of layers when there is no ``config`` (with one, it must agree with the
             config's ``num_hidden_layers``); without either, layers are created as the model reaches them.
+        namespace: the :class:`kvcache.Namespace` its prefixes are cached under (``save_prefix`` /
+            ``load_prefix``). Default: the model's (its ``name_or_path``, else its config's class, and the format);
+            sharing an Engine's store, the Engine's namespace when the cache is for the Engine's model. A model
+            without a ``name_or_path`` sharing a prefix cache with another such model of the same class is
+            refused (a ValueError naming ``namespace``): their prefixes would be each other's hits.
     """
 
     def __init__(self, config=None, *, page_size: int = 16, kv_format=None, max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, sink_tokens: int = 0,
                  store: PagedStore | None = None, prefix_cache: bool | PrefixCache = False,
                  allocator: BlockAllocator | None = None, num_layers: int | None = None,
-                 residual_length: int | None = None, residual_sink_tokens: int = 0):
+                 residual_length: int | None = None, residual_sink_tokens: int = 0,
+                 namespace: Namespace | None = None):
+        if namespace is not None and not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace={namespace!r} must be a kvcache.Namespace, not {type(namespace).__name__}")
+        self._given_namespace = namespace
         if config is not None and not isinstance(config, PretrainedConfig):
             # (config=model slipped through before: the cache ran dense, and its warnings blamed the model)
             given = getattr(config, "config", None)
@@ -352,6 +382,8 @@ class PagedCache(Cache):
             store = PagedStore(page_size=page_size, kv_format=kv_format, max_tokens=max_tokens,
                                prefix_cache=prefix_cache, allocator=allocator, residual_length=residual_length,
                                residual_sink_tokens=residual_sink_tokens)
+        elif text_config is not None:
+            _check_store_geometry(store, text_config)
         self.store = store
         self.config = text_config
         self.device = None if device is None else torch.device(device)
@@ -792,13 +824,29 @@ class PagedCache(Cache):
             pass
 
     # ---- prefix reuse ------------------------------------------------------------------------------
-    def _namespace(self):
-        ns = self.store.namespace
-        if ns is None:
-            fmt = self.store.kv_format
-            label = "" if fmt is None else "+".join(filter(None, (str(fmt), self.store.residual_label)))
-            ns = Namespace(model=str(getattr(self.config, "_name_or_path", "") or type(self.config).__name__),
-                           kv_format=label)
+    def _namespace(self) -> Namespace:
+        """The namespace of this cache's prefixes: the one given; the store's when it is this model's (an Engine's
+        store holds its model's namespace, salt and all); else the model's own, so that another model sharing the
+        store never reads this one's K/V (it did: an Engine for model A, a PagedCache for B on its store, and B's
+        load_prefix served A's K/V)."""
+        if self._given_namespace is not None:
+            return self._given_namespace
+        ns, owner = self.store.namespace, self.store.namespace_owner
+        name = str(getattr(self.config, "_name_or_path", "") or "")
+        if ns is not None and (owner is None or self.config is owner[0] or (name and name == owner[1])):
+            return ns
+        fmt = self.store.kv_format
+        label = "" if fmt is None else "+".join(filter(None, (str(fmt), self.store.residual_label)))
+        ns = Namespace(model=name or type(self.config).__name__, kv_format=label)
+        if not name and self.config is not None:  # two models of one class, both unnamed: one key, other weights
+            models = self.store.engine_models
+            holder = models.get(ns.key)
+            other = holder() if holder is not None else None
+            if other is not None and other is not self.config:  # (identity: configs compare equal by value)
+                raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
+                                 f"{ns.model!r}, as another model's in the shared prefix cache (other weights: their "
+                                 f"K/V would be hits here); give the cache namespace=kvcache.Namespace(model=...)")
+            models.setdefault(ns.key, weakref.ref(self.config))
         return ns
 
     def load_prefix(self, input_ids: torch.Tensor) -> int:

@@ -92,6 +92,9 @@ class PagedStore:
         if allocator is not None or isinstance(prefix_cache, PrefixCache):
             self.max_tokens = self.allocator.num_blocks * self.page_size  # someone else's budget: fixed
         self.namespace = namespace
+        # (text config, name_or_path) of the model whose namespace an Engine set above: a PagedCache sharing the store
+        # takes that namespace only for the same model (hf_cache.PagedCache._namespace)
+        self.namespace_owner: tuple | None = None
         # set by the kvcache.Engine that made the store: the model geometry its pools hold, and per namespace key a
         # weak reference to the model caching under it (for Engines that share the store through its prefix cache)
         self.engine_geometry: dict | None = None
