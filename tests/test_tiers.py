@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -412,9 +413,28 @@ def test_bad_options(model, monkeypatch):
         with pytest.raises(ValueError, match=f"chunk_tokens={bad} must be a positive multiple of page_size=16"):
             _engine(model, chunk_tokens=bad)
     alloc = kvcache.BlockAllocator(64, 16)
-    for bad in (0, -16, 24, 32.0):  # the tree's own tier options are checked when it is made
+    for bad in (0, -16, 24):  # the tree's own tier options are checked when it is made
         with pytest.raises(ValueError, match=f"chunk_tokens={bad!r} must be a positive multiple of page_size=16"):
             kvcache.PrefixCache(alloc, disk="/tmp/x", chunk_tokens=bad)
+    for bad in (32.0, True):  # (True was taken as 1, 32.0 refused as no multiple)
+        with pytest.raises(TypeError, match=f"chunk_tokens={bad!r} must be an int"):
+            kvcache.PrefixCache(alloc, disk="/tmp/x", chunk_tokens=bad)
+    assert kvcache.PrefixCache(alloc, disk="/tmp/x", chunk_tokens=np.int64(32)).tier_options["chunk_tokens"] == 32
+    # bad tier arguments, refused where they are given (nan timeouts crashed the first generate; ttl_s=0.5 became
+    # an expiry of 0 that Redis refused on every write; disk="" was the current directory)
+    for kw, err, match in ((dict(timeout=float("nan")), ValueError, r"timeout=nan must be a finite number of seconds"),
+                           (dict(timeout=float("inf")), ValueError, r"timeout=inf must be a finite"),
+                           (dict(breaker_s=float("nan")), ValueError, r"breaker_s=nan must be a finite"),
+                           (dict(ttl_s=0), ValueError, r"ttl_s=0 must be a finite number of seconds, > 0"),
+                           (dict(timeout="1"), TypeError, r"timeout='1' must be a number of seconds, not str")):
+        with pytest.raises(err, match=match):
+            kvcache.RedisTier("redis://127.0.0.1:1/0", **kw)
+    assert kvcache.RedisTier("redis://127.0.0.1:1/0", ttl_s=0.5)._ttl_ms == 500
+    for kw, err, match in ((dict(max_bytes=1.5), TypeError, r"max_bytes=1.5 must be an int"),
+                           (dict(max_bytes=True), TypeError, r"max_bytes=True must be an int"),
+                           (dict(path=""), ValueError, r"disk='' must be the path of a directory")):
+        with pytest.raises(err, match=match):
+            kvcache.DiskTier(**{"path": "/tmp/x", **kw})
     with pytest.raises(ValueError, match="remote='http://x' must be a redis:// URL"):
         _engine(model, remote="http://x")
     with pytest.raises(ValueError, match="need the prefix cache"):
@@ -690,6 +710,34 @@ def test_a_foreign_value_at_a_chunk_key_is_a_miss_there_and_is_deleted(model, se
     b.generate(FIRST, max_new_tokens=2)
     b.close()
     assert client.strlen(name) > 0  # written again
+    client.close()
+
+
+def test_the_same_engine_writes_again_what_the_server_lost(model, server):
+    """Regression: chunks an engine once wrote or read were remembered as on the server for good, so after their
+    TTL expired (or a bad blob was deleted) that engine never wrote them again and stopped sharing the prefix."""
+    prompt = FIRST[0]
+    a = _engine(model, remote=kvcache.RedisTier(server.url, ttl_s=0.5))
+    client = server.client()
+    chunk_keys = lambda: [k for k in client.keys("kvcache:*") if not k.endswith(b":namespace")]  # noqa: E731
+    a.generate([prompt], max_new_tokens=2)
+    assert a.tiers.flush(10)
+    held = len(chunk_keys())
+    assert held == len(prompt) // CHUNK
+    time.sleep(0.7)                               # expired on the server
+    assert chunk_keys() == []
+    a.store.prefix_cache.clear()                  # computed again (nothing local, nothing remote)
+    a.generate([prompt], max_new_tokens=2)
+    assert a.tiers.flush(10) and len(chunk_keys()) == held
+    for key in chunk_keys():                      # bad blobs: found at the next lookup, deleted, written again
+        client.set(key, b"garbage")
+    for _ in range(held + 1):                     # (a lookup reads a chain up to its first bad blob: one a round)
+        a.store.prefix_cache.clear()
+        a.generate([prompt], max_new_tokens=2)
+        assert a.tiers.flush(10)
+    assert a.stats()["tiers"]["bad_blobs"] >= 1
+    assert all(client.get(k).startswith(b"KVCHUNK") for k in chunk_keys()) and len(chunk_keys()) == held
+    a.close()
     client.close()
 
 

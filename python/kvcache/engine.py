@@ -266,7 +266,7 @@ class Engine:
         if disk is not None or remote is not None:
             from .tiers import DEFAULT_CHUNK_TOKENS, _as_tier, check_chunk_tokens, check_identity
             chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
-            check_chunk_tokens(chunk_tokens, page_size)
+            chunk_tokens = check_chunk_tokens(chunk_tokens, page_size)
             disk, remote = _as_tier(disk, "disk"), _as_tier(remote, "remote")  # a bad path or URL fails here
             check_identity(namespace, _model_name(model), type(model).__name__, disk=disk, remote=remote)
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch

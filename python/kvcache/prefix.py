@@ -421,7 +421,7 @@ class PrefixCache:
         self.tier_options = {}
         if chunk_tokens is not None:
             from .tiers import check_chunk_tokens
-            check_chunk_tokens(chunk_tokens, allocator.page_size)
+            chunk_tokens = check_chunk_tokens(chunk_tokens, allocator.page_size)
         if disk is not None or remote is not None:
             from .tiers import _as_tier  # made now: a bad URL or path fails here, not at the first lookup
             self.tier_options = {"disk": _as_tier(disk, "disk"), "remote": _as_tier(remote, "remote"),
@@ -556,7 +556,8 @@ class PrefixCache:
         return self._evict(integer_arg("num_blocks", num_blocks, "device blocks to free"))
 
     def clear(self) -> int:
-        """Evicts every unlocked prefix; returns the device blocks freed."""
+        """Evicts every unlocked prefix from the device; returns the device blocks freed. With a host tier, an
+        eviction demotes to host memory, so the prefixes stay there (and still match) while it has room."""
         return self.evict(self.allocator.num_blocks)
 
     def stats(self) -> dict:

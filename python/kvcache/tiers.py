@@ -41,6 +41,8 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import math
+import numbers
 import os
 import queue
 import re
@@ -56,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ._args import integer_arg
 
 __all__ = [
     "BlobError", "CostModel", "DiskTier", "PrefixTiers", "RedisTier", "chunk_keys", "decode_blob", "describe",
@@ -284,9 +288,13 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, path, max_bytes: int = 8 << 30):
-        if int(max_bytes) <= 0:
+        max_bytes = integer_arg("max_bytes", max_bytes, "the tier's budget in bytes")
+        if max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
-        self.path, self.max_bytes = Path(path), int(max_bytes)
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+            # ("" is the current directory: chunks landed beside the user's files, and trim() deleted */*.kvc there)
+            raise ValueError(f"disk={path!r} must be the path of a directory")
+        self.path, self.max_bytes = Path(path), max_bytes
         for p in (self.path, *self.path.parents):  # the nearest part of the path that exists must be a directory
             if p.exists() or p.is_symlink():
                 if not p.is_dir():  # (mkdir answers with a bare FileExistsError / NotADirectoryError)
@@ -408,9 +416,17 @@ class RedisTier:
             from redis.retry import Retry
         except ImportError:
             raise ImportError(f"remote={url!r} needs the redis client: pip install kvcache[redis]") from None
-        if timeout <= 0 or breaker_s < 0 or ttl_s <= 0:
-            raise ValueError(f"timeout={timeout} and ttl_s={ttl_s} must be positive, breaker_s={breaker_s} >= 0")
-        self.url, self.timeout, self.breaker_s, self.ttl_s, self.prefix = url, timeout, breaker_s, int(ttl_s), prefix
+        for name, value, low in (("timeout", timeout, 0.0), ("breaker_s", breaker_s, None), ("ttl_s", ttl_s, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name}={value!r} must be a number of seconds, not {type(value).__name__}")
+            if not math.isfinite(value) or value < 0 or (low is not None and value <= low):
+                raise ValueError(f"{name}={value!r} must be a finite number of seconds, "
+                                 + ("> 0" if low is not None else ">= 0"))
+        if ttl_s < 0.001:
+            raise ValueError(f"ttl_s={ttl_s!r} must be at least 0.001 s (Redis expiries are in milliseconds)")
+        # (ttl_s=0.5 was int()-ed to an expiry of 0, which Redis refuses: every write failed, silently)
+        self.url, self.timeout, self.breaker_s, self.prefix = url, float(timeout), float(breaker_s), prefix
+        self.ttl_s, self._ttl_ms = float(ttl_s), max(1, round(float(ttl_s) * 1000))
         self._errors = (redis.RedisError, OSError)
         self._down_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         # a server that answers but refuses us (password, ACL): configuration, not an outage
@@ -465,7 +481,7 @@ class RedisTier:
 
     def put_namespace(self, ns: bytes, description: dict) -> None:
         self._call(lambda c: c.set(f"{self.prefix}:{ns.hex()}:namespace", json.dumps(description, sort_keys=True),
-                                   ex=self.ttl_s))
+                                   px=self._ttl_ms))
 
     def lookup(self, ns: bytes, keys: list[bytes]) -> list[int]:
         """Sizes of the blobs present, up to the first missing key: one pipelined round trip. A key that
@@ -498,8 +514,11 @@ class RedisTier:
         values = self._call(lambda c: c.mget([self._key(ns, k) for k in keys])) if keys else []
         return list(values) if values is not None else [None] * len(keys)
 
-    def put(self, ns: bytes, key: bytes, blob: bytes) -> bool:
-        return bool(self._call(lambda c: c.set(self._key(ns, key), blob, nx=True, ex=self.ttl_s)))
+    def put(self, ns: bytes, key: bytes, blob: bytes) -> bool | None:
+        """True: written; False: the key was there already (SET NX); None: the call failed (an error, a key of
+        another type, the breaker open), so nothing is known to be there."""
+        result = self._call(lambda c: c.set(self._key(ns, key), blob, nx=True, px=self._ttl_ms) or False)
+        return None if result is None else bool(result)
 
     def discard(self, ns: bytes, key: bytes) -> None:
         """Deletes a blob (found bad: the next write of its chunk replaces it)."""
@@ -509,9 +528,12 @@ class RedisTier:
         self.client.close()
 
 
-def check_chunk_tokens(chunk_tokens, page_size: int) -> None:
-    if not (isinstance(chunk_tokens, int) and chunk_tokens > 0 and chunk_tokens % page_size == 0):
+def check_chunk_tokens(chunk_tokens, page_size: int) -> int:
+    """``chunk_tokens`` as an int (numpy and 0-d torch integers too), a positive multiple of ``page_size``."""
+    chunk_tokens = integer_arg("chunk_tokens", chunk_tokens, "tokens per chunk of the tiers")
+    if not (chunk_tokens > 0 and chunk_tokens % page_size == 0):
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive multiple of page_size={page_size}")
+    return chunk_tokens
 
 
 def check_identity(namespace, model_name: str, model_class: str, *, disk=None, remote=None) -> None:
@@ -588,7 +610,7 @@ class PrefixTiers:
     def __post_init__(self) -> None:
         self.disk, self.remote = _as_tier(self.disk, "disk"), _as_tier(self.remote, "remote")
         page = self.store.page_size
-        check_chunk_tokens(self.chunk_tokens, page)
+        self.chunk_tokens = check_chunk_tokens(self.chunk_tokens, page)
         if self.store.prefix_cache is None:
             raise ValueError("disk and remote tiers need the prefix cache (prefix_cache=True)")
         # kept: an Engine sharing the store sets store.namespace to its own, and chunks of this model's chain
@@ -677,6 +699,8 @@ class PrefixTiers:
                 sizes = tier.lookup(self.ns, keys[pos:])
                 lookup_s = time.perf_counter() - t0
                 s[f"{tier.name}_fetch_s"] += lookup_s
+                if tier is self.remote and pos + len(sizes) < len(keys) and not tier.breaker_open:
+                    self._forget_remote([keys[pos + len(sizes)]])  # the first chunk the server lacks
                 if not sizes:
                     continue
                 tier.cost.observe_round_trip(lookup_s)
@@ -743,6 +767,8 @@ class PrefixTiers:
                 # deleted, so that the next write of this chunk (when a request computes it) replaces it: a bad
                 # blob kept would block its chunk and every later one of the chain for every process
                 (self.disk if tier_name == "disk" else self.remote).discard(self.ns, keys[i])
+                if tier_name != "disk":
+                    self._forget_remote([keys[i]])
                 break
         agree, new_scales = self._fp8_agreement(decoded)
         if agree < len(decoded):
@@ -904,8 +930,9 @@ class PrefixTiers:
         targets = [t for t in (self.disk, self.remote) if t is not None]
         known = {id(t): len(t.lookup(self.ns, keys)) if isinstance(t, DiskTier) else None for t in targets}
         if self.remote is not None:  # chunks fetched from or written to Redis lately are not sent again
+            now = time.monotonic()
             with self._lock:
-                known[id(self.remote)] = next((i for i, k in enumerate(keys) if k not in self._remote_known),
+                known[id(self.remote)] = next((i for i, k in enumerate(keys) if not self._remote_holds(k, now)),
                                               len(keys))
         queued = 0
         residual = self.store.residual
@@ -999,19 +1026,34 @@ class PrefixTiers:
             tier.put_namespace(self.ns, self.description)
             self._namespace_written.add(tier.name)
         written = tier.put(self.ns, key, blob, used_ns) if tier is self.disk else tier.put(self.ns, key, blob)
-        if tier is self.remote and not tier.breaker_open:
-            self._remember_remote([key])  # written now, or already there (SET NX)
+        if tier is self.remote and written is not None:
+            self._remember_remote([key])  # written now, or already there (SET NX); not after a failed call
         if written:
             with self._lock:
                 self.stats_[f"{tier.name}_written_chunks"] += 1
 
     def _remember_remote(self, keys) -> None:
+        now = time.monotonic()
         with self._lock:
             for key in keys:
-                self._remote_known[key] = None
+                self._remote_known[key] = now
                 self._remote_known.move_to_end(key)
             while len(self._remote_known) > 65536:
                 self._remote_known.popitem(last=False)
+
+    def _forget_remote(self, keys) -> None:
+        """Keys the server was found not to hold (a miss, a bad or foreign blob deleted): written again when a
+        request computes their chunks. (Remembered for good, they were never rewritten: after a TTL expiry, a
+        restart or a deleted bad blob, that engine stopped sharing those prefixes.)"""
+        with self._lock:
+            for key in keys:
+                self._remote_known.pop(key, None)
+
+    def _remote_holds(self, key: bytes, now: float) -> bool:
+        """Whether ``key`` was written to or read from the server lately: within its TTL, after which the server
+        drops it."""
+        seen = self._remote_known.get(key)
+        return seen is not None and now - seen < self.remote.ttl_s
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued write is done (or ``timeout`` seconds); True if the queue drained."""
