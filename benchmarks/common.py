@@ -69,8 +69,8 @@ class BandwidthProbe:
 
     The buffer is allocated as the pools are (``kvcache.layout.pool_tensor``: transparent huge pages on the
     CPU), so the roof is the read rate of the memory the kernel reads. (On 4 KiB pages, as torch.rand allocates,
-    the same sum read ~22 GB/s where the pools' huge pages gave ~28.5, Xeon family 6 model 167, 2 threads:
-    every figure "against the roof" was ~1.25x too kind there.)"""
+    the same sum read ~22.5 GB/s in a fresh process where huge pages gave ~29, Xeon family 6 model 167, 2
+    threads; inside this benchmark's process it had read ~28-29 either way there, by luck of the allocation.)"""
 
     def __init__(self, nbytes: int = GiB):
         self.buffer = pool_tensor((nbytes // 4,), torch.float32).uniform_()
