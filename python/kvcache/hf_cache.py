@@ -48,17 +48,21 @@ def _check_store_geometry(store: PagedStore, config) -> None:
     store (its first forward failed inside the append op: "key.shape[1] = 4 must equal num_kv_heads = 2")."""
     if is_mla_config(config):  # (transformers 4.x expands the latents: the pools' rows depend on the version)
         return
+    if getattr(config, "new_decoder_architecture", False) or getattr(config, "multi_query", False):
+        return  # (Falcon: K/V broadcast to other head counts before the cache sees them)
     try:
         heads, k_dim, v_dim = cache_geometry(config)
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return
-    bound = {key: (store.engine_geometry or {}).get(key) for key in ("kv_heads", "k_dim", "v_dim")}
-    for pool in store.pools.values():
-        bound = dict(kv_heads=pool.num_kv_heads, k_dim=pool.head_dim, v_dim=pool.v_head_dim or pool.head_dim)
-        break
     mine = dict(kv_heads=heads, k_dim=k_dim, v_dim=v_dim)
-    diff = [f"{k}={mine[k]} (its pages: {v})" for k, v in bound.items() if v is not None and mine[k] != v]
-    if diff:
+    # (every pool's: a model whose layers differ in width, Gemma 4's global layers say, matches one of them)
+    held = [dict(kv_heads=p.num_kv_heads, k_dim=p.head_dim, v_dim=p.v_head_dim or p.head_dim)
+            for p in store.pools.values()]
+    if store.engine_geometry:
+        held.append({key: store.engine_geometry.get(key) for key in mine})
+    if held and mine not in held:
+        bound = held[0]
+        diff = [f"{k}={mine[k]} (its pages: {v})" for k, v in bound.items() if v is not None and mine[k] != v]
         raise ValueError(f"store: its pools hold pages of another model geometry: this model has {', '.join(diff)}; "
                          f"give this cache a store of its own")
 
