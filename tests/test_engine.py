@@ -419,6 +419,39 @@ def test_a_paged_cache_on_an_engines_store_reads_only_its_own_models_prefixes():
         kvcache.PagedCache(config=y.config, namespace="y")
 
 
+def test_a_format_the_heads_cannot_take_is_refused_before_anything_is_bound():
+    """Regression: Engine(kv_format="int4") on head_dim 16 failed only at the first generate, and the given
+    PrefixCache stayed bound to that dead Engine's int4 store (a corrected Engine on it was refused)."""
+    narrow = _llama(0, "org/narrow", hidden_size=64, num_attention_heads=4)  # head_dim 16
+    cache = kvcache.PrefixCache(kvcache.BlockAllocator(64, 8))
+    for fmt, match in (("int4", r"K rows: head_dim=16 must be a multiple of 32 for int4"),
+                       ("kivi2", r"K rows: head_dim=16 must be a multiple of 32 for kivi2"),
+                       ("int8(hadamard)", None)):
+        if match is None:  # 16 is a power of two: the Hadamard rotation takes it
+            kvcache.Engine(narrow, kv_format=fmt, page_size=8)
+            continue
+        with pytest.raises(ValueError, match=match):
+            kvcache.Engine(narrow, kv_format=fmt, prefix_cache=cache, page_size=8)
+        assert cache.store is None
+    engine = kvcache.Engine(narrow, kv_format="int8", prefix_cache=cache, page_size=8)
+    assert engine.generate([_prompts()[0]], max_new_tokens=2)[0].tokens
+
+
+def test_tpot_leaves_out_requests_of_one_token(model):
+    """Regression: a request that stopped at its first token has no time between tokens; counted as 0 it
+    pulled the mean time per output token down (4x with three of four such requests)."""
+    prompts = _prompts()
+    first = {i: _reference(model, p, 6) for i, p in enumerate(prompts)}
+    # a long request whose tokens avoid another prompt's first token, which then ends that prompt at once
+    long_i, stop_i = next((a, b) for a in first for b in first if a != b and first[b][0] not in first[a])
+    engine = kvcache.Engine(model, page_size=8)
+    out = engine.generate([prompts[long_i], prompts[stop_i]], max_new_tokens=6, eos_token_id=first[stop_i][0])
+    assert [len(r.tokens) for r in out] == [6, 1]
+    assert engine.stats()["tpot_s"] == pytest.approx(out[0].time_per_output_token) and out[0].time_per_output_token > 0
+    engine.generate([prompts[stop_i]], max_new_tokens=6, eos_token_id=first[stop_i][0])
+    assert engine.stats()["tpot_s"] == 0.0                 # only one-token requests: no time between tokens
+
+
 def test_requests_sharing_a_cached_prefix_are_batched_together(model):
     """Cache-aware scheduling holds back a request only for what it would share with a prompt prefilled in the
     same step and not cached yet: once the shared system prompt is cached, 32 requests over max_batch=16 run in

@@ -677,6 +677,65 @@ def test_shared_allocator_bounds_the_pool():
         kvcache.PagedCache(num_layers=1, page_size=8, allocator=kvcache.BlockAllocator(4, 16))
 
 
+def test_sink_tokens_hold_in_the_pytorch_paths_of_the_kvcache_attention():
+    """Regression: output_attentions=True and autograd-recording forwards run the "kvcache" attention in PyTorch,
+    which dropped the cache's sink_tokens (logits 5.8 off the StreamingLLM reference, silently)."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, initializer_range=0.2, **_common())
+    model = transformers.MistralForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvcache")
+    try:
+        ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones(2, 17, dtype=torch.long)
+        mask[1, :3] = 0                                       # row 1 left-padded: its sinks start after the pads
+
+        def step(sinks, **kw):
+            cache = kvcache.PagedCache(config=model.config, sink_tokens=sinks)
+            with torch.no_grad():
+                model(input_ids=ids[:, :16], attention_mask=mask[:, :16], past_key_values=cache)
+            if kw.pop("grad", False):
+                emb = model.get_input_embeddings()(ids[:, 16:17]).detach().requires_grad_(True)
+                return model(inputs_embeds=emb, attention_mask=mask, past_key_values=cache).logits[:, -1].detach()
+            with torch.no_grad():
+                return model(input_ids=ids[:, 16:17], attention_mask=mask, past_key_values=cache, **kw).logits[:, -1]
+
+        plain, without = step(4), step(0)
+        assert (plain - without).abs().max() > 0.1            # the sinks matter at this length
+        assert (step(4, output_attentions=True) - plain).abs().max() < 1e-5
+        assert (step(4, grad=True) - plain).abs().max() < 1e-5
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_softcapped_attention_of_a_padded_batch_stays_finite_in_pytorch():
+    """Regression: the soft-capped PyTorch path (Gemma 2) masked with -inf, so a left-padded row's padding queries
+    had nothing to see, their softmax was NaN, and the NaN reached the row's real tokens in the next layer (and the
+    loss and every gradient in training)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
+                                    **_common())
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    logits = {}
+    try:
+        for impl in ("eager", "kvcache"):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                logits[impl] = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache()).logits
+        model.set_attn_implementation("kvcache")
+        model.train()
+        labels = ids.masked_fill(mask == 0, -100)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    finally:
+        model.eval()
+    assert torch.isfinite(logits["kvcache"]).all()
+    real = mask.bool()
+    assert (logits["kvcache"][real] - logits["eager"][real]).abs().max() < 1e-5
+
+
 def test_sink_tokens_work_in_every_generate_mode_and_need_the_kernel():
     model = _model("mistral")
     ids, mask = _inputs()

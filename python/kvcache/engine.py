@@ -34,6 +34,8 @@ from .hf_cache import (ATTENTION_NAME, PagedCache, _state_layers, cache_geometry
                        packed_attention_mask)
 from .step import plan_step
 from ._args import integer_arg as _integer
+from .formats import CacheFormat
+from .pool import check_format_widths
 from .store import PagedStore
 from .prefix import Match, Namespace, OutOfBlocksError, PrefixCache, Sequence
 
@@ -273,6 +275,10 @@ class Engine:
         self._max_tokens = max_tokens  # as given (the pool may be a given prefix_cache's allocator instead)
         config = model.config.get_text_config(decoder=True)
         heads, k_dim, v_dim = cache_geometry(config)
+        if kv_format is not None and not is_mla_config(config):  # a width the format cannot take, refused before any
+            # store is made or bound (MLA: the pages' widths depend on the transformers version, KVPool checks them)
+            check_format_widths(CacheFormat.parse(kv_format), k_dim, v_dim)  # (it failed at the first generate,
+            # leaving a given prefix_cache bound to this Engine's store)
         param = next(model.parameters())
         geometry = dict(layers=config.num_hidden_layers, kv_heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=param.dtype,
                         device=param.device)
@@ -755,7 +761,10 @@ class Engine:
             requests=len(results), generated_tokens=generated, wall_s=wall,
             tokens_per_s=generated / wall if wall else 0.0,
             ttft_s=sum(r.first_token_s for r in results) / max(1, len(results)),
-            tpot_s=sum(r.time_per_output_token for r in results) / max(1, len(results)),
+            # (requests of one token have no time between tokens: counted as 0 they dragged the mean down, 4x
+            # with three of four requests stopping at their first token)
+            tpot_s=(sum(r.time_per_output_token for r in several) / len(several)
+                    if (several := [r for r in results if len(r.tokens) > 1]) else 0.0),
             prefix_hit_rate=stats["prefix_hit_tokens"] / max(1, stats["prompt_tokens"]),
             kv_bytes=stats["peak_kv_bytes"],
             dynamic_cache_bytes=stats["peak_dense_bytes"],
@@ -768,7 +777,7 @@ class Engine:
     def stats(self) -> dict:
         """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
         ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
-        (mean time per output token), ``tokens_per_s``, ``kv_bytes`` (peak bytes of the pages in use, cached
+        (mean time per output token, over the requests that produced more than one), ``tokens_per_s``, ``kv_bytes`` (peak bytes of the pages in use, cached
         prefixes included, and of a quantized format's full-precision window pages, which the store holds
         beside their quantized blocks) against
         ``dynamic_cache_bytes`` (the peak bytes of the same requests, each in a ``DynamicCache(config=config)``

@@ -123,8 +123,10 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
             attention_mask = packed_attention_mask(plan, query.dtype, window=sliding_window)
         else:
             key, value = cache._dense(layer_idx, query.dtype, key, value)
+    # (a PagedCache's sink_tokens hold here too: output_attentions and autograd forwards come this way)
+    sink_tokens = tag[0].sink_tokens if tag is not None and tag[0]._external_plan is None else 0
     out = _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
-                           sliding_window, softcap, weights=weights, sinks=sinks)
+                           sliding_window, softcap, weights=weights, sinks=sinks, sink_tokens=sink_tokens)
     return out if weights else (out, None)
 
 
@@ -196,25 +198,36 @@ def _paged(cache: PagedCache, layer_idx: int, plan: StepPlan, query: torch.Tenso
 
 
 def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window, softcap, weights: bool = False,
-                     sinks: torch.Tensor | None = None):
+                     sinks: torch.Tensor | None = None, sink_tokens: int = 0):
     """Bottom-right causal attention with a 2-D padding mask (or a ready 4-D mask) in PyTorch. ``weights``:
-    returns (output, attention weights), masked positions as eager attention masks them (the dtype's lowest
-    value, so a row with nothing to see is uniform rather than NaN). ``sinks`` ``[heads]``: learned sink logits,
-    one more softmax term per head that takes probability mass and adds nothing to the output (gpt-oss)."""
+    returns (output, attention weights). Masked positions are masked as eager attention masks them (the dtype's
+    lowest value, so a row with nothing to see, a padding query, is uniform rather than NaN). ``sinks``
+    ``[heads]``: learned sink logits, one more softmax term per head that takes probability mass and adds nothing
+    to the output (gpt-oss). ``sink_tokens``: with ``sliding_window``, each row's first tokens (after its left
+    padding) stay visible (StreamingLLM, as the kernel's ``sink_tokens``)."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if mask2d is not None and mask2d.dim() == 4:
+        if sink_tokens and sliding_window:  # (the model's own 4-D mask has its window and no sinks)
+            raise ValueError(f"sink_tokens={sink_tokens}: this forward passed its own 4-D attention mask, which has "
+                             f"no attention sinks; pass a 2-D padding mask, or a cache without sink_tokens")
         allowed = mask2d if mask2d.dtype == torch.bool else None
         additive = None if allowed is not None else mask2d
     else:
         i = torch.arange(q_len, device=query.device).unsqueeze(1) + (kv_len - q_len)
         j = torch.arange(kv_len, device=query.device).unsqueeze(0)
-        allowed = j <= i
+        allowed = (j <= i).view(1, 1, q_len, kv_len)
+        present = None if mask2d is None else mask2d[:, -kv_len:].to(torch.bool).view(batch, 1, 1, kv_len)
         if sliding_window:
-            allowed = allowed & (j > i - int(sliding_window))
-        allowed = allowed.view(1, 1, q_len, kv_len)
-        if mask2d is not None:
-            allowed = allowed & mask2d[:, -kv_len:].to(torch.bool).view(batch, 1, 1, kv_len)
+            seen = (j > i - int(sliding_window)).view(1, 1, q_len, kv_len)
+            if sink_tokens:  # a row's sinks are its first tokens after its left padding
+                first = (0 if present is None else
+                         (~present).to(torch.int64).cumprod(-1).sum(-1, keepdim=True))  # [batch, 1, 1, 1]
+                jj = j.view(1, 1, 1, kv_len)
+                seen = seen | ((jj >= first) & (jj < first + int(sink_tokens)))
+            allowed = allowed & seen
+        if present is not None:
+            allowed = allowed & present
         additive = None
     if heads != kv_heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
@@ -223,8 +236,8 @@ def _dense_attention(query, key, value, mask2d, dropout, scaling, sliding_window
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min if weights else float("-inf"))
+        if allowed is not None:  # (-inf: a padding query's row was NaN, and the NaN reached the real tokens)
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         if additive is not None:
             scores = scores + additive
         if sinks is not None:

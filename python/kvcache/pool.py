@@ -36,6 +36,23 @@ def format_id(fmt: KVFormat) -> int:
     return fmt.kernel_id
 
 
+def check_format_widths(fmt: CacheFormat, head_dim: int, v_head_dim: int) -> None:
+    """A ValueError naming the side, the width and the format when ``fmt`` cannot store rows of these widths
+    (int4 and KIVI: multiples of 32; ``hadamard``: a power of two), or a NotImplementedError for a format the
+    kernels do not implement."""
+    for role, f, dim in (("k", fmt.k, head_dim), ("v", fmt.v, v_head_dim)):
+        f.kernel_id  # rejects formats the kernels do not implement yet
+        name = "head_dim" if role == "k" else "v_head_dim"
+        if f.hadamard:
+            try:
+                rot_scales(dim)
+            except ValueError as err:
+                raise ValueError(f"{role.upper()} rows: {name}={dim} cannot take {role}_format={f}: {err}") from None
+        if f.grouped and dim % 32:
+            raise ValueError(f"{role.upper()} rows: {name}={dim} must be a multiple of 32 for {f.kind} "
+                             f"({role}_format={f} keeps its scales per 32 dims)")
+
+
 @dataclass
 class KVPool:
     """One layer's pools: codes ``k``/``v`` ``[num_blocks, num_kv_heads, page_size, head_dim]`` and, for
@@ -77,18 +94,7 @@ class KVPool:
         refused with a ValueError naming the side, the width and the format, before anything is allocated."""
         fmt = CacheFormat.parse(format)
         layout = PageLayout(num_blocks, page_size, num_kv_heads, head_dim, v_head_dim=v_head_dim)  # validates the geometry
-        for role, f in (("k", fmt.k), ("v", fmt.v)):
-            f.kernel_id  # rejects formats the kernels do not implement yet
-            dim = layout.dim(role)
-            name = "head_dim" if role == "k" else "v_head_dim"
-            if f.hadamard:
-                try:
-                    rot_scales(dim)
-                except ValueError as err:
-                    raise ValueError(f"{role.upper()} rows: {name}={dim} cannot take {role}_format={f}: {err}") from None
-            if f.grouped and dim % 32:
-                raise ValueError(f"{role.upper()} rows: {name}={dim} must be a multiple of 32 for {f.kind} "
-                                 f"({role}_format={f} keeps its scales per 32 dims)")
+        check_format_widths(fmt, layout.dim("k"), layout.dim("v"))
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():  # (not a lack of memory)
             raise RuntimeError(f"KVPool.allocate: device={str(device)!r}, but this torch sees no CUDA device "
                                f"(torch.cuda.is_available() is False; torch {torch.__version__})")
