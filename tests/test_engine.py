@@ -437,6 +437,32 @@ def test_a_format_the_heads_cannot_take_is_refused_before_anything_is_bound():
     assert engine.generate([_prompts()[0]], max_new_tokens=2)[0].tokens
 
 
+def test_explain_changes_nothing(model):
+    """Regression: explain() matched through the tree, so it counted hits (the prefix cache's hit rate rose with
+    every explain) and made the prefix the most recently used (explain(A) got B evicted instead of A)."""
+    prompts = _prompts()
+    engine = kvcache.Engine(model, page_size=8, prefix_cache=True)
+    engine.generate(prompts[:2], max_new_tokens=2)
+    tree = engine.store.prefix_cache
+    before, refs = tree.stats(), sorted(tree.block_references())
+    for _ in range(3):
+        assert engine.explain(prompts[0])["local_tokens"] == tree.cached_length(prompts[0], engine.namespace) > 0
+    after = tree.stats()
+    assert (after["lookups"], after["hit_tokens"]) == (before["lookups"], before["hit_tokens"])
+    assert sorted(tree.block_references()) == refs
+    # the recency order is untouched: the least recently used prefix (prompt 0's branch) goes first
+    order = {}
+    for explained in (False, True):
+        e = kvcache.Engine(model, page_size=8, prefix_cache=True)
+        e.generate([prompts[0]], max_new_tokens=1)
+        e.generate([prompts[1][40:] + [5] * 8], max_new_tokens=1)  # another prefix, used later
+        if explained:
+            e.explain(prompts[0])
+        e.store.prefix_cache.evict(1)
+        order[explained] = e.explain(prompts[0])["local_tokens"]
+    assert order[True] == order[False]
+
+
 def test_tpot_leaves_out_requests_of_one_token(model):
     """Regression: a request that stopped at its first token has no time between tokens; counted as 0 it
     pulled the mean time per output token down (4x with three of four such requests)."""

@@ -536,6 +536,21 @@ class PrefixTree {
     return as_result(match_type_, py::int_(length), tensor_of(blocks), py::int_(node));
   }
 
+  // cached_length(tokens, namespace=None) -> the tokens match() would find, with nothing changed (no recency,
+  // no counters, no host load)
+  py::object cached_length(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    static Signature sig{"cached_length", {"tokens", "namespace"}, 1};
+    const auto a = bind<2>(sig, args, nargs, kwnames);
+    const IdArray<int32_t> t(a[0], "tokens", "token ids");
+    const std::string_view key = resolve(a[1]);
+    int64_t length = 0;
+    {
+      py::gil_scoped_release nogil;
+      length = tree_->cached_length(key, t.data(), t.size());
+    }
+    return py::int_(length);
+  }
+
   // match_into(tokens, out, namespace=None, lock=False) -> (matched tokens, node handle), the blocks
   // written to out[0, ceil(length / page_size)): the same match with no tensor made (~0.5 us less)
   py::object match_into(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
@@ -783,6 +798,8 @@ void tree_dealloc(PyObject* self) {
 PyMethodDef tree_methods[] = {
     {"match", KVC_FASTCALL(method<&PrefixTree::match>),
      "match($self, /, tokens, namespace=None, lock=False)\n--\n\n(matched tokens, blocks, node)"},
+    {"cached_length", KVC_FASTCALL(method<&PrefixTree::cached_length>),
+     "cached_length($self, /, tokens, namespace=None)\n--\n\nthe tokens match would find, nothing changed"},
     {"match_into", KVC_FASTCALL(method<&PrefixTree::match_into>),
      "match_into($self, /, tokens, out, namespace=None, lock=False)\n--\n\n"
      "(matched tokens, node); the blocks written to the first entries of out (a 1-D int32 CPU tensor)"},

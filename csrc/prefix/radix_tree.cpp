@@ -338,6 +338,23 @@ MatchResult RadixTree::match(std::string_view ns, const int32_t* tokens, int64_t
   return r;
 }
 
+int64_t RadixTree::cached_length(std::string_view ns, const int32_t* tokens, int64_t n) {
+  if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));
+  std::lock_guard<std::mutex> g(mu_);
+  int64_t pos = 0;
+  for (int32_t id = find_root(ns); id >= 0 && pos < n;) {  // the walk of match_locked's step 1, read only
+    const int32_t child = edges_.find(edge_key(id, tokens[pos]));
+    if (child < 0) break;
+    const Node& nd = nodes_[child];
+    const int64_t len = nd.tokens.size();
+    const int64_t k = nd.tokens.common_prefix(tokens + pos, std::min(len, n - pos));
+    pos += k;
+    if (k < len) break;
+    id = child;
+  }
+  return pos;
+}
+
 int64_t RadixTree::match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock,
                               std::vector<int32_t>* blocks, int64_t* node) {
   if (n < 0) throw std::invalid_argument(cat("n = ", n, " tokens; must be >= 0"));

@@ -123,6 +123,9 @@ class RadixTree : public Reclaimer {
   /// Longest cached prefix of tokens[0, n); host-tier hits are loaded back first. With `lock`, the
   /// returned node is locked in the same critical section.
   MatchResult match(std::string_view ns, const int32_t* tokens, int64_t n, bool lock = false);
+  /// The length match() would find, through device and host nodes, changing nothing: no recency, no hit
+  /// counters, no host load (a diagnostic's look must not decide what is evicted next).
+  int64_t cached_length(std::string_view ns, const int32_t* tokens, int64_t n);
   /// The same, appending the blocks to `*blocks` (no allocation per match in batched callers);
   /// returns the matched length and sets `*node`.
   int64_t match_into(std::string_view ns, const int32_t* tokens, int64_t n, bool lock, std::vector<int32_t>* blocks,

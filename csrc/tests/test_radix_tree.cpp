@@ -91,6 +91,30 @@ TEST(RadixTree, MatchesWholePagesAndEndsInsideAPage) {
   f.expect_ok();
 }
 
+TEST(RadixTree, CachedLengthIsAMatchThatChangesNothing) {
+  // Engine.explain's look: the length a match finds, with no hit counted and no recency given (a look through
+  // match() made the prefix the most recent, so the diagnostic decided what was evicted next).
+  Fixture f(4, 4);
+  const std::vector<int32_t> a = seq(100, 8), b = seq(200, 8);
+  f.put(a);
+  f.put(b);  // a is the least recently used
+  std::vector<int32_t> c = a;
+  c[5] = 7;
+  const auto before = f.tree->stats();
+  EXPECT_EQ(f.tree->cached_length("m", a.data(), 8), 8);
+  EXPECT_EQ(f.tree->cached_length("m", c.data(), 8), 5);
+  EXPECT_EQ(f.tree->cached_length("m", a.data(), 3), 3);
+  EXPECT_EQ(f.tree->cached_length("unknown", a.data(), 8), 0);
+  const auto after = f.tree->stats();
+  EXPECT_EQ(after.lookups, before.lookups);
+  EXPECT_EQ(after.hit_tokens, before.hit_tokens);
+  EXPECT_EQ(after.nodes, before.nodes);
+  EXPECT_EQ(f.tree->evict(2), 2);  // still a's two blocks: the looks did not make it recent
+  EXPECT_EQ(f.get(a).length, 0);
+  EXPECT_EQ(f.get(b).length, 8);
+  f.expect_ok();
+}
+
 TEST(RadixTree, TokenIdsBeyond16BitsMatchExactly) {
   // Edges whose ids all fit in 16 bits are stored narrow, others wide (EdgeTokens); an id that
   // differs from a narrow edge's only above bit 15 must not match, and splits keep each width.

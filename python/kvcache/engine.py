@@ -800,11 +800,13 @@ class Engine:
         """Where ``prompt`` diverges from the longest cached prefix: ``local_tokens`` in this process's tree,
         ``disk_tokens`` / ``remote_tokens`` as whole chunks in the tiers, ``diverged_at`` the first token
         none holds. Fetches nothing (a multi-turn miss, e.g. a chat template that rewrote an earlier turn,
-        shows as a ``diverged_at`` before the old turn's end)."""
+        shows as a ``diverged_at`` before the old turn's end), and changes nothing: no recency, no hit counted."""
         ids = self._encode(prompt)
         if self.tiers is not None:
             return self.tiers.explain(ids)
-        n = self.store.prefix_cache.match(ids, self.namespace).length if self.store.prefix_cache else 0
+        # (cached_length: a match made the prefix the most recent and counted a hit, so explain() changed the
+        # eviction order and the prefix cache's hit rate)
+        n = self.store.prefix_cache.cached_length(ids, self.namespace) if self.store.prefix_cache else 0
         return {"prompt_tokens": len(ids), "local_tokens": n, "disk_tokens": 0, "remote_tokens": 0, "diverged_at": n}
 
     def close(self) -> None:

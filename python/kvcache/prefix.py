@@ -447,6 +447,7 @@ class PrefixCache:
         # methods themselves (same signatures and results as the methods below, which document them),
         # which saves a Python frame per call (~0.2 us, a third of a match_into).
         self._match_into, self._match_ragged_into = fast.match_into, fast.match_ragged_into
+        self._cached_length = fast.cached_length
         self.match, self.match_into, self.match_ragged = fast.match, fast.match_into, fast.match_ragged
         self.match_ragged_into = fast.match_ragged_into
 
@@ -457,6 +458,18 @@ class PrefixCache:
         With a host tier, a prefix found there is copied back first. ``lock=True`` locks the returned
         node in the same step (no other thread can evict it in between)."""
         return self._match(tokens, namespace, lock)
+
+    def cached_length(self, tokens, namespace: Namespace | str = DEFAULT_NAMESPACE) -> int:
+        """How many leading tokens of ``tokens`` the cache holds (on the device or the host tier), changing
+        nothing: no recency, no hit counters, no load from the host tier. (A look through :meth:`match` counted as a
+        hit and made the prefix the most recently used: a diagnostic changed what was evicted next.)
+
+        >>> alloc = BlockAllocator(8, 4); cache = PrefixCache(alloc)
+        >>> _ = cache.insert([1, 2, 3, 4, 5, 6], alloc.allocate(2))
+        >>> cache.cached_length([1, 2, 3, 9]), cache.stats()["lookups"]
+        (3, 0)
+        """
+        return self._cached_length(tokens, namespace)
 
     def match_into(self, tokens, out: torch.Tensor, namespace: Namespace | str = DEFAULT_NAMESPACE, *,
                    lock: bool = False) -> MatchInto:

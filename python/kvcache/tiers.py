@@ -663,7 +663,7 @@ class PrefixTiers:
         ``local_tokens`` (the radix tree), ``disk_tokens`` / ``remote_tokens`` (whole chunks present from
         the start of the chain) and ``diverged_at`` (the first token no tier holds)."""
         tokens = list(tokens)
-        local = self.store.prefix_cache.match(tokens, self.namespace).length
+        local = self.store.prefix_cache.cached_length(tokens, self.namespace)  # (a match would count as a use)
         keys = self.chain(tokens)
         disk = len(self.disk.lookup(self.ns, keys)) * self.chunk_tokens if self.disk else 0
         remote = len(self.remote.lookup(self.ns, keys)) * self.chunk_tokens if self.remote else 0
