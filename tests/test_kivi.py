@@ -314,14 +314,15 @@ def test_refused_kivi_append_seals_nothing(bad):
             "short seq_lens": (torch.randn(1, 2, 4, 64),) * 2 + (table, torch.tensor([3], dtype=torch.int32)),
             "block id": (x, x, torch.tensor([[0, 9, 2, 3]], dtype=torch.int32), lens),
             "table rows": (x, x, torch.cat([table, table]), lens)}[bad]
-    k, v = pool.sealed.k.clone(), pool.residual.k.clone()
+    bits = lambda t: t.view(torch.uint8).clone()  # noqa: E731  (bitwise: unwritten full-precision slots may hold NaN)
+    k, v = bits(pool.sealed.k), bits(pool.residual.k)
     slots = dict(pool.pages.slot_of)
     with pytest.raises((ValueError, TypeError, IndexError)) as err:
         pool.append(*args)
     assert {"head_dim": "head_dim = 32", "kv_heads": "kv_heads = 4", "integer": "floating point",
             "short seq_lens": "seq_lens[0] = 3", "block id": "block_tables[0][1] = 9",
             "table rows": "2 rows"}[bad] in str(err.value)
-    assert torch.equal(pool.sealed.k, k) and torch.equal(pool.residual.k, v) and pool.pages.slot_of == slots
+    assert torch.equal(bits(pool.sealed.k), k) and torch.equal(bits(pool.residual.k), v) and pool.pages.slot_of == slots
     assert pool.sealed_pages(table, torch.tensor([12], dtype=torch.int32)) == [0]
 
 
