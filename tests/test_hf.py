@@ -394,16 +394,22 @@ def test_output_attentions_with_kvcache_attention_are_eagers():
         assert (eager.logits[real] - ours.logits[real]).abs().max() <= 1e-5
 
 
-def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
-    """load_prefix starts a batch-1 cache: a 2-row input_ids is refused (it was flattened into one prompt), and
-    right after it, before any forward, stats() sizes the equivalent DynamicCache in the model's dtype (float32
-    here; it assumed 2 bytes)."""
+def _saved_prompt():
+    """A Llama, a 40-token prompt, and a cache whose prefix cache holds that prompt's K/V."""
     model = _model("llama")
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(12))
     source = kvcache.PagedCache(config=model.config, prefix_cache=True)
     with torch.no_grad():
         model(ids, past_key_values=source)
     source.save_prefix(ids[0])
+    return model, ids, source
+
+
+def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
+    """load_prefix starts a batch-1 cache: a 2-row input_ids is refused (it was flattened into one prompt), and
+    right after it, before any forward, stats() sizes the equivalent DynamicCache in the model's dtype (float32
+    here; it assumed 2 bytes)."""
+    model, ids, source = _saved_prompt()
     cache = kvcache.PagedCache(config=model.config, store=source.store)
     with pytest.raises(ValueError, match=r"input_ids has shape \(2, 40\): load_prefix starts a batch-1 cache"):
         cache.load_prefix(ids.repeat(2, 1))
@@ -417,12 +423,7 @@ def test_load_prefix_takes_one_row_and_stats_know_the_model_dtype():
 def test_refused_load_prefix_takes_nothing():
     """Regression: a cache with no layers (no config=, no num_layers=) took the matched prefix's blocks before it
     refused load_prefix, so the pages stayed held and a retry said "load_prefix needs an empty cache"."""
-    model = _model("llama")
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(12))
-    source = kvcache.PagedCache(config=model.config, prefix_cache=True)
-    with torch.no_grad():
-        model(ids, past_key_values=source)
-    source.save_prefix(ids[0])
+    model, ids, source = _saved_prompt()
     alloc = source.store.allocator
     refs = [alloc.refcount(b) for b in range(alloc.num_blocks)]
     cache = kvcache.PagedCache(store=source.store)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import numbers
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -293,14 +292,7 @@ class Engine:
         fmt = "+".join(filter(None, ("" if kv_format is None else str(self.store.kv_format), self.store.residual_label)))
         name = _model_name(model)
         self.namespace = namespace or Namespace(model=name or type(model).__name__, kv_format=fmt)
-        unnamed = namespace is None and not name
-        models = self.store.engine_models  # namespace key -> the model caching under it
-        other = models.get(self.namespace.key)
-        if unnamed and other is not None and other() not in (None, model):
-            raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
-                             f"{self.namespace.model!r}, as another model's in the shared prefix_cache (other weights: "
-                             f"their K/V would be hits here); give it namespace=kvcache.Namespace(model=..., salt=...)")
-        models.setdefault(self.namespace.key, weakref.ref(model))
+        self.store.claim_namespace(self.namespace, model, check=namespace is None and not name)
         self.store.namespace = self.namespace
         self.store.namespace_owner = (config, name)
         self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans

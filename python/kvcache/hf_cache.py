@@ -7,7 +7,6 @@ import copy
 import numbers
 import operator
 import warnings
-import weakref
 
 import torch
 
@@ -843,14 +842,7 @@ class PagedCache(Cache):
         label = "" if fmt is None else "+".join(filter(None, (str(fmt), self.store.residual_label)))
         ns = Namespace(model=name or type(self.config).__name__, kv_format=label)
         if not name and self.config is not None:  # two models of one class, both unnamed: one key, other weights
-            models = self.store.engine_models
-            holder = models.get(ns.key)
-            other = holder() if holder is not None else None
-            if other is not None and other is not self.config:  # (identity: configs compare equal by value)
-                raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
-                                 f"{ns.model!r}, as another model's in the shared prefix cache (other weights: their "
-                                 f"K/V would be hits here); give the cache namespace=kvcache.Namespace(model=...)")
-            models.setdefault(ns.key, weakref.ref(self.config))
+            self.store.claim_namespace(ns, self.config, check=True)
         return ns
 
     def load_prefix(self, input_ids: torch.Tensor) -> int:

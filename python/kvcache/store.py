@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ._args import integer_arg
@@ -98,7 +100,7 @@ class PagedStore:
         # set by the kvcache.Engine that made the store: the model geometry its pools hold, and per namespace key a
         # weak reference to the model caching under it (for Engines that share the store through its prefix cache)
         self.engine_geometry: dict | None = None
-        self.engine_models: dict = {}
+        self.engine_models: dict = {}  # namespace key -> weak reference to the model (or config) caching under it
         self.pools: dict[int, KVPool] = {}
         self.fixed_size = self.max_tokens is not None
         family = None if self.kv_format is None else self.kv_format.family  # one family: checked above
@@ -112,6 +114,19 @@ class PagedStore:
             self.residual.is_live = lambda block: self.allocator.refcount(block) > 0
         if self.prefix_cache is not None:  # its blocks' K/V are this store's (checked above: not another's)
             self.prefix_cache.store = self
+
+    def claim_namespace(self, namespace: Namespace, owner, check: bool) -> None:
+        """Records ``owner`` (a model, or a PagedCache's config) as caching under ``namespace``. With ``check`` (a
+        model without a ``name_or_path``, whose default namespace is only its class), another live owner under the
+        same key is a ValueError naming ``namespace``: other weights there would be each other's hits. Owners are
+        compared by identity (configs compare equal by value)."""
+        holder = self.engine_models.get(namespace.key)
+        other = holder() if holder is not None else None
+        if check and other is not None and other is not owner:
+            raise ValueError(f"namespace: this model has no name_or_path, so its prefixes would be cached under "
+                             f"{namespace.model!r}, as another model's in the shared prefix cache (other weights: "
+                             f"their K/V would be hits here); give it namespace=kvcache.Namespace(model=..., salt=...)")
+        self.engine_models.setdefault(namespace.key, weakref.ref(owner))
 
     @property
     def residual_label(self) -> str:
