@@ -112,12 +112,18 @@ def test_engine_stops_at_any_eos_id_and_by_default_at_the_generation_configs(mod
     request (kept as its last token); by default the model's generation_config.eos_token_id, as HF stops at."""
     engine = kvcache.Engine(model, prefix_cache=False)
     prompt = _prompts()[1]
-    free = engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0].tokens
+    unstopped = engine.generate([prompt], max_new_tokens=8, eos_token_id=[])[0]
+    free = unstopped.tokens
     stop, never = free[3], next(t for t in range(128) if t not in free)
     cut = free[:free.index(stop) + 1]
     assert len(cut) < 8
     for eos in (stop, [stop], (never, stop), torch.tensor([stop]), torch.tensor(stop)):
         assert engine.generate([prompt], max_new_tokens=8, eos_token_id=eos)[0].tokens == cut, eos
+    # why each stopped: the end-of-sequence token (also when it is the max_new_tokens-th), else the length
+    assert unstopped.finish_reason == "length"
+    assert engine.generate([prompt], max_new_tokens=8, eos_token_id=stop)[0].finish_reason == "stop"
+    assert engine.generate([prompt], max_new_tokens=len(cut), eos_token_id=stop)[0].finish_reason == "stop"
+    assert engine.generate([prompt], max_new_tokens=len(cut) - 1, eos_token_id=stop)[0].finish_reason == "length"
     before = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = [never, stop]
     try:
@@ -640,3 +646,43 @@ def test_engine_refuses_a_disk_path_that_is_a_file(model, tmp_path):
                             namespace=kvcache.Namespace(model="test-llama"))  # (tiers need a named model)
     assert (tmp_path / "tier").is_dir() and engine.tiers.chunk_tokens == 16
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_engine_refuses_positions_past_learned_position_embeddings(arch):
+    """A model with a learned table of positions (GPT-2's wpe, OPT's embed_positions with its offset of 2) has no
+    row past max_position_embeddings: a request that would feed such a position is refused before any work,
+    naming the prompt and the limit (it failed inside the embedding, mid-batch); one that ends at the last row
+    runs, and a rotary model (which extrapolates) is not limited."""
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=24,
+                                         bos_token_id=1, eos_token_id=2)
+        model = transformers.GPT2LMHeadModel(config).eval()
+    else:
+        config = transformers.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        ffn_dim=64, max_position_embeddings=24, word_embed_proj_dim=32,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = transformers.OPTForCausalLM(config).eval()
+    engine = kvcache.Engine(model, page_size=4, prefix_cache=False)
+    prompts = [[5] * 6, list(range(3, 23))]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: 20 tokens \+ max_new_tokens=6 feed positions up to 24, but "
+                                         r"\w+ learns position embeddings for positions 0 to 23 "
+                                         r"\(config.max_position_embeddings=24\); nothing was run"):
+        engine.generate(prompts, max_new_tokens=6, eos_token_id=[], progress=False)
+    assert engine.store.allocator.num_free == engine.store.allocator.num_blocks
+    out = engine.generate(prompts, max_new_tokens=5, eos_token_id=[], progress=False)  # last fed position: 23
+    assert [len(r.tokens) for r in out] == [5, 5]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompts[1]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out[1].tokens == want[0, 20:].tolist()
+
+
+def test_engine_does_not_limit_rotary_models_to_max_position_embeddings(model):
+    assert model.config.max_position_embeddings < 4096
+    small = transformers.LlamaConfig(**{**model.config.to_dict(), "max_position_embeddings": 16})
+    rotary = transformers.LlamaForCausalLM(small).eval()
+    out = kvcache.Engine(rotary, prefix_cache=False).generate([list(range(3, 23))], max_new_tokens=3, eos_token_id=[],
+                                                               progress=False)
+    assert len(out[0].tokens) == 3

@@ -730,7 +730,8 @@ def test_result_tensors_are_the_callers_own():
     ("float_numpy", TypeError, r"tokens must have dtype int32 or int64 \(token ids\) but has format 'd'"),
     ("unsigned_numpy", TypeError, r"tokens must have dtype int32 or int64 \(token ids\) but has format 'I'"),
     ("numpy_2d", ValueError, r"tokens must be a 1-D array but has shape \[2, 3\]"),
-    ("not_ints", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got list"),
+    ("not_ints", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got an element 'x' \(str\) at \[1\]"),
+    ("float_token", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got an element 1.5 \(float\) at \[0\]"),
     ("not_a_sequence", TypeError, r"tokens must be a 1-D tensor or a sequence of ints, got int"),
     ("int_too_big", IndexError, r"tokens\[1\] = 1099511627776 does not fit in int32"),
     ("int_beyond_int64", IndexError, r"tokens\[0\] = 1180591620717411303424 does not fit in int32"),
@@ -756,6 +757,7 @@ def test_fast_path_rejects_bad_input_with_state_unchanged(case, exc, match):
         "unsigned_numpy": lambda: cache.match(np.ones(3, dtype=np.uint32), "a"),
         "numpy_2d": lambda: cache.match(np.ones((2, 3), dtype=np.int32), "a"),
         "not_ints": lambda: cache.match([1, "x"], "a"),
+        "float_token": lambda: cache.match([1.5], "a"),  # (the message named the list, not the element)
         "not_a_sequence": lambda: cache.match(5, "a"),
         "int_too_big": lambda: cache.match([1, 2**40], "a"),
         "int_beyond_int64": lambda: cache.match([2**70], "a"),

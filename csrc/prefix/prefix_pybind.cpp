@@ -205,7 +205,12 @@ class IdArray {
     for (int64_t i = 0; i < size_; ++i) {
       int overflow = 0;
       const long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-      if (v == -1 && PyErr_Occurred()) throw bad();
+      if (v == -1 && PyErr_Occurred()) {  // not an int: name the element, not only the container
+        PyErr_Clear();
+        throw py::type_error(cat(name_, " must be a 1-D tensor or a sequence of ints, got an element ",
+                                 py::repr(items[i]).cast<std::string>(), " (", Py_TYPE(items[i])->tp_name, ") at [",
+                                 i, "]"));
+      }
       if (overflow || v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
         throw py::index_error(cat(name_, "[", i, "] = ", py::str(items[i]).cast<std::string>(), " does not fit in int",
                                   8 * sizeof(T)));

@@ -75,6 +75,22 @@ def _flag(name: str, value) -> bool:
     return bool(value)
 
 
+def _learned_position_limit(model, config) -> int | None:
+    """``config.max_position_embeddings`` when the model learns a table of position embeddings (GPT-2's ``wpe``,
+    OPT's and BioGPT's ``embed_positions``, which keep 2 more rows for an offset), else None: rotary and ALiBi
+    models extrapolate past it (with whatever quality), a table has no row to look up."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if type(limit) is not int or limit < 1:
+        return None
+    words = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if (isinstance(module, torch.nn.Embedding) and module is not words and ("pos" in leaf or leaf == "wpe")
+                and limit <= module.num_embeddings <= limit + 2):
+            return limit
+    return None
+
+
 def _model_name(model) -> str:
     """The model's ``name_or_path``: its text config's, else its own config's (a multimodal model's text config
     carries none); "" for a model whose config was made in code."""
@@ -132,9 +148,10 @@ def _progress_bar(total: int, progress: bool):
 
 @dataclass
 class Result:
-    """One request's outcome: generated ``tokens`` (and ``text`` with a tokenizer), how many prompt tokens
-    came from the prefix cache, its timings (seconds from the start of :meth:`Engine.generate`), and how
-    often a bounded pool preempted it."""
+    """One request's outcome: generated ``tokens`` (and ``text`` with a tokenizer), why it stopped
+    (``finish_reason``: ``"stop"`` at an end-of-sequence token, which is its last token, ``"length"`` after
+    ``max_new_tokens``), how many prompt tokens came from the prefix cache, its timings (seconds from the start
+    of :meth:`Engine.generate`), and how often a bounded pool preempted it."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -143,6 +160,7 @@ class Result:
     first_token_s: float = 0.0
     done_s: float = 0.0
     preemptions: int = 0  # times the engine gave its pages back for an older request's (then computed them again)
+    finish_reason: str = ""  # "stop" (an end-of-sequence token) or "length" (max_new_tokens); "" until it finishes
 
     @property
     def time_per_output_token(self) -> float:
@@ -298,6 +316,7 @@ class Engine:
         self.cache = PagedCache(config, store=self.store)  # its steps are the engine's packed plans
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
+        self._position_limit = _learned_position_limit(model, config)
         self.latent = is_mla_config(config)  # MLA latents, read by the absorbed kernel (hf_mla); not k_dim != v_dim:
         # a latent as wide as the rotary part is MLA too
         self._stats: dict = {}
@@ -392,6 +411,7 @@ class Engine:
                     req.pending = [token]
                     if len(res.tokens) >= max_new_tokens or token in stop:
                         res.done_s = now
+                        res.finish_reason = "stop" if token in stop else "length"
                         self._finish(req)
                         results[req.index] = res
                         if bar is not None:
@@ -492,7 +512,17 @@ class Engine:
 
     def _check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Refuses, before any work, a request that a bounded pool cannot hold even alone (prompt and every
-        token but the last generated one are written)."""
+        token but the last generated one are written), or that needs positions past a model's learned position
+        embeddings (GPT-2, OPT: it failed inside the embedding, mid-batch)."""
+        if self._position_limit is not None:
+            for i, prompt in enumerate(prompts):
+                last = len(prompt) + max_new_tokens - 2  # the position of the last token fed (the last is not)
+                if last >= self._position_limit:
+                    raise ValueError(
+                        f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens={max_new_tokens} feed positions up to "
+                        f"{last}, but {type(self.model).__name__} learns position embeddings for positions 0 to "
+                        f"{self._position_limit - 1} (config.max_position_embeddings={self._position_limit}); "
+                        f"nothing was run")
         if not self.store.fixed_size:
             return
         page, capacity = self.store.page_size, self.store.allocator.num_blocks
