@@ -642,6 +642,47 @@ def test_save_prefix_takes_the_rows_ids_from_a_batch_and_names_a_bad_row():
     assert cached(ids[0]) == 23
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_save_prefix_with_the_attention_mask_leaves_padding_out_or_refuses_pads_stored_as_tokens(impl):
+    """Under eager/sdpa the cache never sees the mask: a left-padded row's pages hold its pads as tokens, and
+    save_prefix filed the row under its ids with the pads in front. Given the attention_mask it refuses that row,
+    naming attention_mask; with the "kvcache" attention (which leaves pads out) the row is cached unpadded.
+    Trailing zeros (right padding) are left out, a hole between tokens and a mask of another shape refused."""
+    model = _model("llama")
+    ids, mask = _inputs(20)  # row 1: 5 left pads
+    cache = kvcache.PagedCache(config=model.config, prefix_cache=True, page_size=8)
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    tree = cache.store.prefix_cache
+
+    def cached(row_ids):  # (load_prefix leaves the last token to compute)
+        return kvcache.PagedCache(config=model.config, store=cache.store).load_prefix(row_ids)
+
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 19\); it must be shaped as input_ids"):
+        cache.save_prefix(ids, 1, attention_mask=mask[:, 1:])
+    holed = mask.clone()
+    holed[0, 4] = 0
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has zeros between its tokens"):
+        cache.save_prefix(ids, 0, attention_mask=holed)
+    if impl == "sdpa":
+        with pytest.raises(ValueError, match=r"attention_mask shows 5 left pads in row 1, but its pages hold them as "
+                                             r"tokens .*nothing was cached"):
+            cache.save_prefix(ids, 1, attention_mask=mask)
+        assert tree.stats()["device_tokens"] == 0
+    else:
+        other = mask.clone()
+        other[1, 4] = 1
+        with pytest.raises(ValueError, match=r"attention_mask shows 4 left pads in row 1, but this cache saw 5 pads"):
+            cache.save_prefix(ids, 1, attention_mask=other)
+        assert cache.save_prefix(ids, 1, attention_mask=mask) == 0
+        assert cached(ids[1, 5:]) == 14 and cached(ids[1]) == 0  # the unpadded ids, not the pads in front
+    right = mask.clone()
+    right[0, -3:] = 0  # row 0 as if its last 3 ids were right padding
+    assert cache.save_prefix(ids, 0, attention_mask=right) == 0
+    assert cached(ids[0, :17]) == 16 and cached(ids[0]) == 17      # the right pads were left out
+
+
 def test_prefix_cache_lets_a_new_cache_skip_the_shared_prompt():
     model = _model("llama")
     g = torch.Generator().manual_seed(5)

@@ -873,13 +873,19 @@ class PagedCache(Cache):
         self._version += 1
         return m.length
 
-    def save_prefix(self, input_ids: torch.Tensor, row: int = 0) -> int:
+    def save_prefix(self, input_ids: torch.Tensor, row: int = 0, *, attention_mask: torch.Tensor | None = None) -> int:
         """Caches row ``row``'s first ``len(input_ids)`` tokens in the prefix cache; returns how many were
         cached already. ``input_ids``: that row's ids (``[n]`` or ``[1, n]``) or the whole batch's
         (``[batch, n]``, left padding included, as the model was given them). Ids past what the row holds
         are left out (``generate``'s output: its last token has no K/V yet). The ids must be those the row's
         K/V were computed from: the cache sees K/V, not ids, so it cannot check them, and with other ids
-        every later prompt that starts with those would be served this row's K/V."""
+        every later prompt that starts with those would be served this row's K/V.
+
+        Left padding: with the ``"kvcache"`` attention the cache knows each row's pads and leaves them out. With
+        eager/sdpa it never sees the mask, so a padded row's pages hold its pads as tokens, and its ids would be
+        cached with the pads in front. Pass the ``attention_mask`` the model was given (shaped as ``input_ids``)
+        and such a row is refused (a ValueError naming ``attention_mask``) instead of cached so; with it, right
+        padding (trailing zeros) is left out too."""
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
         self._refuse_states("save_prefix")
@@ -895,12 +901,36 @@ class PagedCache(Cache):
             raise ValueError(f"input_ids has shape {tuple(tokens.shape)}: give row {row}'s ids ([n] or [1, n]) or "
                              f"the whole batch's ([{batch}, n])")
         tokens = tokens.cpu()
-        if self.pads[row]:
+        if attention_mask is not None:
+            tokens = self._unpadded_by_mask(tokens, attention_mask, row, batch)
+        elif self.pads[row]:
             tokens = tokens[self.pads[row]:]
         seq = self.rows[row]
         n = min(len(tokens), seq.num_tokens, self.get_seq_length() - self.pads[row])
         return self.store.prefix_cache.insert(tokens[:n], seq.blocks[: -(-n // self.store.page_size)],
                                               self._namespace()).prefix_length
+
+    def _unpadded_by_mask(self, tokens: torch.Tensor, attention_mask, row: int, batch: int) -> torch.Tensor:
+        """Row ``row``'s ids without the padding ``attention_mask`` shows, refusing pads the pages hold as tokens."""
+        mask = torch.as_tensor(attention_mask)
+        if mask.dim() == 2 and mask.shape[0] in (1, batch):
+            mask = mask[0 if mask.shape[0] == 1 else row]
+        if mask.dim() != 1 or mask.shape[0] != tokens.shape[0]:
+            raise ValueError(f"attention_mask has shape {tuple(torch.as_tensor(attention_mask).shape)}; it must be "
+                             f"shaped as input_ids (row {row}: {tokens.shape[0]} ids)")
+        keep = (mask.cpu() != 0).to(torch.int64)
+        lead = int((keep.cumsum(0) == 0).sum())  # leading zeros: left padding
+        real = int(keep.sum())
+        if real and int(keep[lead:lead + real].sum()) != real:
+            raise ValueError(f"attention_mask row {row} has zeros between its tokens ({keep.tolist()}): only left "
+                             f"and right padding can be saved")
+        if lead != self.pads[row]:
+            known = (f"this cache saw {self.pads[row]} pads in row {row}" if self.pads[row] else
+                     f"its pages hold them as tokens (with eager/sdpa attention the cache never sees the mask; "
+                     f"model.set_attn_implementation(\"kvcache\") lets it leave pads out), so its K/V are not those "
+                     f"of the unpadded prompt")
+            raise ValueError(f"attention_mask shows {lead} left pads in row {row}, but {known}; nothing was cached")
+        return tokens[lead:lead + real]
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict:
