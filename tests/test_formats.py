@@ -40,6 +40,11 @@ def test_cache_format_text():
     assert str(both) == "k=int4(group=64),v=int8"
     assert CacheFormat.parse(str(both)) == both
     assert CacheFormat.parse(torch.bfloat16) == CacheFormat(KVFormat("bf16"), KVFormat("bf16"))
+    # torch's dtype names are the formats of those dtypes ("bfloat16" was refused as an unknown format)
+    for alias, kind in (("bfloat16", "bf16"), ("float16", "fp16"), ("half", "fp16"), ("float32", "fp32"),
+                        ("float", "fp32"), ("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2(scale=0.5)", "fp8_e5m2")):
+        assert CacheFormat.parse(alias).k.kind == kind, alias
+    assert str(CacheFormat.parse("k=bfloat16,v=float16")) == "k=bf16,v=fp16"
     assert hash(CacheFormat.parse("k=int8,v=int8")) == hash(CacheFormat.parse("int8"))  # same identity
     rot = CacheFormat.parse("k=int8(hadamard),v=int4")
     assert rot.k == KVFormat("int8", hadamard=True) and str(rot) == "k=int8(hadamard),v=int4"

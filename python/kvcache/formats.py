@@ -39,6 +39,10 @@ _KINDS = {
     "int4": 4, "kivi4": 4, "kivi2": 2,
 }  # fmt: skip
 _TORCH_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# torch's names of the float dtypes, as a user writes them after torch_dtype="bfloat16" (and "float8_e4m3fn"):
+# the same formats as their torch dtypes
+_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+            "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 _FULL_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
 # Storage kinds as the kernels number them (csrc/core/kv_format.h: KVKind); + ROTATED for ``hadamard``.
 _KERNEL_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "kivi4": 5, "kivi2": 6}
@@ -213,7 +217,7 @@ class KVFormat:
                 kwargs["scale"] = float(value)
             else:
                 raise ValueError(f"unknown option {key!r} in KV format {text!r} (options: group, scale, hadamard)")
-        return cls(m.group(1), **kwargs)
+        return cls(_ALIASES.get(m.group(1), m.group(1)), **kwargs)
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,8 @@ class PagedCache(Cache):
             pages are quantized once they are older (:mod:`kvcache.residual`). Default: 128 (HF's default,
             KIVI's window), the accurate configuration; ``0`` quantizes every token as it is written (KIVI
             formats, and any format with ``residual_sink_tokens``, still keep the page being written in full
-            precision until it is complete).
+            precision until it is complete). In full precision (``kv_format=None`` or a float dtype) both
+            are accepted and change nothing: every token is kept in the model's dtype already.
         residual_sink_tokens: the first tokens of every row (in whole pages) are never quantized.
         store: share the pages (and allocator, prefix cache) of another cache or an Engine.
         prefix_cache: keep a :class:`kvcache.PrefixCache` over the pages (``True``), or use the given one
