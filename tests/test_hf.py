@@ -1021,3 +1021,59 @@ def test_a_cache_made_for_kvcache_attention_refuses_a_model_attending_otherwise(
                 model(ids[:, 8:9], past_key_values=ref_cache).logits]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_a_forward_stopped_part_way_is_rolled_back_at_the_next_use(impl):
+    """A forward that raises in layer 1 (an exception or Ctrl-C in a hook, a later layer's error) leaves layer 0
+    holding its token and layer 1 not: the next forward wrote after that token in layer 0 and before it in layer 1
+    (other tokens from then on), crop refused ("layers hold different lengths"), and save_prefix cached the token
+    layer 1 never stored. Now get_seq_length says what every layer holds, and the next forward, crop or save_prefix
+    rolls the stopped forward back: the retried step is bit for bit the run that never stopped."""
+    model = _model("llama")
+    model.set_attn_implementation(impl)
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(8))
+
+    class Stop(Exception):
+        pass
+
+    def stop(module, args, kwargs):
+        raise Stop
+
+    def decode(cache, steps, stop_at=None):
+        logits = [model(prompt, past_key_values=cache).logits[0, -1]]
+        while len(logits) <= steps:
+            hook = model.model.layers[1].register_forward_pre_hook(stop, with_kwargs=True) \
+                if len(logits) == stop_at else None
+            try:
+                logits.append(model(logits[-1].argmax().view(1, 1), past_key_values=cache).logits[0, -1])
+            except Stop:
+                assert [layer.length for layer in cache.paged_layers] == [19 + stop_at + 1, 19 + stop_at]
+                assert cache.get_seq_length() == 19 + stop_at and cache.stats()["seq_length"] == 19 + stop_at
+                stop_at = None
+            finally:
+                if hook is not None:
+                    hook.remove()
+        return torch.stack(logits)
+
+    with torch.no_grad():
+        want = decode(kvcache.PagedCache(config=model.config), 5)
+        assert torch.equal(decode(kvcache.PagedCache(config=model.config), 5, stop_at=2), want)
+        # crop and save_prefix after a stopped forward: from what every layer holds
+        cache = kvcache.PagedCache(config=model.config, prefix_cache=True, page_size=8)
+        first = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        hook = model.model.layers[1].register_forward_pre_hook(stop, with_kwargs=True)
+        with pytest.raises(Stop):
+            model(first, past_key_values=cache)
+        hook.remove()
+        assert cache.save_prefix(torch.cat([prompt, first], 1)) == 0
+        assert kvcache.PagedCache(config=model.config, store=cache.store).load_prefix(
+            torch.cat([prompt, first, first], 1)) == 20  # the prompt's 20, not the stopped forward's token
+        with pytest.raises(Stop):
+            hook = model.model.layers[1].register_forward_pre_hook(stop, with_kwargs=True)
+            try:
+                model(first, past_key_values=cache)
+            finally:
+                hook.remove()
+        cache.crop(-1)
+        assert [layer.length for layer in cache.paged_layers] == [19, 19]

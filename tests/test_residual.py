@@ -315,3 +315,62 @@ def test_every_quantized_format_defaults_to_the_128_token_window(fmt):
     assert "residual=128" in engine.namespace.kv_format
     for full in (None, "bf16", torch.float32):  # full precision has no window
         assert kvcache.PagedCache(kv_format=full, num_layers=1).store.residual is None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_layer(model, layer: int, at_call: int):
+    """A pre-hook that raises in decoder layer ``layer`` at its ``at_call``-th forward (an exception or Ctrl-C
+    part-way through a forward: the layers before it have written their K/V, the later ones have not)."""
+    calls = {"n": 0}
+
+    def hook(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise _Stop
+
+    return model.model.layers[layer].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+@pytest.mark.parametrize("fmt", ["int8", "kivi2"])
+def test_a_forward_stopped_part_way_seals_every_layer_and_is_rolled_back(fmt, impl):
+    """A forward that stops inside a layer, at a step that seals aged pages: the pages' bookkeeping changed for every
+    layer when the step was planned, but the layers after the stop never quantized them (their sealed pages read as
+    zeros from then on: 0 vs 0.7 max |k|, other tokens, served to the prefix cache and the tiers). Now every layer
+    seals at the step's first write, and the next forward rolls back the stopped one: the retried step and the rest
+    are bit for bit the run that never stopped, and a prefix saved before the stop loads the same K/V."""
+    model = _llama()
+    model.set_attn_implementation(impl)
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+
+    def run(stop: bool):
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt, page_size=4, residual_length=8,
+                                   prefix_cache=True)
+        logits = [model(prompt, past_key_values=cache).logits[0, -1]]
+        cache.save_prefix(prompt)
+        hook = _stop_layer(model, 1, 1) if stop else None  # the first decode step, which seals 3 pages
+        try:
+            while len(logits) < 6:
+                token = logits[-1].argmax().view(1, 1)
+                try:
+                    logits.append(model(token, past_key_values=cache).logits[0, -1])
+                except _Stop:
+                    assert [layer.length for layer in cache.paged_layers] == [21, 20]
+                    assert cache.get_seq_length() == 20  # what the retry continues from
+        finally:
+            if hook is not None:
+                hook.remove()
+        saved = kvcache.PagedCache(config=model.config, store=cache.store)
+        assert saved.load_prefix(prompt) == 19
+        prefix = [saved.layers[i].keys[0, :, :16].clone() for i in range(2)]
+        return torch.stack(logits), prefix
+
+    with torch.no_grad():
+        want, want_prefix = run(stop=False)
+        got, got_prefix = run(stop=True)
+    assert torch.equal(got, want)
+    for layer, (a, b) in enumerate(zip(got_prefix, want_prefix)):
+        assert b.abs().max() > 0.1 and torch.equal(a, b), layer

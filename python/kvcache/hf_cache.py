@@ -472,6 +472,8 @@ class PagedCache(Cache):
             except BaseException:
                 self._undo_failed_first_forward()
                 raise
+        if layer_idx == self._first_paged() and self.rows:
+            self._settle()
         if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
             plan = self._external_plan.on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
@@ -523,9 +525,13 @@ class PagedCache(Cache):
         pool = self.store.pool(layer_idx, key_states, value_states, plan.num_blocks)
         # the attention's query heads, so that append and attention share one kernel plan per step
         q_heads = getattr(self.config, "num_attention_heads", None) or pool.num_kv_heads
-        if plan.residual is not None:  # seal what aged, write the new tokens in full precision
+        if plan.residual is not None:  # seal what aged (every layer at once), write the new tokens in full precision
             residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
-            res.apply(plan.residual, pool, residual, key_states, value_states, q_heads)
+            self.store.move_residual_pages(plan.residual)
+            if layer_idx not in plan.residual._moved_layers:  # (its residual pool was made just now)
+                res.move_pages(plan.residual, pool, residual)
+                plan.residual._moved_layers.add(layer_idx)
+            res.write_tokens(plan.residual, pool, residual, key_states, value_states, q_heads)
             return
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model
             key_states, value_states = key_states.to(pool.k.dtype), value_states.to(pool.v.dtype)
@@ -596,10 +602,13 @@ class PagedCache(Cache):
         if layer_idx >= len(self.layers):
             return 0
         layer = self.layers[layer_idx]
+        first = self._first_paged()
+        if layer_idx == first or (layer_idx == 0 and not isinstance(layer, PagedLayer)):
+            # "how long" (a hybrid model: its first attention layer, as transformers does): what every paged layer
+            # holds; after a forward that stopped part-way, the tokens the next forward keeps (_settle)
+            return min((other.length for other in self.paged_layers), default=0)
         if isinstance(layer, PagedLayer):
             return layer.length
-        if layer_idx == 0:  # a hybrid model asking "how long": its first attention layer (as transformers does)
-            return self.layers[self._first_paged()].length
         raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
 
     def reset(self) -> None:
@@ -717,10 +726,9 @@ class PagedCache(Cache):
         if isinstance(tokens_to_remove, bool) or not hasattr(tokens_to_remove, "__index__"):
             raise TypeError(f"crop: tokens_to_remove must be an integer, got {tokens_to_remove!r}")
         n = operator.index(tokens_to_remove)
+        self._settle()  # (a forward that stopped part-way: back to the tokens every layer holds, then crop)
         length = self.get_seq_length()
         new_len = max(0, length + n) if n < 0 else (length if n == 0 else min(n, length))
-        if any(layer.length != length for layer in self.paged_layers):
-            raise RuntimeError("crop in the middle of a forward (layers hold different lengths)")
         for i, layer in enumerate(self.layers):  # first, so that a state layer's refusal leaves the pages as they were
             if (LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
                     and new_len != length and not layer.is_croppable):
@@ -732,6 +740,10 @@ class PagedCache(Cache):
                 layer.crop(new_len - length)
         if new_len == length:
             return
+        self._truncate(new_len)
+
+    def _truncate(self, new_len: int) -> None:
+        """Keeps the first ``new_len`` tokens of every row and paged layer (pages past them go back)."""
         self._drop_graph()
         alloc, page = self.store.allocator, self.store.page_size
         for b, seq in enumerate(self.rows):
@@ -746,6 +758,25 @@ class PagedCache(Cache):
             layer.length = new_len
             layer._crop_indexer(new_len)
         self._version += 1
+
+    def _settle(self) -> None:
+        """After a forward that stopped part-way (an exception or KeyboardInterrupt in a layer, an update refused),
+        the layers it reached hold its tokens and the others do not: the cache goes back to the tokens every paged
+        layer holds, as if that forward had never run (its residual pages were sealed in every layer at once:
+        the sealing a retry would do). Called where the next use begins: the next forward's first paged layer,
+        ``save_prefix``, ``crop``. A hybrid model's recurrent states cannot be rolled back: a RuntimeError there
+        (``reset()``)."""
+        if self._external_plan is not None or not self.rows:
+            return
+        lengths = [layer.length for layer in self.paged_layers]
+        if not lengths or min(lengths) == max(lengths):
+            return
+        if self.state_layers:
+            raise RuntimeError(f"kvcache.PagedCache: a forward stopped part-way (its paged layers hold {lengths} tokens) "
+                               f"and this hybrid model's recurrent states, updated by the layers it reached, cannot be "
+                               f"rolled back; cache.reset() empties the cache")
+        self._unattended = None
+        self._truncate(min(lengths))
 
     def activate_past_recording(self) -> None:
         """Nothing is ever evicted from the pages; a hybrid model's conv states start keeping their past."""
@@ -890,6 +921,7 @@ class PagedCache(Cache):
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
         self._refuse_states("save_prefix")
+        self._settle()  # (after a forward that stopped part-way: only what every layer holds is saved)
         batch = len(self.rows)
         if not batch:
             raise ValueError("save_prefix needs a cache that holds tokens (run the model with it first)")

@@ -55,6 +55,9 @@ class ResidualPlan:
     _kernel_plans: dict = field(default_factory=dict, repr=False)
     _host: "ResidualPlan | None" = field(default=None, repr=False)  # this plan with its tensors on the host
     _host_cu_q_lens: torch.Tensor | None = field(default=None, repr=False)  # the step's, on the host
+    # layers whose pages this plan sealed / reopened (shared by the plan's copies on other devices): see
+    # PagedStore.move_residual_pages
+    _moved_layers: set = field(default_factory=set, repr=False)
 
     def on(self, device: torch.device) -> "ResidualPlan":
         if self.slot_mapping.device == device:
@@ -63,6 +66,7 @@ class ResidualPlan:
             moved = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__
                      if name != "num_slots" and not name.startswith("_")}
             self._copies[device] = ResidualPlan(num_slots=self.num_slots, _kernel_plans=self._kernel_plans,
+                                                _moved_layers=self._moved_layers,
                                                 _host=self._host or self, _host_cu_q_lens=self._host_cu_q_lens,
                                                 **moved)
         return self._copies[device]
@@ -87,6 +91,11 @@ class ResidualPlan:
                 sealed_plan = sealed.plan(host.sealed_tables, host.sealed_lens, cu, q_heads=q_heads)
             plans = self._kernel_plans[key] = (open_plan, sealed_plan)
         return plans
+
+    @property
+    def moves_pages(self) -> bool:
+        """Whether the plan seals or reopens pages (work for every layer, not only the ones a forward reaches)."""
+        return bool(self.seal_slots.numel() or self.reopen_blocks.numel())
 
     def seal_plan(self, sealed: KVPool):
         """The kernels' plan of this step's sealing writes into ``sealed`` (one row per page to seal, its
@@ -297,17 +306,31 @@ def apply(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tenso
           q_heads: int | None = None) -> None:
     """Carries out ``plan`` on one layer: quantizes the pages to seal, reopens pages, writes the new K/V (through
     the step's kernel plan for ``q_heads`` query heads when the plan has one: no host reads)."""
+    move_pages(plan, sealed, residual)
+    write_tokens(plan, sealed, residual, key, value, q_heads)
+
+
+def move_pages(plan: ResidualPlan, sealed: KVPool, residual: KVPool) -> None:
+    """The plan's page moves on one layer: quantizes the pages to seal, then dequantizes the pages to reopen into
+    their slots (a slot freed by a seal may be reopened into: in that order). Once per layer and plan: not
+    idempotent, a second run would seal a reopened page."""
     if plan.seal_slots.numel():  # (sealing and reopening happen once per page, not per step)
         seal_plan = plan.seal_plan(sealed)
         sealed.append(residual.k[plan.seal_slots], residual.v[plan.seal_slots],
                       plan.seal_targets if seal_plan is None else seal_plan)
     if plan.reopen_blocks.numel():
         m, P = plan.reopen_blocks.shape[0], sealed.page_size
-        k, v = sealed.gather(plan.reopen_blocks, torch.full((m,), P, dtype=torch.int32, device=key.device),
+        k, v = sealed.gather(plan.reopen_blocks, torch.full((m,), P, dtype=torch.int32, device=residual.k.device),
                              max_len=P, dtype=residual.k.dtype)
         residual.append(k, v, plan.reopen_slots)
-    if key.dtype != residual.k.dtype:
-        key, value = key.to(residual.k.dtype), value.to(residual.v.dtype)
+
+
+def write_tokens(plan: ResidualPlan, sealed: KVPool, residual: KVPool, key: torch.Tensor, value: torch.Tensor,
+                 q_heads: int | None = None) -> None:
+    """The forward's new K/V of one layer into its open pages (after :func:`move_pages`)."""
+    # each cast on its own (no copy when it has the pool's dtype): a value of another dtype than its key was refused
+    # by the op after the pages had been sealed
+    key, value = key.to(residual.k.dtype), value.to(residual.v.dtype)
     open_plan, _ = plan.kernel_plans(sealed, residual, q_heads or residual.num_kv_heads)
     residual.append(key, value, plan.slot_mapping if open_plan is None else open_plan)
 

@@ -11,7 +11,7 @@ from ._args import integer_arg
 from .formats import CacheFormat
 from .pool import KVPool
 from .prefix import BlockAllocator, Namespace, PrefixCache
-from .residual import ResidualPages
+from .residual import ResidualPages, move_pages
 
 __all__ = ["PagedStore", "DEFAULT_RESIDUAL_LENGTH", "KIVI_RESIDUAL_LENGTH"]
 
@@ -181,6 +181,23 @@ class PagedStore:
         elif pool.num_blocks < min_blocks:
             pool = self.residual_pools[layer] = _grow_pool(pool, _grown(pool.num_blocks, min_blocks))
         return pool
+
+    def move_residual_pages(self, plan) -> None:
+        """Seals and reopens the pages of a forward's residual plan (:class:`kvcache.residual.ResidualPlan`) in
+        every layer's pools at once, at the first layer that writes, each layer once. The plan's bookkeeping
+        changed for all layers when it was made: done layer by layer, a forward stopped after layer i (an
+        exception, a KeyboardInterrupt, an update refused) left the later layers' aged pages unquantized, their
+        slots given away, and those pages read as zeros from then on, in this cache, the prefix cache and the
+        tiers."""
+        if not plan.moves_pages:
+            return
+        for layer, sealed in list(self.pools.items()):
+            residual = self.residual_pools.get(layer)
+            if residual is None or layer in plan._moved_layers:
+                continue  # (a layer without residual pages has nothing to seal: it never held a token)
+            residual = self.residual_pool(layer, residual.k, plan.num_slots)
+            move_pages(plan.on(residual.k.device), sealed, residual)
+            plan._moved_layers.add(layer)
 
     def ensure_blocks(self, min_blocks: int) -> None:
         """Grows every pool so that block ids below ``min_blocks`` are valid."""
