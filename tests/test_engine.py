@@ -686,3 +686,42 @@ def test_engine_does_not_limit_rotary_models_to_max_position_embeddings(model):
     out = kvcache.Engine(rotary, prefix_cache=False).generate([list(range(3, 23))], max_new_tokens=3, eos_token_id=[],
                                                                progress=False)
     assert len(out[0].tokens) == 3
+
+
+def test_engine_interrupted_anywhere_keeps_no_lock_page_or_mark(model, monkeypatch):
+    """Ctrl-C inside generate: between a request's admission (its prefix locked, pages taken) and its joining the
+    running batch, the lock and pages were never given back (a bounded pool shrank for good, clear() freed nothing);
+    inside a layer's "kvcache" attention, the layer's not-yet-attended mark stayed and the next call raised a false
+    "attended with another implementation". Now nothing outlives the interrupted call: the next one gives a fresh
+    engine's tokens and the pool is all free after clear()."""
+    prompts = _prompts()[:3]
+    want = [r.tokens for r in kvcache.Engine(model, page_size=8).generate(prompts, max_new_tokens=4, progress=False)]
+    engine = kvcache.Engine(model, page_size=8, max_tokens=8 * 40)
+    engine.generate(prompts[:1], max_new_tokens=2, progress=False)  # a cached prefix for the next admission to lock
+    tree, alloc = engine.store.prefix_cache, engine.store.allocator
+    take = kvcache.Engine._take_pages
+
+    def interrupted(self, req):
+        monkeypatch.setattr(kvcache.Engine, "_take_pages", take)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvcache.Engine, "_take_pages", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=4, progress=False)
+    assert tree.stats()["locked_nodes"] == 0
+    assert alloc.num_blocks - alloc.num_free == len(tree.block_references())
+    tree.check()
+
+    mapping = transformers.AttentionInterface._global_mapping  # where transformers finds the "kvcache" attention
+    attend = mapping["kvcache"]
+
+    def interrupted_attention(*args, **kwargs):
+        mapping["kvcache"] = attend
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(mapping, "kvcache", interrupted_attention)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=4, progress=False)
+    assert [r.tokens for r in engine.generate(prompts, max_new_tokens=4, progress=False)] == want
+    tree.clear()
+    assert alloc.num_free == alloc.num_blocks

@@ -317,6 +317,7 @@ class Engine:
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
         self._position_limit = _learned_position_limit(model, config)
+        self._admitted: list[_Running] = []
         self.latent = is_mla_config(config)  # MLA latents, read by the absorbed kernel (hf_mla); not k_dim != v_dim:
         # a latent as wide as the rotary part is MLA too
         self._stats: dict = {}
@@ -393,6 +394,7 @@ class Engine:
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(self._attention(previous_impl))
         start = time.perf_counter()
+        self._admitted = []  # every request admitted in this call (see _admit)
         try:
             while waiting or running:
                 if not self._make_room(running, waiting, stats):  # no new requests in a step that preempted
@@ -422,6 +424,10 @@ class Engine:
         finally:
             for req in running:
                 self._finish(req)
+            for req in self._admitted:  # (released already, but for requests an interrupt caught between their
+                self._release(req)      # admission and the running list: a release of a released one is a no-op)
+            self._admitted = []
+            self.cache._unattended = None  # (a step stopped inside a layer leaves its mark: not the next call's)
             self.model.set_attn_implementation(previous_impl)
             if bar is not None:
                 bar.close()
@@ -665,14 +671,30 @@ class Engine:
             finally:
                 for node in held:
                     tree.unlock(node)
-            matches = [(n, table[i, :-(-n // page)], node) for i, (n, node) in enumerate(zip(lengths.tolist(),
-                                                                                          nodes.tolist()))]
+            try:
+                matches = [(n, table[i, :-(-n // page)], node) for i, (n, node) in enumerate(zip(lengths.tolist(),
+                                                                                              nodes.tolist()))]
+            except BaseException:  # (a KeyboardInterrupt here: the locks just taken go back)
+                for node in nodes.tolist():
+                    tree.unlock(node)
+                raise
         running = []
-        for (index, result), (length, blocks, node) in zip(batch, matches):
-            seq = alloc.sequence(Match(length, blocks, node)) if length else alloc.sequence()
-            if not result.tokens:  # counted at its first forward (a resumed request's hits are recomputation saved)
-                result.cached_tokens = seq.num_tokens
-            running.append(_Running(index, result, seq, node))
+        try:
+            for (index, result), (length, blocks, node) in zip(batch, matches):
+                running.append(_Running(index, result, alloc.sequence(Match(length, blocks, node)) if length
+                                        else alloc.sequence(), node))
+                if not result.tokens:  # counted at its first forward (a resumed request's hits: recomputation saved)
+                    result.cached_tokens = running[-1].seq.num_tokens
+        except BaseException:  # an interrupt part-way: the locks and pages taken so far go back
+            for req in running:
+                self._release(req)
+            for _, _, node in matches[len(running):]:
+                if node is not None:
+                    tree.unlock(node)
+            raise
+        # until generate() adds them to its running requests (or a KeyboardInterrupt stops it before that), only
+        # this list holds their locks and pages: generate's cleanup releases them from here
+        self._admitted.extend(running)
         return running
 
     def _release(self, req: _Running) -> None:
