@@ -51,7 +51,7 @@ class KIVIPool:
       caller's block ids), ``residual_blocks`` full-precision blocks shared by all sequences' unsealed
       pages (each sequence needs ``sink_pages + ceil((window + its largest append) / page_size) + 1``).
     - ``append(key, value, block_tables, seq_lens)``: key/value ``[batch, kv_heads, q_len, head_dim]`` are
-      the last ``q_len`` tokens of every sequence; ``seq_lens`` ``[batch]`` int32 are the lengths *after*
+      the last ``q_len`` tokens of every sequence (any float dtypes, each stored in the pool's ``dtype``); ``seq_lens`` ``[batch]`` int32 are the lengths *after*
       the append; ``block_tables`` ``[batch, max_blocks]`` int32 must hold a block for every page.
     - ``attention(query, block_tables, seq_lens, cu_q_lens, scale=None, softcap=0.0, return_lse=False)``:
       as :func:`kvcache.paged_attention` (no sliding window or attention-sink masking).
@@ -180,6 +180,7 @@ class KIVIPool:
             raise ValueError(f"key and value are on {key.device} and {value.device}, the pool on {device}")
         # (every check before the residual bookkeeping moves: a refused call seals nothing)
         tables, lens = self._check_tables(block_tables, seq_lens, min_len=q_len)
+        key, value = key.to(self.residual.k.dtype), value.to(self.residual.v.dtype)  # (any float dtype, each)
         if len(lens) != batch:
             raise ValueError(f"block_tables has {len(tables)} rows and seq_lens {len(lens)} entries, but key has "
                              f"batch {batch}")
