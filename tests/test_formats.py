@@ -44,7 +44,7 @@ def test_cache_format_text():
     for alias, kind in (("bfloat16", "bf16"), ("float16", "fp16"), ("half", "fp16"), ("float32", "fp32"),
                         ("float", "fp32"), ("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2(scale=0.5)", "fp8_e5m2")):
         assert CacheFormat.parse(alias).k.kind == kind, alias
-    assert str(CacheFormat.parse("k=bfloat16,v=float16")) == "k=bf16,v=fp16"
+    assert str(CacheFormat.parse("k=int8,v=bfloat16")) == "k=int8,v=bf16"
     assert hash(CacheFormat.parse("k=int8,v=int8")) == hash(CacheFormat.parse("int8"))  # same identity
     rot = CacheFormat.parse("k=int8(hadamard),v=int4")
     assert rot.k == KVFormat("int8", hadamard=True) and str(rot) == "k=int8(hadamard),v=int4"
@@ -56,7 +56,13 @@ def test_cache_format_text():
     ("int4(group=48)", r"group=48 must be 16, 32, 64 or 128"),
     ("int8(scale=0.1)", r"scale=0.1 is only for fp8 formats"),
     ("int4(bits=3)", r"unknown option 'bits'"),
-    ("bf16(hadamard)", r"hadamard is only for int8, fp8 and int4 formats, not bf16"),
+    ("bf16(hadamard)", r"hadamard is only for int8, fp8 and int4 formats, not bf16 \(it spreads outliers"),
+    # the storage ops take K and V pages of one dtype: such a pool was made, and its first append failed
+    ("k=fp16,v=bf16", r"k=fp16,v=bf16: K and V in full precision must share one dtype"),
+    ("k=bfloat16,v=float32", r"k=bf16,v=fp32: K and V in full precision must share one dtype"),
+    # int8 and fp8 have no groups: the group was dropped from the text, which then parsed to another format
+    ("int8(group=64)", r"group=64 is only for int4 and KIVI formats, not int8"),
+    ("fp8_e4m3(group=16)", r"group=16 is only for int4 and KIVI formats, not fp8_e4m3"),
     ("kivi2(hadamard)", r"hadamard is only for .* not kivi2"),
     ("int8(hadamard=1)", r"unknown option 'hadamard'"),
     ("k=int8,x=int4", r"expected 'k=<format>,v=<format>'"),
@@ -85,6 +91,14 @@ def test_fp8_scale_must_be_a_positive_float32_normal(scale):
         pool.append(x, x, torch.tensor([[0]]))
         k, v = pool.gather(torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
         assert torch.isfinite(k).all() and torch.isfinite(v).all()
+
+
+def test_scale_shape_counts_the_formats_groups():
+    # (it assumed groups of 32 where bytes_per_token_head counted the format's own: 4 groups against 8 at 128 dims)
+    fmt = KVFormat("int4", group=16)
+    assert fmt.scale_shape(2, 4, 16, 128, "k") == (2, 4, 16, 8, 2)
+    assert fmt.metadata_bytes_per_token_head(128, 16, "k") == 8 * 4.0
+    assert KVFormat("int4").scale_shape(2, 4, 16, 128, "k") == (2, 4, 16, 4, 2)
 
 
 def test_bytes_per_token_head_by_hand():

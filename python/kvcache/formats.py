@@ -93,9 +93,13 @@ class KVFormat:
             if not f32.tiny <= s <= f32.max:
                 raise ValueError(f"scale={self.scale!r} must be a positive float32 normal number "
                                  f"({f32.tiny:.3g} to {f32.max:.3g}), which the pools and kernels store it as")
+        if self.group != 32 and not self.grouped:  # (int8 and fp8 scale whole rows / heads: a group was dropped
+            # from the text, and the format then compared unequal to the one its text parses to)
+            raise ValueError(f"group={self.group} is only for int4 and KIVI formats, not {self.kind}")
         if self.hadamard and self.kind not in ("int8", "fp8_e4m3", "fp8_e5m2", "int4"):
-            raise ValueError(f"hadamard is only for int8, fp8 and int4 formats, not {self.kind} "
-                             "(KIVI keys are quantized per channel, which a rotation would mix)")
+            why = ("KIVI keys are quantized per channel, which a rotation would mix" if self.kind.startswith("kivi")
+                   else "it spreads outliers before quantization; full precision has none to spread")
+            raise ValueError(f"hadamard is only for int8, fp8 and int4 formats, not {self.kind} ({why})")
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -179,7 +183,7 @@ class KVFormat:
             return (num_kv_heads,)
         if self.kind.startswith("kivi") and role == "k":  # per channel over a page: 32 scales, 32 zeros per chunk
             return (num_blocks, num_kv_heads, head_dim // 32, 2, 32)
-        return (num_blocks, num_kv_heads, page_size, head_dim // 32, 2)  # (scale, zero) per group of 32
+        return (num_blocks, num_kv_heads, page_size, head_dim // self.group, 2)  # (scale, zero) per group
 
     def __str__(self) -> str:
         args = []
@@ -204,7 +208,8 @@ class KVFormat:
                             f"{text!r} ({type(text).__name__})")
         m = re.fullmatch(r"\s*([a-z0-9_]+)\s*(?:\((.*)\))?\s*", text)
         if not m:
-            raise ValueError(f"cannot parse KV format {text!r}; e.g. 'int8', 'int4(group=64)', 'fp8_e4m3(scale=0.1)'")
+            raise ValueError(f"cannot parse KV format {text!r}; e.g. 'int8', 'int4', 'int8(hadamard)', "
+                             f"'fp8_e4m3(scale=0.1)'")
         kwargs: dict = {}
         for item in filter(None, (m.group(2) or "").split(",")):
             key, eq, value = item.partition("=")
@@ -226,6 +231,12 @@ class CacheFormat:
 
     k: KVFormat
     v: KVFormat
+
+    def __post_init__(self) -> None:
+        if not self.k.quantized and not self.v.quantized and self.k.kind != self.v.kind:
+            # (the storage ops take K and V pages of one dtype: KVPool made the pools, and the first append failed)
+            raise ValueError(f"k={self.k},v={self.v}: K and V in full precision must share one dtype (a quantized "
+                             f"side may be paired with any)")
 
     def __str__(self) -> str:
         return str(self.k) if self.k == self.v else f"k={self.k},v={self.v}"
