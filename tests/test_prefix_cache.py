@@ -746,6 +746,10 @@ def test_result_tensors_are_the_callers_own():
     ("freed_block_late", ValueError, r"blocks\[2\] = block \d+ is free"),
     ("unknown_core", ValueError, r"core_id = -5 names no live torch.classes.kvcache.PrefixCache"),
     ("result_type", TypeError, r"match_type must be a NamedTuple class with 3 fields, or None"),
+    # one block for two pages of a sequence: a later match would read page 0's K/V as page 1's
+    ("dup_blocks", ValueError, r"blocks\[1\] = block \d+ is blocks\[0\] too: a sequence's pages are distinct"),
+    ("dup_blocks_ragged", ValueError, r"blocks\[2\] = block \d+ is blocks\[1\] too: a sequence's pages are distinct"),
+    ("dup_match_blocks", ValueError, r"prefix: a Match's blocks are a sequence's pages, distinct blocks"),
 ])
 def test_fast_path_rejects_bad_input_with_state_unchanged(case, exc, match):
     alloc, cache = cached(num_blocks=16)
@@ -772,6 +776,10 @@ def test_fast_path_rejects_bad_input_with_state_unchanged(case, exc, match):
         "freed_block_late": lambda: cache.insert_ragged([20, 21, 22, 23, 24, 30], [0, 5, 6], late, [0, 2, 3], "a"),
         "unknown_core": lambda: kvcache._C._PrefixTree(-5),
         "result_type": lambda: kvcache._C._PrefixTree(cache.native.core_id(), dict),
+        "dup_blocks": lambda: cache.insert(list(range(40, 48)), late[[0, 0]], "a"),
+        "dup_blocks_ragged": lambda: cache.insert_ragged(list(range(40, 52)), [0, 4, 12], late[[0, 1, 1]],
+                                                         [0, 1, 3], "a"),
+        "dup_match_blocks": lambda: alloc.sequence(kvcache.Match(8, late[[1, 1]], -1)),
     }
     before = (cache.stats(), sorted(cache.block_references()), [alloc.refcount(b) for b in range(16)])
     with pytest.raises(exc, match=match):
@@ -1431,3 +1439,15 @@ def test_docstring_examples():
     import kvcache.prefix
     result = doctest.testmod(kvcache.prefix, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_ragged_insert_lets_rows_share_blocks_but_not_repeat_their_own():
+    """Distinct blocks per sequence (a repeat in one row is refused: see the bad-input cases), while rows of one batch
+    may share a page, as forks and prefix hits do."""
+    alloc, cache = cached(num_blocks=16)
+    shared, own = alloc.allocate(2)
+    lengths = cache.insert_ragged(list(range(40, 44)) + list(range(40, 48)), [0, 4, 12],
+                                  torch.tensor([shared, shared, own], dtype=torch.int32), [0, 1, 3], "a")
+    assert lengths[0].tolist() == [0, 4]  # the second row found the first's page (it was inserted just before)
+    assert cache.match(list(range(40, 48)), "a").blocks.tolist() == [shared, own]
+    cache.check()

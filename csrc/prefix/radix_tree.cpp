@@ -12,6 +12,20 @@ uint64_t edge_key(int32_t parent, int32_t token) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
 }
 
+// A sequence's pages are distinct blocks: one id given twice would serve one page's K/V as another's to every
+// later match. `offset`: where these entries start in the caller's argument (for the message).
+void check_distinct(const char* what, const int32_t* blocks, int64_t n, int64_t offset) {
+  if (n < 2) return;
+  std::vector<int32_t> sorted(blocks, blocks + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup == sorted.end()) return;
+  const int64_t first = std::find(blocks, blocks + n, *dup) - blocks;
+  const int64_t second = std::find(blocks + first + 1, blocks + n, *dup) - blocks;
+  throw std::invalid_argument(cat(what, "[", offset + second, "] = block ", *dup, " is ", what, "[", offset + first,
+                                  "] too: a sequence's pages are distinct blocks"));
+}
+
 }  // namespace
 
 void check_ragged(const Ragged& r, const char* what, const char* size_name) {
@@ -519,6 +533,7 @@ InsertResult RadixTree::insert(std::string_view ns, const int32_t* tokens, int64
     throw std::invalid_argument(cat("blocks has ", num_blocks, " entries but ", n, " tokens occupy ceil(", n, " / ",
                                     page_, ") = ", pages_for(n), " pages"));
   }
+  check_distinct("blocks", blocks, num_blocks, 0);
   std::lock_guard<std::mutex> g(mu_);
   device_->check_held("blocks", blocks, num_blocks);
   const int32_t root = n > 0 ? make_root(ns) : find_root(ns);  // an empty insert is a lookup
@@ -544,6 +559,7 @@ void RadixTree::insert_ragged(std::string_view ns, const Ragged& tokens, const R
       throw std::invalid_argument(cat("sequence ", i, " has ", n, " tokens = ", pages, " pages but ", blocks.length(i),
                                       " blocks"));
     }
+    check_distinct("blocks", blocks.at(i), pages, blocks.at(i) - blocks.values);  // (rows may share blocks)
   }
   std::lock_guard<std::mutex> g(mu_);
   device_->check_held("blocks", blocks.values, blocks.size);

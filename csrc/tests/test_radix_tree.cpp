@@ -423,6 +423,10 @@ TEST(RadixTree, BadInsertChangesNothing) {
             std::string::npos);
   std::vector<int32_t> unknown{table[0], table[1], 77};
   EXPECT_THROW(f.tree->insert("m", tokens.data(), 12, unknown.data(), 3), std::out_of_range);
+  // one block for two pages: a later match would read page 0's K/V as page 2's
+  std::vector<int32_t> repeated{table[0], table[1], table[0]};
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { f.tree->insert("m", tokens.data(), 12, repeated.data(), 3); }),
+            "blocks[2] = block " + std::to_string(table[0]) + " is blocks[0] too: a sequence's pages are distinct blocks");
   const auto after = f.tree->stats();
   EXPECT_EQ(after.nodes, before.nodes);
   EXPECT_EQ(after.device_blocks, before.device_blocks);

@@ -303,6 +303,8 @@ class BlockAllocator:
                              f"{-(-length // self.page_size)} block ids in a 1-D tensor, got shape "
                              f"{tuple(prefix.blocks.shape)}")
         blocks = prefix.blocks.to(torch.int32, copy=True)  # the sequence's own table, whatever the caller does with m
+        if count > 1 and torch.unique(blocks).numel() != count:  # (one page's K/V would be read as another's)
+            raise ValueError(f"prefix: a Match's blocks are a sequence's pages, distinct blocks; got {blocks.tolist()}")
         self.native.share(blocks)
         return Sequence(blocks, int(prefix.length), self.page_size)
 
