@@ -326,6 +326,21 @@ def test_refused_kivi_append_seals_nothing(bad):
     assert pool.sealed_pages(table, torch.tensor([12], dtype=torch.int32)) == [0]
 
 
+def test_kivi_append_takes_key_and_value_of_any_float_dtypes():
+    """A value of another dtype than its key (the pool's float32 here, a bfloat16 value) was refused by the op after
+    the call had sealed page 0 and moved the bookkeeping (the pool's first 8 tokens then read 0.59 off). Each is now
+    stored in the pool's dtype, as the key already was: the same pool as with both cast by the caller."""
+    got, table = _kivi_pool_with_a_sealed_page()
+    want, _ = _kivi_pool_with_a_sealed_page()
+    x = torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor([13], dtype=torch.int32)
+    got.append(x, x.to(torch.bfloat16), table, lens)
+    want.append(x, x.to(torch.bfloat16).float(), table, lens)
+    assert got.pages.slot_of == want.pages.slot_of
+    for a, b in zip(got.gather(table, lens), want.gather(table, lens)):
+        assert torch.equal(a, b)
+
+
 def test_kivi_attention_and_gather_name_the_bad_argument():
     pool, table = _kivi_pool_with_a_sealed_page()
     q, cu = torch.randn(1, 4, 64), torch.tensor([0, 1], dtype=torch.int32)
