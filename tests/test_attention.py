@@ -234,6 +234,27 @@ def test_merge_states_matches_reference(dtype):
     assert v[1, 1].eq(0).all() and lse[1, 1] == float("-inf")
 
 
+def test_reference_holds_where_the_log_sum_exp_is_large():
+    """The reference is the spec (and the "PyTorch error" of the tests' rule): where the lse is large it normalized
+    by exp(lse_x - lse) in float32, whose weights stopped summing to 1. Two equal states at lse 1e8 merged to v_a + v_b
+    (twice the truth), and attention with scores ~1e8 over 4 equal keys gave 4x the mean of v (the log 4 rounded
+    away). Checked against the closed forms, and the kernels against the same."""
+    v_a, v_b = torch.tensor([[[1.0, 2.0]]]), torch.tensor([[[3.0, -2.0]]])
+    for value in (-1e30, 1e8, 3e7):
+        lse = torch.full((1, 1), value)
+        v_ref, lse_ref = torch.empty_like(v_a), torch.empty_like(lse)
+        ref.merge_states(v_a, lse, v_b, lse, v_ref, lse_ref)
+        v, _ = kvcache.merge_states(v_a, lse, v_b, lse)
+        want = (v_a + v_b) / 2
+        assert torch.equal(v_ref, want) and torch.equal(v, want), value
+    q = torch.full((1, 1, 4), 100.0)
+    k = torch.full((4, 1, 4), 100.0)
+    v = torch.arange(16.0).view(4, 1, 4)
+    out, lse = ref.attention(q, k, v, scale=2500.0)  # scores 1e8, all equal
+    torch.testing.assert_close(out[0, 0], v[:, 0].mean(0))
+    assert lse[0, 0] == torch.tensor(1e8)  # (1e8 + log 4 rounds to 1e8 in float32)
+
+
 def test_merge_states_keeps_a_nan_state_nan():
     # A NaN lse (a state computed from NaN scores) makes its merged row NaN, in the kernel and the reference
     # alike: the reference's nan_to_num, meant for two empty sets, turned it into zeros (an outside-in probe).

@@ -725,3 +725,30 @@ def test_engine_interrupted_anywhere_keeps_no_lock_page_or_mark(model, monkeypat
     assert [r.tokens for r in engine.generate(prompts, max_new_tokens=4, progress=False)] == want
     tree.clear()
     assert alloc.num_free == alloc.num_blocks
+
+
+def test_engine_short_of_a_pool_held_elsewhere_names_the_request():
+    """A shared PrefixCache whose pages another cache holds: a running request that cannot take its next page even
+    alone was refused with the allocator's own message (no request, no hint); it now names the request and the
+    likely cause, as admission's refusal does, and the engine works once the other cache lets go."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = transformers.LlamaForCausalLM(config).eval()
+    alloc = kvcache.BlockAllocator(12, 4)
+    tree = kvcache.PrefixCache(alloc)
+    engine = kvcache.Engine(model, prefix_cache=tree, page_size=4)
+    prompts = [torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    hog = kvcache.PagedCache(config=model.config, store=tree.store)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 30)), past_key_values=hog)
+    with pytest.raises(kvcache.OutOfBlocksError, match=r"prompts\[\d\]: its next 1 token\(s\) do not fit the pool even "
+                                                        r"alone: 0 of its 12 pages are free .*in use elsewhere"):
+        engine.generate(prompts, max_new_tokens=12, progress=False)
+    assert tree.stats()["locked_nodes"] == 0
+    hog.free()
+    tree.clear()
+    assert alloc.num_free == alloc.num_blocks
+    want = [r.tokens for r in kvcache.Engine(model, page_size=4, max_tokens=48).generate(prompts, max_new_tokens=12,
+                                                                                          progress=False)]
+    assert [r.tokens for r in engine.generate(prompts, max_new_tokens=12, progress=False)] == want

@@ -555,8 +555,13 @@ class Engine:
                 self._take_pages(req)
             except OutOfBlocksError:
                 if len(running) == 1:  # alone and still short
-                    if not self._unlock_own_prefix(req):
-                        raise  # the pool is held elsewhere (the allocator of a shared PrefixCache)
+                    if not self._unlock_own_prefix(req):  # the pool is held elsewhere (a shared PrefixCache's)
+                        alloc = self.store.allocator
+                        raise OutOfBlocksError(
+                            f"prompts[{req.index}]: its next {len(req.pending)} token(s) do not fit the pool even "
+                            f"alone: {alloc.num_free} of its {alloc.num_blocks} pages are free after evicting every "
+                            f"unlocked cached prefix (is the allocator of a shared PrefixCache in use "
+                            f"elsewhere?)") from None
                     continue
                 victim = running.pop()
                 self._preempt(victim, waiting, stats)

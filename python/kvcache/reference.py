@@ -106,8 +106,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, w
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~attention_mask(q_len, kv_len, window_left, sink_tokens, q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                      # [q_heads, q_len]
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)              # rows with no key: 0
+    # weights relative to the row's max, normalized by their sum: exp(score - lse) lost the log of the key count
+    # where lse is large (scores ~1e8 over 4 equal keys: lse rounds to the max, and the output was 4x the mean)
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak).nan_to_num(0.0)                         # rows with no key: 0
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = (peak + torch.log(total)).squeeze(-1)                                # [q_heads, q_len]
+    probs = (weights / total).nan_to_num(0.0)
     out = (probs.to(compute_dtype) @ vh).to(acc)
     return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).float()
 
@@ -174,11 +179,15 @@ def append_planned(plan: dict, key: torch.Tensor, value: torch.Tensor, k_cache: 
 
 def merge_states(v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor,
                  v_out: torch.Tensor, lse_out: torch.Tensor) -> None:
-    """The state over the union of two disjoint key sets: weights exp(lse_x - lse), lse = logaddexp."""
+    """The state over the union of two disjoint key sets: weights exp(lse_x - lse), lse = logaddexp. The weights
+    are taken from the difference of the two lse (exp(lse_x - lse) in float32 stopped summing to 1 where the lse are
+    large: equal ones of 1e8 gave v_a + v_b)."""
     lse = torch.logaddexp(lse_a, lse_b)
     empty = lse == -torch.inf  # both sets empty: weights 0 (not -inf - -inf = NaN); a NaN or +inf lse stays NaN
-    w_a = torch.where(empty, 0.0, torch.exp(lse_a - lse)).unsqueeze(-1)
-    w_b = torch.where(empty, 0.0, torch.exp(lse_b - lse)).unsqueeze(-1)
+    peak = torch.maximum(lse_a, lse_b)
+    e_a, e_b = torch.exp(lse_a - peak), torch.exp(lse_b - peak)
+    w_a = torch.where(empty, 0.0, e_a / (e_a + e_b)).unsqueeze(-1)
+    w_b = torch.where(empty, 0.0, e_b / (e_a + e_b)).unsqueeze(-1)
     v_out.copy_(w_a * v_a.float() + w_b * v_b.float())
     lse_out.copy_(lse)
 
