@@ -1077,3 +1077,20 @@ def test_a_forward_stopped_part_way_is_rolled_back_at_the_next_use(impl):
                 hook.remove()
         cache.crop(-1)
         assert [layer.length for layer in cache.paged_layers] == [19, 19]
+
+
+def test_meta_key_states_are_refused_and_leave_the_cache_usable():
+    """K/V on the meta device (a model not materialized) failed inside the first op and left a pool on meta and
+    the layer's device behind: every later forward on CPU failed ("Cannot copy out of meta tensor"), even after
+    free(). Refused up front now, naming the device, and the cache works on CPU afterwards."""
+    model = _model("llama")
+    cache = kvcache.PagedCache(config=model.config)
+    k = torch.empty(1, 2, 3, 16, device="meta")
+    with pytest.raises(ValueError, match="key_states is on the meta device"):
+        cache.update(k, k, 0)
+    assert not cache.store.pools and cache.get_seq_length() == 0
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        got = model(ids, past_key_values=cache).logits
+        want = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    assert torch.equal(got, want)

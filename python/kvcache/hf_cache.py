@@ -642,6 +642,8 @@ class PagedCache(Cache):
         the cache is unchanged, as the error says (a retry read the refused prompt's states: logits 3e-2 off)."""
         if not self.rows and all(layer.length == 0 for layer in self.paged_layers):
             self._fresh_state_layers()
+            for layer in self.paged_layers:  # the next first forward takes its device and dtype anew
+                layer.is_initialized = False
 
     def free(self) -> None:
         """Empties the cache and, unless the store is shared with a prefix cache, drops the pools' memory."""
@@ -1083,6 +1085,9 @@ class PagedCache(Cache):
         return next((int(t.shape[0]) for t in self._state_tensors()), 0)
 
     def _check_placement(self, key: torch.Tensor) -> None:
+        if key.device.type == "meta":  # (it failed inside the first op, and left a pool on meta behind)
+            raise ValueError("key_states is on the meta device: the pages hold real K/V (a model loaded on meta "
+                             "must be materialized first)")
         if self.device is not None and key.device != self.device:
             raise ValueError(f"PagedCache(device={self.device}) got key_states on {key.device}")
         if self.dtype is not None and key.dtype != self.dtype:
