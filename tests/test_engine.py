@@ -648,7 +648,9 @@ def test_engine_refuses_a_disk_path_that_is_a_file(model, tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+@pytest.mark.parametrize("arch", ["gpt2", pytest.param("opt", marks=pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="transformers 4.x's OPT builds its own 4-D mask, which the Engine refuses"))])
 def test_engine_refuses_positions_past_learned_position_embeddings(arch):
     """A model with a learned table of positions (GPT-2's wpe, OPT's embed_positions with its offset of 2) has no
     row past max_position_embeddings: a request that would feed such a position is refused before any work,
@@ -752,3 +754,78 @@ def test_engine_short_of_a_pool_held_elsewhere_names_the_request():
     want = [r.tokens for r in kvcache.Engine(model, page_size=4, max_tokens=48).generate(prompts, max_new_tokens=12,
                                                                                           progress=False)]
     assert [r.tokens for r in engine.generate(prompts, max_new_tokens=12, progress=False)] == want
+
+
+def _tiny(kind: str, **extra):
+    torch.manual_seed(0)
+    if kind == "gptj":
+        config = transformers.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256,
+                                         **extra)
+        return transformers.GPTJForCausalLM(config).eval()
+    if kind == "codegen":
+        config = transformers.CodeGenConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                            n_positions=256, n_ctx=256, **extra)
+        return transformers.CodeGenForCausalLM(config).eval()
+    if kind == "gpt_bigcode":
+        config = transformers.GPTBigCodeConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, **extra)
+        return transformers.GPTBigCodeForCausalLM(config).eval()
+    if kind == "falcon_alibi":
+        config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           alibi=True, **extra)
+        return transformers.FalconForCausalLM(config).eval()
+    if kind == "bloom":
+        config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, **extra)
+        return transformers.BloomForCausalLM(config).eval()
+    config = transformers.GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, window_size=8,
+                                       max_position_embeddings=256, attention_types=[[["global", "local"], 1]],
+                                       **extra)
+    return transformers.GPTNeoForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gptj", "codegen", "gpt_bigcode"])
+def test_engine_greedy_equals_hf_generate_on_models_that_ignore_logits_to_keep(kind):
+    """transformers 4.x's GPT-J, CodeGen and GPTBigCode take logits_to_keep into **kwargs and return every position's
+    logits: request i sampled from packed position i (the first prompt's early tokens), silently other tokens.
+    The engine now picks each request's last position itself when a model returns them all."""
+    model = _tiny(kind, bos_token_id=1, eos_token_id=2)
+    prompts = [p[:n] for p, n in zip(_prompts(), (17, 23, 9))]
+    results = kvcache.Engine(model, page_size=8, prefix_cache=False).generate(prompts, max_new_tokens=5,
+                                                                              eos_token_id=[], progress=False)
+    model.set_attn_implementation("eager")
+    for p, r in zip(prompts, results):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)
+        assert r.tokens == want[0, len(p):].tolist()
+
+
+def test_engine_selects_the_last_positions_when_a_forward_returns_every_logit(model, monkeypatch):
+    """The same on this transformers: a forward that drops logits_to_keep (as 4.x's models above do) gives the
+    tokens of one that honours it."""
+    prompts = _prompts()[:3]
+    want = [r.tokens for r in kvcache.Engine(model, prefix_cache=False).generate(prompts, max_new_tokens=4,
+                                                                               progress=False)]
+    forward = type(model).forward
+
+    def every_logit(self, *args, logits_to_keep=0, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", every_logit)
+    engine = kvcache.Engine(model, prefix_cache=False)
+    got = engine.generate(prompts, max_new_tokens=4, progress=False)
+    assert [r.tokens for r in got] == want
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("falcon_alibi", "its ALiBi position biases are built from the attention mask's positions"),
+    ("bloom", "its ALiBi position biases"),
+    ("gpt_neo_local", "its local attention layers apply their window over the packed row's positions"),
+])
+def test_engine_refuses_models_whose_masks_the_packed_step_cannot_carry(kind, why):
+    """ALiBi models crashed inside transformers on the packed step, GPT-Neo's local layers gave other tokens in a
+    batch (its window over the packed row's positions): refused when the Engine is made, naming the way that
+    works (model.generate with a PagedCache, which runs them exactly)."""
+    model = _tiny(kind)
+    with pytest.raises(ValueError, match=f"kvcache.Engine does not run {type(model).__name__}: {why}.*use "
+                                         f"model.generate with kvcache.PagedCache"):
+        kvcache.Engine(model)

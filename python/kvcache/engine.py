@@ -19,6 +19,7 @@ cached, and cache their prompt for the next ones.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import time
@@ -73,6 +74,19 @@ def _flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
     return bool(value)
+
+
+def _packing_refusal(config) -> str:
+    """Why the Engine's packed steps (every request's tokens in one row, each request's attention from the step's
+    plan) would give a model wrong tokens, or "" (found by an outside audit: silently other tokens, or an error from
+    inside transformers)."""
+    kind = getattr(config, "model_type", "")
+    if getattr(config, "alibi", False) or kind in ("bloom", "mpt"):
+        return ("its ALiBi position biases are built from the attention mask's positions, which the packed row "
+                "does not have")
+    if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+        return "its local attention layers apply their window over the packed row's positions, not each request's"
+    return ""
 
 
 def _learned_position_limit(model, config) -> int | None:
@@ -232,6 +246,10 @@ class Engine:
         # made below for good, so a bad argument found after it would leave the cache tied to a dead Engine's store.
         text_config = model.config.get_text_config(decoder=True)
         check_pageable(text_config, "Engine (its steps use the \"kvcache\" attention)")
+        refusal = _packing_refusal(text_config)
+        if refusal:
+            raise ValueError(f"kvcache.Engine does not run {type(model).__name__}: {refusal}; use model.generate "
+                             f"with kvcache.PagedCache(config=model.config)")
         states = _state_layers(text_config)
         if states is not None:  # (refused here, not at the first generate: nothing is made or bound for it)
             layer = next(i for i, s in enumerate(states) if s is not None)
@@ -317,6 +335,9 @@ class Engine:
         self._dtype_bytes = next(model.parameters()).element_size()
         self._kv_shape = (config.num_hidden_layers, heads, k_dim, v_dim)
         self._position_limit = _learned_position_limit(model, config)
+        # (transformers 4.x's BLOOM refuses an argument its forward does not name; the others take it into **kwargs,
+        # ignored by some: their logits are then selected here)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._admitted: list[_Running] = []
         self.latent = is_mla_config(config)  # MLA latents, read by the absorbed kernel (hf_mla); not k_dim != v_dim:
         # a latent as wide as the rotary part is MLA too
@@ -750,10 +771,20 @@ class Engine:
         stats["steps"] += 1
         t0 = time.perf_counter()
         mask = None if self.cache.fused else packed_attention_mask(plan, next(self.model.parameters()).dtype)
+        last = cu_q[1:] - 1  # each request's last token: the logits it samples from
+        keep = dict(logits_to_keep=last) if self._takes_logits_to_keep else {}
         out = self.model(input_ids=torch.tensor([tokens], device=device),
                          position_ids=torch.tensor([positions], device=device), past_key_values=self.cache,
-                         attention_mask=mask, use_cache=True, logits_to_keep=cu_q[1:] - 1)
-        logits = out.logits[0].float()
+                         attention_mask=mask, use_cache=True, **keep)
+        logits = out.logits[0]
+        if logits.shape[0] != len(running):  # a model that ignored logits_to_keep (transformers 4.x's GPT-J, CodeGen,
+            # GPTBigCode take it into **kwargs): every position's logits, of which request i read position i
+            if logits.shape[0] != len(tokens):
+                raise RuntimeError(f"kvcache.Engine: {type(self.model).__name__} returned logits for "
+                                   f"{logits.shape[0]} positions of a step of {len(tokens)} tokens and "
+                                   f"{len(running)} requests")
+            logits = logits.index_select(0, last.to(logits.device))
+        logits = logits.float()
         stats["peak_kv_bytes"] = self._peak_kv_bytes(used, stats["peak_kv_bytes"])
         # mostly prefill: the cost of a token; not the engine's first forward, which pays one-time costs
         # (>= 256 tokens: shorter forwards are dominated by per-forward costs and overstate a token's)

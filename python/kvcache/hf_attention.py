@@ -115,10 +115,12 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
             return _paged(cache, layer_idx, plan, query, scaling, sliding_window, softcap), None
         if cache._external_plan is not None:  # an Engine's packed step: every row's history, row after row
             if attention_mask is not None and attention_mask.dim() == 4:
-                raise ValueError("kvcache.Engine: this model's attention mask is more than causal and sliding "
-                                 "windows (chunked attention, attention_chunk_size="
-                                 f"{getattr(module.config, 'attention_chunk_size', None)}); run it with "
-                                 "model.generate and a kvcache.PagedCache")
+                chunk = getattr(module.config, "attention_chunk_size", None)
+                why = (f"chunked attention, attention_chunk_size={chunk}" if chunk else
+                       "the model builds its own 4-D mask, as transformers 4.x's OPT does")
+                raise ValueError(f"kvcache.Engine: this model's attention mask is more than causal and sliding "
+                                 f"windows ({why}), which the packed step cannot follow; run it with "
+                                 f"model.generate and a kvcache.PagedCache")
             key, value = cache._packed(layer_idx, plan, query.dtype)
             attention_mask = packed_attention_mask(plan, query.dtype, window=sliding_window)
         else:
