@@ -708,8 +708,10 @@ def test_engine_interrupted_anywhere_keeps_no_lock_page_or_mark(model, monkeypat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(kvcache.Engine, "_take_pages", interrupted)
+    assert engine.stats()["requests"] == 1
     with pytest.raises(KeyboardInterrupt):
         engine.generate(prompts, max_new_tokens=4, progress=False)
+    assert engine.stats() == {}  # (the previous call's figures read as this one's)
     assert tree.stats()["locked_nodes"] == 0
     assert alloc.num_blocks - alloc.num_free == len(tree.block_references())
     tree.check()

@@ -411,6 +411,7 @@ class Engine:
                      peak_blocks=0, peak_kv_bytes=0, peak_dense_tokens=0, peak_dense_bytes=0, tier_hit_tokens=0,
                      preemptions=0, recomputed_tokens=0)
         tiers_before = self.tiers.stats() if self.tiers is not None else None
+        self._stats = {}  # (a call that raises leaves none: the previous call's figures read as this one's)
         self.store.forget_scales()  # fp8 without a given scale: not the previous call's, if no page keeps them
         previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(self._attention(previous_impl))
@@ -855,7 +856,7 @@ class Engine:
         self._stats = s
 
     def stats(self) -> dict:
-        """Figures of the last :meth:`generate`: ``prompt_tokens``, ``prefill_tokens`` (computed),
+        """Figures of the last :meth:`generate` (none, ``{}``, after one that raised): ``prompt_tokens``, ``prefill_tokens`` (computed),
         ``prefix_hit_tokens`` / ``prefix_hit_rate``, ``ttft_s`` (mean time to first token), ``tpot_s``
         (mean time per output token, over the requests that produced more than one), ``tokens_per_s``, ``kv_bytes`` (peak bytes of the pages in use, cached
         prefixes included, and of a quantized format's full-precision window pages, which the store holds
