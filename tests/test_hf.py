@@ -1094,3 +1094,23 @@ def test_meta_key_states_are_refused_and_leave_the_cache_usable():
         got = model(ids, past_key_values=cache).logits
         want = model(ids, past_key_values=DynamicCache(config=model.config)).logits
     assert torch.equal(got, want)
+
+
+def test_gemma3n_shared_kv_layers_keep_the_cache_length():
+    """Gemma 3n's last num_kv_shared_layers layers read an earlier layer's K/V and never write: their pages hold
+    nothing, and the cache's length is what the writing layers hold (a length taken over every layer was 0 there,
+    and generation failed in the second forward). Greedy tokens equal DynamicCache's."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+        altup_num_inputs=2, laurel_rank=4, activation_sparsity_pattern=[0.0] * 4)
+    model = transformers.Gemma3nForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    cache = kvcache.PagedCache(config=model.config)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=DynamicCache(config=model.config))
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)
+    assert torch.equal(got, want)
+    assert [layer.length for layer in cache.paged_layers] == [21, 21, 0, 0] and cache.get_seq_length() == 21

@@ -176,6 +176,9 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, cache: "PagedCache", index: int):
         super().__init__()
         self.cache, self.index, self.length = cache, index, 0
+        # whether it holds K/V of its own (written by update, or loaded by load_prefix): layers that never call
+        # update (Gemma 3n's shared-KV layers read an earlier layer's) do not, and their length says nothing
+        self.takes_kv = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -234,6 +237,7 @@ class PagedLayer(CacheLayerMixin):
     # layer API complete for code that walks ``cache.layers``.
     def reset(self) -> None:
         self.length = 0
+        self.takes_kv = False
         self._reset_indexer()
 
     # DeepSeek sparse attention (layer type "indexed_attention": DeepSeek-V3.2, GLM-5 and kin): the indexer's keys
@@ -507,6 +511,7 @@ class PagedCache(Cache):
             plan = self._step_plan(layer.length, q_len).on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
         layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
+        layer.takes_kv = True
         if wants_grad(key_states, value_states):
             if plan.length and self._graph_dropped:
                 warnings.warn("kvcache.PagedCache: gradients reach the K/V of this forward's tokens but not those "
@@ -606,7 +611,7 @@ class PagedCache(Cache):
         if layer_idx == first or (layer_idx == 0 and not isinstance(layer, PagedLayer)):
             # "how long" (a hybrid model: its first attention layer, as transformers does): what every paged layer
             # holds; after a forward that stopped part-way, the tokens the next forward keeps (_settle)
-            return min((other.length for other in self.paged_layers), default=0)
+            return min(self._written_lengths(), default=self.layers[first].length if first < len(self.layers) else 0)
         if isinstance(layer, PagedLayer):
             return layer.length
         raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
@@ -761,6 +766,11 @@ class PagedCache(Cache):
             layer._crop_indexer(new_len)
         self._version += 1
 
+    def _written_lengths(self) -> list[int]:
+        """The lengths of the paged layers that take K/V: layers that never call update (Gemma 3n's shared-KV layers,
+        which read an earlier layer's; layers without attention) stay uninitialized at 0 and are not counted."""
+        return [layer.length for layer in self.paged_layers if layer.takes_kv]
+
     def _settle(self) -> None:
         """After a forward that stopped part-way (an exception or KeyboardInterrupt in a layer, an update refused),
         the layers it reached hold its tokens and the others do not: the cache goes back to the tokens every paged
@@ -770,7 +780,7 @@ class PagedCache(Cache):
         (``reset()``)."""
         if self._external_plan is not None or not self.rows:
             return
-        lengths = [layer.length for layer in self.paged_layers]
+        lengths = self._written_lengths()
         if not lengths or min(lengths) == max(lengths):
             return
         if self.state_layers:
@@ -902,8 +912,10 @@ class PagedCache(Cache):
         # a partial last page is shared too: it is copied on the first write (copy-on-write)
         seq = self.store.allocator.sequence(m)
         self.rows, self.pads = [seq], [0]
+        shared = getattr(self.config, "num_kv_shared_layers", 0) or 0  # (Gemma 3n: its last layers read others' K/V)
         for layer in self.paged_layers:
             layer.length = m.length
+            layer.takes_kv = not shared or layer.index < len(self.layers) - shared
         self._version += 1
         return m.length
 
