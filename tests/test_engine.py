@@ -831,3 +831,43 @@ def test_engine_refuses_models_whose_masks_the_packed_step_cannot_carry(kind, wh
     with pytest.raises(ValueError, match=f"kvcache.Engine does not run {type(model).__name__}: {why}.*use "
                                          f"model.generate with kvcache.PagedCache"):
         kvcache.Engine(model)
+
+
+def _rope(kind: str) -> dict:
+    if int(transformers.__version__.split(".")[0]) < 5:  # (4.x: rope_scaling, Phi-3's with exactly three fields)
+        return {"rope_scaling": {"rope_type": kind, "factor": 4.0} if kind == "dynamic" else
+                {"type": kind, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}}
+    params = {"rope_type": kind, "factor": 4.0} if kind == "dynamic" else {
+        "rope_type": kind, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 32}
+    return {"rope_parameters": {**params, "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("dynamic", "its rotary frequencies depend on the longest position of a forward \\(rope_type 'dynamic'\\)"),
+    ("longrope", "its rotary frequencies depend on the longest position of a forward \\(rope_type 'longrope'\\)"),
+    ("diffllama", "its attention splits V after the cache"),
+    ("jetmoe", "its attention does not go through transformers' attention interface"),
+])
+def test_engine_refuses_models_whose_attention_the_packed_step_would_change(kind, why):
+    """Found by an outside audit: rotary frequencies picked from a forward's largest position (dynamic NTK, Phi-3's
+    longrope) changed a short request's tokens when a long one shared its packed step; DiffLlama's split of V after
+    the cache gave other tokens from the first; JetMoe's attention never reaches the kernel (a false error about the
+    attention implementation). Refused when the Engine is made."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    if kind == "dynamic":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, max_position_embeddings=32,
+                                                                       **_rope(kind)))
+    elif kind == "longrope":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, max_position_embeddings=256,
+                                                                     original_max_position_embeddings=32,
+                                                                     pad_token_id=0, **_rope(kind)))
+    elif kind == "diffllama":
+        model = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**common))
+    else:
+        model = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256))
+    with pytest.raises(ValueError, match=f"kvcache.Engine does not run {type(model).__name__}: {why}"):
+        kvcache.Engine(model.eval())

@@ -161,3 +161,51 @@ def test_chunked_attention_of_llama4():
             kvcache.Engine(model, page_size=4).generate(ids.tolist(), max_new_tokens=2, progress=False)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def _tiny_or_skip(name: str, **kwargs):
+    try:
+        config = AutoConfig.for_model(name, **kwargs)
+    except (KeyError, ValueError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}: {e}")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_window_given_as_none_is_no_window():
+    """Exaone 4 keeps sliding_window on every attention module and passes sliding_window=None to its global layers:
+    the "kvcache" attention took the module's window for them (a None argument read as "not given"), so the global
+    layer attended to 5 tokens and the tokens differed from the 5th on. A None given is now no window."""
+    model = _tiny_or_skip("exaone4", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, sliding_window=5, initializer_range=0.2,
+                          layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    ids = torch.randint(3, 128, (1, 17), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+        model.set_attn_implementation("kvcache")
+        got = model.generate(ids, past_key_values=kvcache.PagedCache(config=model.config), **kw)
+    assert torch.equal(got, want)
+    engine = kvcache.Engine(model, prefix_cache=False)
+    assert engine.generate([ids[0].tolist()], eos_token_id=[], progress=False, max_new_tokens=10)[0].tokens == \
+        want[0, 17:].tolist()
+
+
+def test_a_value_transformed_after_the_cache_is_refused_by_the_kvcache_attention():
+    """DiffLlama splits V after the cache's update and calls attention twice with halves of it; the "kvcache"
+    attention reads V from the pages, so it attended to the untransformed V (other tokens from the first). Refused,
+    naming the model and the way that works (eager/sdpa, with which its K/V are paged all the same)."""
+    model = _tiny_or_skip("diffllama", **{**BASE, "num_attention_heads": 4, "num_key_value_heads": 2})
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+        assert torch.equal(model.generate(ids, past_key_values=kvcache.PagedCache(config=model.config), **kw), want)
+        if int(transformers.__version__.split(".")[0]) < 5:
+            return  # (4.x's DiffLlama does not go through the attention interface: it cannot be switched to "kvcache")
+        model.set_attn_implementation("kvcache")
+        with pytest.raises(ValueError, match=r"DiffLlamaAttention \(layer 0\) hands its attention other value states "
+                                             r"than the cache's update returned .*run it with eager or sdpa"):
+            model.generate(ids, past_key_values=kvcache.PagedCache(config=model.config), **kw)

@@ -86,7 +86,30 @@ def _packing_refusal(config) -> str:
                 "does not have")
     if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
         return "its local attention layers apply their window over the packed row's positions, not each request's"
+    if kind == "diffllama":
+        return "its attention splits V after the cache (two attention calls over halves of it), which the packed step's kernel cannot follow"
+    if kind == "jetmoe":
+        return "its attention does not go through transformers' attention interface"
+    rope = _length_dependent_rope(config)
+    if rope:
+        return (f"its rotary frequencies depend on the longest position of a forward (rope_type {rope!r}): packed "
+                f"with a longer request, a short one would take the long frequencies")
     return ""
+
+
+def _length_dependent_rope(config) -> str:
+    """The rope_type whose frequencies transformers picks from a forward's largest position ("dynamic" NTK scaling,
+    Phi-3's "longrope"), or ""."""
+    found = []
+    for name in ("rope_scaling", "rope_parameters"):
+        params = getattr(config, name, None)
+        if not isinstance(params, dict):
+            continue
+        for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:  # (or one per layer type)
+            kind = entry.get("rope_type") or entry.get("type")
+            if kind in ("dynamic", "longrope"):
+                found.append(kind)
+    return found[0] if found else ""
 
 
 def _learned_position_limit(model, config) -> int | None:

@@ -78,9 +78,12 @@ def _plan_ahead(batch_size: int, q_length: int) -> None:
         cache._plan_ahead(int(batch_size), q_length)
 
 
+_NOT_GIVEN = object()  # a model that names no sliding_window (Qwen2-MoE: its window is on the module)
+
+
 def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+                      sliding_window=_NOT_GIVEN, softcap: float | None = None, **kwargs):
     """Attention over the pages of a :class:`PagedCache` (the tag ``update`` left on ``key``); anything
     else (no cache, another cache, masks the kernel cannot express) goes through PyTorch's SDPA."""
     if kwargs.get("indices") is not None:  # DeepSeek sparse attention hands its indexer's picks to other kernels
@@ -99,8 +102,10 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         out = _mla(module, *tag, query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
                    weights=weights)
         return out if weights else (out, None)
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
+    if sliding_window is _NOT_GIVEN:  # (a None given means no window: Exaone 4's global layers pass None and keep the
+        sliding_window = getattr(module, "sliding_window", None)  # window on every module, which was applied to them)
+    if tag is not None:
+        _check_value(module, tag, key, value)
     # learned per-head sink logits (gpt-oss and the models built like it): a softmax term of their own, which
     # the kernel does not have
     sinks = kwargs.get("s_aux")
@@ -130,6 +135,23 @@ def kvcache_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     out = _dense_attention(query, key, value, attention_mask, dropout if module.training else 0.0, scaling,
                            sliding_window, softcap, weights=weights, sinks=sinks, sink_tokens=sink_tokens)
     return out if weights else (out, None)
+
+
+def _check_value(module, tag, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Refuses a V other than the one the cache's update returned (DiffLlama splits and repeats V between the cache
+    and its two attention calls): the kernel reads V from the pages, so it would attend to the untransformed V and
+    silently give other tokens. A cast or copy of the same values passes."""
+    given = getattr(key, "_kvcache_value", None)
+    if given is None or value is given or torch.compiler.is_compiling():
+        return
+    if value.shape == given.shape and torch.equal(value, given.to(value.dtype)):
+        return
+    cache, layer_idx, _ = tag
+    cache._unattended = None
+    raise ValueError(f"kvcache: {type(module).__name__} (layer {layer_idx}) hands its attention other value states "
+                     f"than the cache's update returned (the model transforms V between the cache and the attention, "
+                     f"as DiffLlama does), which the \"kvcache\" attention, reading V from the pages, cannot follow: "
+                     f"run it with eager or sdpa attention (its K/V are paged there too); kvcache.Engine cannot run it")
 
 
 def _mla(module, cache: PagedCache, layer_idx: int, plan: StepPlan, query, key, value, mask, dropout: float,

@@ -549,6 +549,7 @@ class PagedCache(Cache):
             self._unattended = (plan.version, layer_idx)
         k = key_states.view(key_states.shape)  # a fresh tensor object to carry the tag
         k._kvcache = (self, layer_idx, plan)
+        k._kvcache_value = value_states  # what the attention must be handed as V (kvcache_attention checks it)
         # MLA latents: the module expands them (the tag is lost). Known by the config, not by the widths: latents
         # as wide as the rotary part (kv_lora_rank == qk_rope_head_dim) went untagged and attended only to the
         # forward's own tokens
@@ -568,6 +569,11 @@ class PagedCache(Cache):
             return  # a prompt: its own tokens are all there is to see, so the other attention was right
         if not owned:  # its layers now hold this forward's tokens up to that layer only
             self.reset()
+        if owned:  # (the Engine sets both already: its advice would not help)
+            raise RuntimeError(
+                f"kvcache.Engine: layer {layer} stored its K/V for the \"kvcache\" attention but its attention never "
+                f"called it: the model computes attention itself, not through transformers' attention interface, so "
+                f"the Engine cannot run it; use model.generate with a kvcache.PagedCache and eager/sdpa attention")
         raise RuntimeError(
             f"kvcache.PagedCache: layer {layer} stored its K/V for the \"kvcache\" attention (the cache's config has "
             f"_attn_implementation={ATTENTION_NAME!r}) but the model attended with another implementation, which saw "
