@@ -830,7 +830,7 @@ PER_STEP_BREAKS = {"get_mask_sizes", "kvcache_mask"}
 # torch < 2.14 (kvcache.hf_cache.PLAN_AHEAD off: its inductor loses a length symbol of the compiled loop): the step
 # is planned at the first layer, whose reads of the padding and calls of the compile-disabled _new_step_plan and
 # _new_kernel_plan break the graph there, inside the loop (the per-layer writes and attention still trace)
-FIRST_LAYER_BREAKS = {"kvcache_mask", "_take_padding", "_step_plan", "kernel_plan"}
+FIRST_LAYER_BREAKS = {"kvcache_mask", "_take_padding", "_step_plan", "kernel_plan", "kernel_plans"}
 
 
 def _decode_step(layers: int, fmt=None, residual=None):

@@ -81,6 +81,13 @@ class ResidualPlan:
             return None, None
         key = (sealed.plan_key, residual.plan_key, q_heads)
         plans = self._kernel_plans.get(key)
+        return plans if plans is not None else self._new_kernel_plans(key, sealed, residual, q_heads)
+
+    @torch.compiler.disable
+    def _new_kernel_plans(self, key: tuple, sealed: KVPool, residual: KVPool, q_heads: int):
+        # (host reads and an op of data-dependent shape: one clean graph break where a step's first layer makes them,
+        # as StepPlan._new_kernel_plan; traced, torch 2.13's dynamo broke inside the op)
+        plans = self._kernel_plans.get(key)
         if plans is None:
             host = self._host or self
             open_plan = residual.plan(host.open_tables, host.open_lens, self._host_cu_q_lens, host.slot_mapping,
