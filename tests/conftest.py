@@ -78,11 +78,11 @@ KERNEL_BUILDS = SUPPORTED_ISAS + ((BF16_FMA,) if "avx512bf16" in SUPPORTED_ISAS 
 # automatic GEMM and dot-product choices) instead of once per build: `make test-cpu-build` compiles the same
 # torch-free kernels again, against another torch, so their per-build math is `make test`'s to check (issue #21).
 DEFAULT_BUILD = "default"
-if os.environ.get("KVCACHE_TEST_KERNEL_BUILDS", "all") == DEFAULT_BUILD:
+_BUILDS = os.environ.get("KVCACHE_TEST_KERNEL_BUILDS", "all")
+if _BUILDS not in ("all", DEFAULT_BUILD):
+    raise ValueError(f"KVCACHE_TEST_KERNEL_BUILDS={_BUILDS!r} must be 'all' or '{DEFAULT_BUILD}'")
+if _BUILDS == DEFAULT_BUILD:
     KERNEL_BUILDS = (DEFAULT_BUILD,)
-elif os.environ.get("KVCACHE_TEST_KERNEL_BUILDS", "all") != "all":
-    raise ValueError(f"KVCACHE_TEST_KERNEL_BUILDS={os.environ['KVCACHE_TEST_KERNEL_BUILDS']!r} must be 'all' or "
-                     f"'{DEFAULT_BUILD}'")
 
 
 @pytest.fixture(params=KERNEL_BUILDS + ((CUDA_EMULATED,) if HAS_CUDA_EMULATION else ()))

@@ -100,7 +100,6 @@ def _packing_refusal(config) -> str:
 def _length_dependent_rope(config) -> str:
     """The rope_type whose frequencies transformers picks from a forward's largest position ("dynamic" NTK scaling,
     Phi-3's "longrope"), or ""."""
-    found = []
     for name in ("rope_scaling", "rope_parameters"):
         params = getattr(config, name, None)
         if not isinstance(params, dict):
@@ -108,8 +107,8 @@ def _length_dependent_rope(config) -> str:
         for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:  # (or one per layer type)
             kind = entry.get("rope_type") or entry.get("type")
             if kind in ("dynamic", "longrope"):
-                found.append(kind)
-    return found[0] if found else ""
+                return kind
+    return ""
 
 
 def _learned_position_limit(model, config) -> int | None:

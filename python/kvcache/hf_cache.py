@@ -532,10 +532,7 @@ class PagedCache(Cache):
         q_heads = getattr(self.config, "num_attention_heads", None) or pool.num_kv_heads
         if plan.residual is not None:  # seal what aged (every layer at once), write the new tokens in full precision
             residual = self.store.residual_pool(layer_idx, key_states, plan.residual.num_slots)
-            self.store.move_residual_pages(plan.residual)
-            if layer_idx not in plan.residual._moved_layers:  # (its residual pool was made just now)
-                res.move_pages(plan.residual, pool, residual)
-                plan.residual._moved_layers.add(layer_idx)
+            self.store.move_residual_pages(plan.residual)  # (this layer's pools included: both exist by now)
             res.write_tokens(plan.residual, pool, residual, key_states, value_states, q_heads)
             return
         if pool.k.is_floating_point() and pool.k.dtype != key_states.dtype:  # e.g. bf16 pages, fp32 model

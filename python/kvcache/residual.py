@@ -87,16 +87,14 @@ class ResidualPlan:
     def _new_kernel_plans(self, key: tuple, sealed: KVPool, residual: KVPool, q_heads: int):
         # (host reads and an op of data-dependent shape: one clean graph break where a step's first layer makes them,
         # as StepPlan._new_kernel_plan; traced, torch 2.13's dynamo broke inside the op)
-        plans = self._kernel_plans.get(key)
-        if plans is None:
-            host = self._host or self
-            open_plan = residual.plan(host.open_tables, host.open_lens, self._host_cu_q_lens, host.slot_mapping,
-                                      q_heads=q_heads)
-            sealed_plan = None
-            if host.sealed_rows.numel():
-                cu = torch.arange(host.sealed_rows.numel() + 1, dtype=torch.int32)
-                sealed_plan = sealed.plan(host.sealed_tables, host.sealed_lens, cu, q_heads=q_heads)
-            plans = self._kernel_plans[key] = (open_plan, sealed_plan)
+        host = self._host or self
+        open_plan = residual.plan(host.open_tables, host.open_lens, self._host_cu_q_lens, host.slot_mapping,
+                                  q_heads=q_heads)
+        sealed_plan = None
+        if host.sealed_rows.numel():
+            cu = torch.arange(host.sealed_rows.numel() + 1, dtype=torch.int32)
+            sealed_plan = sealed.plan(host.sealed_tables, host.sealed_lens, cu, q_heads=q_heads)
+        plans = self._kernel_plans[key] = (open_plan, sealed_plan)
         return plans
 
     @property
