@@ -263,7 +263,11 @@ class CacheFormat:
         return families.pop() if len(families) == 1 else None
 
     def bytes_per_token_head(self, head_dim: int, page_size: int) -> float:
-        """Bytes of K plus V (codes and metadata) per token and kv head."""
+        """Bytes of K plus V (codes and metadata) per token and kv head, as a quantized page stores them. A
+        cache with a full-precision window (``residual_length``, 128 tokens by default) holds its newest tokens'
+        pages in the model's dtype besides: at 1,000 tokens of fp32 K/V, head_dim 128, int8 with the window
+        averages ~414 bytes per token and head, not this 264; and right after a prompt, until the next forward
+        seals its aged pages, the prompt is held both ways."""
         return self.k.bytes_per_token_head(head_dim, page_size, "k") + self.v.bytes_per_token_head(head_dim, page_size, "v")
 
 

@@ -16,8 +16,9 @@ from .residual import ResidualPages, move_pages
 __all__ = ["PagedStore", "DEFAULT_RESIDUAL_LENGTH", "KIVI_RESIDUAL_LENGTH"]
 
 # Newest tokens a quantized cache keeps in the model's dtype unless told otherwise: HF QuantizedCache's
-# default and KIVI's window. Quantizing them too costs int4 +10.0% perplexity against +0.32% with the
-# window on SmolLM2 (2,048 tokens); residual_length=0 still quantizes every token as it is written.
+# default and KIVI's window. Quantizing them too costs int4 +10.0% perplexity against +0.37% with the
+# window on SmolLM2 (2,048 tokens of pydoc; benchmarks/results/perplexity_residual.md); residual_length=0
+# still quantizes every token as it is written.
 DEFAULT_RESIDUAL_LENGTH = 128
 KIVI_RESIDUAL_LENGTH = DEFAULT_RESIDUAL_LENGTH  # the name before every quantized format had the window
 
