@@ -383,3 +383,16 @@ def test_kivi_pool_integer_arguments():
         with pytest.raises(TypeError, match=rf"{name}={value!r} must be an int"):
             kvcache.KIVIPool.allocate(4, 16, 1, 32, "kivi4", dtype=torch.float32,
                                       **{"residual_blocks": 2, name: value})
+
+
+@pytest.mark.parametrize("fmt", ["kivi2", "k=kivi4,v=kivi2"])
+@pytest.mark.parametrize("dim", [1024, 1088])
+def test_gather_of_wide_rows(fmt, dim):
+    # The CPU gather widens a key page's fp16 metadata once per page into a buffer of 1,024 dims' worth; a
+    # wider row dequantizes its keys value by value instead. Both exact against the reference.
+    pool, table, lens, _, _ = kivi_pool(fmt, [2, 1], 16, 2, dim, torch.float32)
+    k, v = pool.gather(table, lens, max_len=40)
+    deq_k, deq_v = dequantized(pool)
+    k_ref, v_ref = torch.empty_like(k), torch.empty_like(v)
+    ref.paged_gather(deq_k, deq_v, table, lens, k_ref, v_ref)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)

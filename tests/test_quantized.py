@@ -420,3 +420,18 @@ def test_fp8_pages_with_a_bf16_query_hold_the_rule_at_every_head_dim(isa, fmt, d
     # with and without that tail, on both sides, against the reference; values differ per dim, so a dim
     # read or written in the wrong place shows.
     assert_rule_over_seeds(fmt, dim, range(3), (dim ** -0.5,))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "k=int8,v=int4", "k=fp8_e5m2,v=int8"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gather_of_rows_wider_than_one_pass(fmt, out_dtype):
+    # The CPU gather dequantizes a row in passes of 1,024 dims (its buffer); a 1,088-wide row takes two, the
+    # second a short one. Exact against the reference dequantization, in the asked dtype.
+    pool, table, lens, _, _ = filled_pool(fmt, [40, 17], 16, 2, 1088, torch.bfloat16)
+    k, v = pool.gather(table, lens, max_len=42, dtype=out_dtype)
+    deq_k = ref.dequantize_pool(pool.k, pool.k_scale, format_id(pool.format.k))
+    deq_v = ref.dequantize_pool(pool.v, pool.v_scale, format_id(pool.format.v))
+    k_ref = torch.empty(k.shape, dtype=deq_k.dtype)
+    v_ref = torch.empty(v.shape, dtype=deq_v.dtype)
+    ref.paged_gather(deq_k, deq_v, table, lens, k_ref, v_ref)
+    assert torch.equal(k, k_ref.to(out_dtype)) and torch.equal(v, v_ref.to(out_dtype))
