@@ -51,6 +51,7 @@ class ResidualPlan:
     sealed_tables: torch.Tensor   # [r, w'] int32: their sequence's sealed blocks, in order
     sealed_lens: torch.Tensor     # [r] int32
     num_slots: int                # residual pool blocks needed
+    first_open_page: int = 0      # no row has an open page before this one (the dense gather reads from there)
     _copies: dict = field(default_factory=dict, repr=False)
     _kernel_plans: dict = field(default_factory=dict, repr=False)
     _host: "ResidualPlan | None" = field(default=None, repr=False)  # this plan with its tensors on the host
@@ -64,8 +65,9 @@ class ResidualPlan:
             return self
         if device not in self._copies:
             moved = {name: getattr(self, name).to(device) for name in self.__dataclass_fields__
-                     if name != "num_slots" and not name.startswith("_")}
-            self._copies[device] = ResidualPlan(num_slots=self.num_slots, _kernel_plans=self._kernel_plans,
+                     if name not in ("num_slots", "first_open_page") and not name.startswith("_")}
+            self._copies[device] = ResidualPlan(num_slots=self.num_slots, first_open_page=self.first_open_page,
+                                                _kernel_plans=self._kernel_plans,
                                                 _moved_layers=self._moved_layers,
                                                 _host=self._host or self, _host_cu_q_lens=self._host_cu_q_lens,
                                                 **moved)
@@ -274,10 +276,12 @@ class ResidualPages:
         page_slots = torch.zeros(batch, max_pages, dtype=torch.int32)
         page_open = torch.zeros(batch, max_pages, dtype=torch.bool)
         open_rows, open_lens, sealed_rows, sealed_lens = [], [], [], []
+        first_open = max_pages
         for b, (row, m) in enumerate(zip(tables, lengths)):
             pages = -(-m // P)
             slots = [self.slot_of.get(blk, -1) for blk in row[:pages]]
             is_open = [s >= 0 for s in slots]
+            first_open = min(first_open, next((p for p, o in enumerate(is_open) if o), max_pages))
             page_open[b, :pages] = torch.tensor(is_open, dtype=torch.bool)
             page_slots[b, :pages] = torch.tensor([max(s, 0) for s in slots], dtype=torch.int32)
             tokens = [min(P, m - p * P) for p in range(pages)]
@@ -300,6 +304,7 @@ class ResidualPages:
             sealed_tables=_table([sealed_rows[b] for _, b in rows]),
             sealed_lens=torch.tensor([sealed_lens[b] for _, b in rows], dtype=torch.int32),
             num_slots=self.num_slots,
+            first_open_page=first_open,
         )
 
     def sealed_pages(self, table: list[int], length: int) -> int:
@@ -401,7 +406,8 @@ def mla_attention(plan: ResidualPlan, sealed: KVPool, residual: KVPool, q_latent
 def gather(plan: ResidualPlan, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V ``[batch, kv_heads, max_len, head_dim]``: each page from the pool that holds it."""
-    return _gather(plan.page_slots, plan.page_open, sealed, residual, block_tables, seq_lens, max_len, dtype)
+    return _gather(plan.page_slots, plan.page_open, sealed, residual, block_tables, seq_lens, max_len, dtype,
+                   plan.first_open_page)
 
 
 def gather_now(pages: ResidualPages, sealed: KVPool, residual: KVPool, block_tables: torch.Tensor,
@@ -414,15 +420,31 @@ def gather_now(pages: ResidualPages, sealed: KVPool, residual: KVPool, block_tab
     is_open = slots >= 0
     if not bool(is_open.any()):
         return sealed.gather(block_tables, seq_lens, max_len=max_len, dtype=dtype)
+    first_open = int(is_open.any(dim=0).nonzero()[0])
     return _gather(slots.clamp(min=0).to(block_tables.device), is_open.to(block_tables.device), sealed, residual,
-                   block_tables, seq_lens, max_len, dtype)
+                   block_tables, seq_lens, max_len, dtype, first_open)
 
 
 def _gather(page_slots: torch.Tensor, page_open: torch.Tensor, sealed: KVPool, residual: KVPool,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype: torch.dtype, first_open_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     sk, sv = sealed.gather(block_tables, seq_lens, max_len=max_len, dtype=dtype)
-    rk, rv = residual.gather(page_slots, seq_lens, max_len=max_len)
-    pos = torch.arange(max_len, device=sk.device) // sealed.page_size
+    # The residual pool is read from the first page any row holds open (the window is the sequences' tails):
+    # over every position it was a second full-length gather and select, which made an int8 decode step under
+    # sdpa 2.3x DynamicCache's at 8k tokens. Traced (torch.compile), from 0: the page is a Python int that
+    # changes as pages seal, and each value would be a recompile.
+    P = sealed.page_size
+    start = 0 if torch.compiler.is_compiling() else min(first_open_page * P, max_len)
+    if start >= max_len:  # nothing open
+        return sk, sv
+    if start:
+        page_slots = page_slots[:, start // P:].contiguous()
+        seq_lens = (seq_lens - start).clamp(min=0)
+    rk, rv = residual.gather(page_slots, seq_lens, max_len=max_len - start)
+    pos = torch.arange(start, max_len, device=sk.device) // P
     is_open = page_open.index_select(1, pos.clamp(max=page_open.shape[1] - 1))[:, None, :, None]
-    return torch.where(is_open, rk.to(dtype), sk), torch.where(is_open, rv.to(dtype), sv)
+    if not start:
+        return torch.where(is_open, rk.to(dtype), sk), torch.where(is_open, rv.to(dtype), sv)
+    sk[:, :, start:] = torch.where(is_open, rk.to(dtype), sk[:, :, start:])
+    sv[:, :, start:] = torch.where(is_open, rv.to(dtype), sv[:, :, start:])
+    return sk, sv
