@@ -416,3 +416,13 @@ def test_slot_collection_is_amortized_and_still_reclaims():
     alive.add(9)
     with pytest.raises(RuntimeError, match="out of residual blocks"):
         fixed.open(10)
+    # a plan's up-front count of free slots collects too before it refuses (the takes before it may not have)
+    planned = residual.ResidualPages(PAGE, max_slots=4)
+    held = {0, 1, 2}
+    planned.is_live = lambda block: block in held
+    for blk in range(3):
+        planned.open(blk)
+    held -= {0, 1}
+    plan = planned.plan([[10, 11]], [0], [2 * PAGE], torch.arange(2 * PAGE).view(1, -1),
+                        torch.ones(1, 2 * PAGE, dtype=torch.bool))
+    assert {10, 11} <= set(planned.slot_of) and planned.num_slots <= 4 and plan.slot_mapping.shape == (1, 2 * PAGE)

@@ -246,6 +246,11 @@ class ResidualPages:
         needed = len({blk for blk, _ in touched if blk not in self.slot_of})
         if self.max_slots is not None:
             available = len(self._free) + len(seal) + self.max_slots - self.num_slots
+            if needed > available and self.is_live is not None:
+                # slots of freed blocks not collected yet (_take collects only now and then) count too;
+                # a sealed block is live, so collecting cannot drop this plan's seals
+                self.collect()
+                available = len(self._free) + len(seal) + self.max_slots - self.num_slots
             if needed > available:
                 raise RuntimeError(f"out of residual blocks: this append needs {needed}, {available} are free "
                                    f"(allocate more residual blocks)")
