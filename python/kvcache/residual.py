@@ -150,18 +150,18 @@ class ResidualPages:
 
     # ---- slots -------------------------------------------------------------------------------------
     def _take(self) -> int:
+        full = self.max_slots is not None and self.num_slots >= self.max_slots  # (a collect frees, never adds)
         if not self._free and self.is_live is not None:
             # A collect asks the allocator about every open block. Run on every take that finds no free slot
             # (each page of a long prompt, each request of an Engine whose cached prompts keep pages open), it
             # cost O(open blocks) per page: a 16k-token int8 prefill 2-3x a full-precision one. So a growing
             # pool collects again only after as many takes as it had open blocks (amortized O(1) per take, at
             # most ~2x the slots in use); a full fixed-size pool always collects before it gives up.
-            full = self.max_slots is not None and self.num_slots >= self.max_slots
             if full or self._takes_before_collect <= 0:
                 self.collect()
             else:
                 self._takes_before_collect -= 1
-        if not self._free and self.max_slots is not None and self.num_slots >= self.max_slots:
+        if not self._free and full:
             raise RuntimeError(f"out of residual blocks: all {self.max_slots} are in use")
         if self._free:
             return self._free.pop()
@@ -245,14 +245,14 @@ class ResidualPages:
                                      for p in range(n // P, -(-m // P))))
         needed = len({blk for blk, _ in touched if blk not in self.slot_of})
         if self.max_slots is not None:
-            available = len(self._free) + len(seal) + self.max_slots - self.num_slots
-            if needed > available and self.is_live is not None:
+            def available() -> int:
+                return len(self._free) + len(seal) + self.max_slots - self.num_slots
+            if needed > available() and self.is_live is not None:
                 # slots of freed blocks not collected yet (_take collects only now and then) count too;
                 # a sealed block is live, so collecting cannot drop this plan's seals
                 self.collect()
-                available = len(self._free) + len(seal) + self.max_slots - self.num_slots
-            if needed > available:
-                raise RuntimeError(f"out of residual blocks: this append needs {needed}, {available} are free "
+            if needed > available():
+                raise RuntimeError(f"out of residual blocks: this append needs {needed}, {available()} are free "
                                    f"(allocate more residual blocks)")
         for _, blk in seal:
             self.close(blk)
