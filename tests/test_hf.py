@@ -1079,6 +1079,114 @@ def test_a_forward_stopped_part_way_is_rolled_back_at_the_next_use(impl):
         assert [layer.length for layer in cache.paged_layers] == [19, 19]
 
 
+class _Stop(Exception):
+    pass
+
+
+def _stop_in(model, layer: int):
+    """Raises _Stop at the next forward of decoder layer ``layer`` (an exception or Ctrl-C part-way through a
+    forward: the layers before it have written their K/V, the later ones have not)."""
+    def stop(module, args, kwargs):
+        handle.remove()
+        raise _Stop
+
+    handle = model.model.layers[layer].register_forward_pre_hook(stop, with_kwargs=True)
+    return handle
+
+
+def _llama3():  # three layers: a stop in the middle leaves a layer written and one never written
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_key_value_heads=2, **{**_common(), "num_hidden_layers": 3})).eval()
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_first_forward_stopped_part_way_is_undone(impl, fmt):
+    """A prompt's forward stopped in a layer (Ctrl-C in a notebook, most likely during a long prefill) left the
+    layers before it holding the prompt and the later ones nothing: the cache said length 40, and the retried
+    prompt ran as a continuation of itself (sdpa: a RuntimeError in the mask; the "kvcache" attention: logits
+    0.41 off, silently). Now the cache says 0 and the next forward starts it anew: the retry is bit for bit a
+    fresh cache's forward, and every page of the stopped one went back."""
+    model = _llama3()
+    model.set_attn_implementation(impl)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    nxt = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fresh = kvcache.PagedCache(config=model.config, kv_format=fmt)
+        want = [model(ids, past_key_values=fresh).logits, model(nxt, past_key_values=fresh).logits]
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt)
+        for stop_at in (1, 2):
+            _stop_in(model, stop_at)
+            with pytest.raises(_Stop):
+                model(ids, past_key_values=cache)
+            assert [layer.length for layer in cache.paged_layers][:stop_at] == [40] * stop_at
+            assert cache.get_seq_length() == 0 and cache.stats()["seq_length"] == 0
+        got = [model(ids, past_key_values=cache).logits, model(nxt, past_key_values=cache).logits]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    alloc = cache.store.allocator
+    assert alloc.num_blocks - alloc.num_free == fresh.store.allocator.num_blocks - fresh.store.allocator.num_free
+    # crop and save_prefix after such a stop see an empty cache
+    cache = kvcache.PagedCache(config=model.config, kv_format=fmt, prefix_cache=True)
+    _stop_in(model, 2)
+    with pytest.raises(_Stop), torch.no_grad():
+        model(ids, past_key_values=cache)
+    with pytest.raises(ValueError, match="save_prefix needs a cache that holds tokens"):
+        cache.save_prefix(ids)
+    assert cache.store.prefix_cache.stats()["inserts"] == 0 and cache.rows == [] and cache.store.allocator.num_free == cache.store.allocator.num_blocks
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_cache_without_its_layers_refuses_the_forward_after_a_stopped_first_one(impl):
+    """Built without config= (layers come as the model reaches them), the cache cannot tell a first forward that
+    stopped part-way from a whole one until the next forward reaches a layer never written: that layer's K/V
+    would have sat after positions it never held. Refused there, naming the layer, with the cache emptied, so that
+    running the prompt again gives a fresh cache's logits."""
+    model = _llama3()
+    model.set_attn_implementation(impl)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = kvcache.PagedCache()
+    with torch.no_grad():
+        _stop_in(model, 2)
+        with pytest.raises(_Stop):
+            model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match=r"layer 2 gets its first K/V while layers \[0, 1\] hold"):
+            model(ids, past_key_values=cache)
+        assert cache.rows == [] and cache.get_seq_length() == 0
+        assert cache.store.allocator.num_free == cache.store.allocator.num_blocks
+        got = model(ids, past_key_values=cache).logits
+        want = model(ids, past_key_values=kvcache.PagedCache()).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_multi_token_forward_after_a_stopped_one_is_masked_over_what_every_layer_holds(impl, fmt):
+    """After a decode step stopped part-way, the next forward of several tokens (a new chat turn, a speculative
+    check) was masked over the stopped step's tokens too: get_mask_sizes read its own layer's length (46 keys
+    where the layers held 43: a RuntimeError in every attention). Its mask now spans what the forward continues
+    from, and its logits are bit for bit those of the run that never stopped."""
+    model = _llama3()
+    model.set_attn_implementation(impl)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    step = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(6))
+    turn = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fresh = kvcache.PagedCache(config=model.config, kv_format=fmt)
+        want = [model(ids, past_key_values=fresh).logits, model(turn, past_key_values=fresh).logits]
+        cache = kvcache.PagedCache(config=model.config, kv_format=fmt)
+        got = [model(ids, past_key_values=cache).logits]
+        _stop_in(model, 2)
+        with pytest.raises(_Stop):
+            model(step, past_key_values=cache)
+        assert [layer.length for layer in cache.paged_layers] == [41, 41, 40] and cache.get_seq_length() == 40
+        got.append(model(turn, past_key_values=cache).logits)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert cache.get_seq_length() == 43
+
+
 def test_meta_key_states_are_refused_and_leave_the_cache_usable():
     """K/V on the meta device (a model not materialized) failed inside the first op and left a pool on meta and
     the layer's device behind: every later forward on CPU failed ("Cannot copy out of meta tensor"), even after

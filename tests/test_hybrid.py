@@ -148,6 +148,39 @@ def test_a_refused_first_forward_leaves_the_states_empty(model, impl, why):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_a_first_forward_stopped_part_way_starts_the_cache_anew(model, impl):
+    """A prompt's forward stopped after an attention layer and before the last one (Ctrl-C, an exception in a
+    layer): its states and the pages of the layers it reached are undone (it was the first forward, so nothing
+    before it is lost), and running the prompt again gives a fresh cache's logits bit for bit. (A continuation
+    stopped so still refuses: its states cannot be rolled back.)"""
+    model.set_attn_implementation(impl)
+    last = max(i for i, layer in enumerate(kvcache.PagedCache(config=model.config).layers)
+               if isinstance(layer, kvcache.PagedLayer))
+
+    class Stop(Exception):
+        pass
+
+    def stop(module, args, kwargs):
+        handle.remove()
+        raise Stop
+
+    try:
+        ids = torch.randint(2, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+        cache = kvcache.PagedCache(config=model.config)
+        handle = model.model.layers[last].register_forward_pre_hook(stop, with_kwargs=True)
+        with torch.no_grad():
+            with pytest.raises(Stop):
+                model(ids, past_key_values=cache)
+            assert any(layer.length == 20 for layer in cache.paged_layers)  # a layer before the stop was written
+            assert cache.get_seq_length() == 0
+            got = model(ids, past_key_values=cache).logits
+            want = model(ids, past_key_values=kvcache.PagedCache(config=model.config)).logits
+        assert torch.equal(got, want)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_deepcopy_continues_independently(model):
     ids = _inputs()[0][:1]
     cache = kvcache.PagedCache(config=model.config)

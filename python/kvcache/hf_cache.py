@@ -34,6 +34,8 @@ except ImportError:
 
 # layer types of a hybrid config whose cache is HF's own state layer (no per-token K/V to page)
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy", "moe", "mlp")
+# layer types (config.layer_types) of layers that write no K/V of their own: states, or an MLP / MoE only
+_LAYER_TYPES_WITHOUT_KV = STATE_LAYER_TYPES + ("mamba", "dense", "sparse")
 
 
 def is_mla_config(config) -> bool:
@@ -222,7 +224,11 @@ class PagedLayer(CacheLayerMixin):
             _leave_for_mask(self.cache)
         elif self.cache._has_state_layers():  # eager/sdpa on a hybrid model: the pages before any state moves
             self.cache._reserve_ahead(q)
-        return self.length + q, 0
+        # after a forward that stopped part-way, the length the next forward continues from (get_seq_length),
+        # not this layer's own: its mask spanned the stopped forward's tokens too (a 3-token retry: a 46-wide
+        # mask over 43 keys, a RuntimeError in the attention)
+        length = self.cache._continues_from() if self.takes_kv else self.length
+        return length + q, 0
 
     def get_seq_length(self) -> int:
         return self.length
@@ -414,6 +420,9 @@ class PagedCache(Cache):
         self.rows: list[Sequence] = []   # per batch row: its stored tokens (pads not stored)
         self.pads: list[int] = []        # per batch row: leading pad slots that were not stored
         self._version = 0
+        # the rows were started by a forward that has not been followed by another use yet: if it stopped part-way
+        # (an exception or Ctrl-C in a layer), the layers after the stop were never written (_first_forward_stopped)
+        self._first_forward_open = False
         self._plan: StepPlan | None = None
         self._planned_ahead = False  # the coming forward's step was planned by the mask function
         self._external_plan: StepPlan | None = None
@@ -429,6 +438,7 @@ class PagedCache(Cache):
             layers = [PagedLayer(self, i) if st is None else st for i, st in enumerate(states)]
         else:
             layers = [PagedLayer(self, i) for i in range(num_layers)] if num_layers else []
+        self._layers_known = bool(layers)  # (else layers come as the model reaches them)
         super().__init__(layers=layers)
 
     @property
@@ -469,6 +479,9 @@ class PagedCache(Cache):
         if not isinstance(layer, PagedLayer):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
                              f"attention layer: it has no K/V to update")
+        if (not layer.takes_kv and self.rows and self._external_plan is None and not self._first_forward_open
+                and layer_idx != self._first_paged() and any(other.takes_kv for other in self.paged_layers)):
+            self._refuse_unwritten_layer(layer_idx)
         if not layer.is_initialized:
             try:
                 self._check_placement(key_states)
@@ -614,7 +627,7 @@ class PagedCache(Cache):
         if layer_idx == first or (layer_idx == 0 and not isinstance(layer, PagedLayer)):
             # "how long" (a hybrid model: its first attention layer, as transformers does): what every paged layer
             # holds; after a forward that stopped part-way, the tokens the next forward keeps (_settle)
-            return min(self._written_lengths(), default=self.layers[first].length if first < len(self.layers) else 0)
+            return self._continues_from()
         if isinstance(layer, PagedLayer):
             return layer.length
         raise ValueError(f"layer {layer_idx} is a {type(layer).__name__}, which holds no sequence length")
@@ -774,6 +787,63 @@ class PagedCache(Cache):
         which read an earlier layer's; layers without attention) stay uninitialized at 0 and are not counted."""
         return [layer.length for layer in self.paged_layers if layer.takes_kv]
 
+    def _continues_from(self) -> int:
+        """The tokens the next forward continues from: what every paged layer holds (after a forward that stopped
+        part-way, what the next use rolls it back to, _settle); 0 after a first forward that stopped part-way."""
+        if self._first_forward_stopped():
+            return 0
+        first = self._first_paged()
+        return min(self._written_lengths(), default=self.layers[first].length if first < len(self.layers) else 0)
+
+    def _kv_layers_known(self) -> list[PagedLayer] | None:
+        """The paged layers a complete forward writes K/V to, in order, when the cache knows its layers (config= or
+        num_layers=): not Gemma 3n's / Gemma 4's shared-KV layers (the last ``num_kv_shared_layers``), nor layers
+        whose ``layer_types`` entry has no attention (MLP / MoE only). None when layers come as the model reaches
+        them."""
+        if not self._layers_known:
+            return None
+        shared = getattr(self.config, "num_kv_shared_layers", 0) or 0
+        types = getattr(self.config, "layer_types", None) or ()
+        return [layer for layer in self.paged_layers
+                if layer.index < len(self.layers) - shared
+                and not (layer.index < len(types) and str(types[layer.index]) in _LAYER_TYPES_WITHOUT_KV)]
+
+    def _first_forward_stopped(self) -> bool:
+        """Whether the forward that started this cache's rows stopped part-way (an exception or KeyboardInterrupt
+        in a layer): the layers it reached hold its tokens and the later ones have never been written. Told only
+        while that forward is the last one (a next forward, crop or save_prefix settles it) and when the cache
+        knows its layers; without them, the next forward finds out at the first layer it reaches that was never
+        written (update refuses it)."""
+        if not self._first_forward_open or not self.rows or self._external_plan is not None:
+            return False
+        expected = self._kv_layers_known()
+        if not expected:
+            return False
+        written = [layer.takes_kv for layer in expected]
+        reached = written.index(False) if False in written else len(written)
+        # the layers reached are the first ones (a layer the model never calls would make the pattern other)
+        return 0 < reached < len(written) and not any(written[reached:])
+
+    def _refuse_unwritten_layer(self, layer_idx: int) -> None:
+        """A layer that was never written gets K/V in a later forward: the forward that started the rows stopped
+        before it (a cache that does not know its layers cannot tell sooner), and this forward took the tokens
+        already held as its past. Its layers before this one wrote at the wrong positions: the cache empties and
+        the forward is refused, rather than attending over positions this layer never held."""
+        held = {layer.index: layer.length for layer in self.paged_layers if layer.takes_kv}
+        self._undo_stopped_first_forward()
+        raise RuntimeError(f"kvcache.PagedCache: layer {layer_idx} gets its first K/V while layers "
+                           f"{sorted(held)} hold {sorted(set(held.values()))} tokens: the forward that started this "
+                           f"cache stopped part-way (an exception or KeyboardInterrupt) before reaching layer "
+                           f"{layer_idx}. The cache has been emptied (reset()); run the prompt again. A cache built "
+                           f"with config=model.config (or num_layers=) rolls such a forward back by itself")
+
+    def _undo_stopped_first_forward(self) -> None:
+        """Back to an empty cache, as before the stopped first forward (its pages go back, a hybrid model's states
+        are made anew, fp8 scales it took are taken again): the next forward is a first forward, of any batch."""
+        self.reset()
+        for layer in self.paged_layers:  # the next first forward takes its device and dtype anew
+            layer.is_initialized = False
+
     def _settle(self) -> None:
         """After a forward that stopped part-way (an exception or KeyboardInterrupt in a layer, an update refused),
         the layers it reached hold its tokens and the others do not: the cache goes back to the tokens every paged
@@ -783,6 +853,11 @@ class PagedCache(Cache):
         (``reset()``)."""
         if self._external_plan is not None or not self.rows:
             return
+        if self._first_forward_open:
+            if self._first_forward_stopped():
+                self._undo_stopped_first_forward()
+                return
+            self._first_forward_open = False  # a next use: that forward ended (where the layers are known, whole)
         lengths = self._written_lengths()
         if not lengths or min(lengths) == max(lengths):
             return
@@ -1120,6 +1195,7 @@ class PagedCache(Cache):
         self.rows = [self.store.allocator.sequence() for _ in range(batch)]
         self.pads = pads
         self._version += 1
+        self._first_forward_open = length == 0
         if length == 0:
             self._graph_dropped = False
 
@@ -1132,6 +1208,7 @@ class PagedCache(Cache):
             self.store.allocator.release(seq)
         self._drop_graph()
         self.rows, self.pads = [], []
+        self._first_forward_open = False
         self._plan = None
         self._planned_ahead = False
         self._unattended = None
@@ -1188,8 +1265,9 @@ class PagedCache(Cache):
         finds the plan made (_step_plan). The "kvcache" attention plans here anyway (_plan_ahead)."""
         if self._external_plan is not None or not self.rows or not self.store.pools:
             return
+        self._settle()  # (a forward that stopped part-way: planned from what the next forward keeps)
         first = self.layers[self._first_paged()] if self.layers else None
-        if isinstance(first, PagedLayer) and first.is_initialized:
+        if self.rows and isinstance(first, PagedLayer) and first.is_initialized:
             self._step_plan(first.length, q_len)
 
     @torch.compiler.disable
@@ -1200,7 +1278,10 @@ class PagedCache(Cache):
         loop makes it run the loop eagerly). Only a continuation is planned (rows, pools and layers exist: a
         fresh prompt's pools come with its first K/V); anything else is left to ``update``, as before."""
         self._planned_ahead = False
-        if self._external_plan is not None or not self.rows or batch != len(self.rows) or not self.store.pools:
+        if self._external_plan is not None or not self.rows or not self.store.pools:
+            return
+        self._settle()  # (a forward that stopped part-way: planned from what the next forward keeps)
+        if not self.rows or batch != len(self.rows):
             return
         first = self.layers[self._first_paged()] if self.layers else None
         if not isinstance(first, PagedLayer) or not first.is_initialized:
