@@ -451,6 +451,22 @@ class PagedCache(Cache):
         """A hybrid model's own (transformers) cache layers of its linear-attention / conv / Mamba layers."""
         return [layer for layer in self.layers if not isinstance(layer, PagedLayer)]
 
+    # what transformers 4.x's hybrid models read off their own cache classes (HybridMambaAttentionDynamicCache,
+    # Qwen3NextDynamicCache, ...): handed a PagedCache, they failed on a bare AttributeError
+    _HYBRID_CACHE_ATTRIBUTES = frozenset({"has_previous_state", "conv_states", "ssm_states", "recurrent_states",
+                                          "update_conv_state", "update_ssm_state", "rnn_state", "seqlen_offset"})
+
+    def __getattr__(self, name: str):
+        # (only for attributes the object does not have: everything it has is found before this is called)
+        if name in PagedCache._HYBRID_CACHE_ATTRIBUTES:
+            import transformers
+            raise AttributeError(
+                f"kvcache.PagedCache has no {name!r}: the model is a hybrid (linear-attention / Mamba) model asking "
+                f"its cache for a recurrent state, which transformers {transformers.__version__} keeps in the "
+                f"model's own cache class. PagedCache holds such states with transformers >= 5.5 and "
+                f"PagedCache(config=model.config); here use the model's own cache")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def _first_paged(self) -> int:
         return next((i for i, layer in enumerate(self.layers) if isinstance(layer, PagedLayer)), 0)
 
