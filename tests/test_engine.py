@@ -731,6 +731,41 @@ def test_engine_interrupted_anywhere_keeps_no_lock_page_or_mark(model, monkeypat
     assert alloc.num_free == alloc.num_blocks
 
 
+def test_engine_interrupted_while_recomputing_a_preempted_prompt_publishes_none_of_it(model, monkeypatch, tmp_path):
+    """A bounded pool preempts a request; the forward that recomputes its prompt (and its tokens) stops in layer 1.
+    generate()'s cleanup published that request's prompt pages to the disk tier, which only layer 0 had written:
+    a later engine on the directory loaded them and generated other tokens (zeros, or stale page contents). Pages
+    are published only once a forward has written the whole prompt; the later engine's tokens are a fresh one's."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (40, 36, 33, 45)]
+    kw = dict(max_tokens=112, namespace=kvcache.Namespace(model="recompute-test"))  # 7 pages of 16: preemptions
+    gen = dict(max_new_tokens=16, eos_token_id=[], progress=False)
+    want = [r.tokens for r in kvcache.Engine(model, **kw).generate(prompts, **gen)]
+    forward = kvcache.Engine._forward
+    stopped = []
+
+    def stop_recompute(self, running, stats):
+        if not stopped and any(r.result.tokens and len(r.pending) > 1 for r in running):  # a preempted one resumes
+            def stop(module, args):
+                handle.remove()
+                stopped.append(True)
+                raise KeyboardInterrupt
+
+            handle = model.model.layers[1].register_forward_pre_hook(stop)
+        return forward(self, running, stats)
+
+    monkeypatch.setattr(kvcache.Engine, "_forward", stop_recompute)
+    engine = kvcache.Engine(model, disk=tmp_path, chunk_tokens=16, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, **gen)
+    assert stopped
+    engine.close()
+    monkeypatch.setattr(kvcache.Engine, "_forward", forward)
+    later = kvcache.Engine(model, disk=tmp_path, chunk_tokens=16, **kw)
+    assert [r.tokens for r in later.generate(prompts, **gen)] == want
+    later.close()
+
+
 def test_engine_short_of_a_pool_held_elsewhere_names_the_request():
     """A shared PrefixCache whose pages another cache holds: a running request that cannot take its next page even
     alone was refused with the allocator's own message (no request, no hint); it now names the request and the

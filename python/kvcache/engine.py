@@ -209,6 +209,9 @@ class _Running:
         # tokens to feed in the next forward: the prompt's uncached part, and after a preemption the generated
         # tokens too (the last of them has not been fed yet either way)
         self.pending = (result.prompt + result.tokens)[seq.num_tokens:]
+        # whether the pages hold the whole prompt: only once a forward that fed its pending tokens has completed
+        # (an interrupted one may have written some layers only: never published to a tier)
+        self.prompt_written = seq.num_tokens >= len(result.prompt)
 
 
 class Engine:
@@ -444,6 +447,8 @@ class Engine:
                 if not self._make_room(running, waiting, stats):  # no new requests in a step that preempted
                     self._admit_waiting(waiting, running, stats)
                 logits = self._forward(running, stats)
+                for req in running:
+                    req.prompt_written = True
                 now = time.perf_counter() - start
                 next_tokens = self._sample(logits, temperature, top_k,
                                            None if generators is None else [generators[r.index] for r in running])
@@ -758,7 +763,7 @@ class Engine:
             tree.insert(prompt, req.seq.blocks[: -(-len(prompt) // self.store.page_size)], self.namespace)
 
     def _finish(self, req: _Running) -> None:
-        if self.tiers is not None and req.result.tokens:  # the prompt's pages are complete
+        if self.tiers is not None and req.result.tokens and req.prompt_written:  # the prompt's pages are complete
             n = len(req.result.prompt)
             self.tiers.publish(req.result.prompt, req.seq.blocks[: -(-n // self.store.page_size)])
         self._release(req)
