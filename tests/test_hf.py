@@ -1187,6 +1187,78 @@ def test_a_multi_token_forward_after_a_stopped_one_is_masked_over_what_every_lay
     assert cache.get_seq_length() == 43
 
 
+@pytest.mark.parametrize("fork", ["deepcopy", "batch_repeat_interleave"])
+def test_a_step_planned_and_stopped_before_any_layer_is_not_counted(fork):
+    """The "kvcache" mask function plans a step (its pages taken, the rows counting its token) before the layers
+    run; stopped before layer 0 wrote (a hook on its norm, the rotary embedding), every layer kept its length and
+    nothing rolled the rows back. A fork then shared the step's page without copy-on-write: deepcopy's original
+    read the copy's token (logits 0.05 off, silently), batch_repeat_interleave wrote one slot twice. Now the next
+    use rolls the rows back too; stats() of the stopped cache equal those of one that never ran the step."""
+    model = _llama3()
+    model.set_attn_implementation("kvcache")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    a, b = torch.tensor([[5]]), torch.tensor([[9]])
+
+    def run(stop: bool):
+        cache = kvcache.PagedCache(config=model.config)
+        model(ids, past_key_values=cache)
+        if stop:
+            def raise_stop(module, args):
+                handle.remove()
+                raise _Stop
+
+            handle = model.model.layers[0].input_layernorm.register_forward_pre_hook(raise_stop)
+            with pytest.raises(_Stop):
+                model(a, past_key_values=cache)
+        stats = cache.stats()
+        if fork == "deepcopy":  # (the copy writes first: the original then reads its slot)
+            other = copy.deepcopy(cache)
+            return stats, [model(b, past_key_values=other).logits, model(a, past_key_values=cache).logits,
+                           model(a, past_key_values=other).logits, model(b, past_key_values=cache).logits]
+        cache.batch_repeat_interleave(2)
+        return stats, [model(torch.cat([a, b]), past_key_values=cache).logits]
+
+    with torch.no_grad():
+        (want_stats, want), (got_stats, got) = run(False), run(True)
+    assert got_stats == want_stats
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_after_a_stopped_first_forward_every_use_sees_an_empty_cache():
+    """get_seq_length said 0 after a stopped first forward, but stats() and repr still counted its rows and pages,
+    load_prefix refused ("needs an empty cache"), and a row selection made the stopped prompt's 20 tokens the
+    cache's again. Every use now sees the empty cache the next forward would."""
+    model = _llama3()
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for use in ("stats", "select", "load_prefix"):
+            cache = kvcache.PagedCache(config=model.config, prefix_cache=True)
+            if use == "load_prefix":
+                model(ids[:1], past_key_values=cache)
+                cache.save_prefix(ids[:1])
+                cache = kvcache.PagedCache(config=model.config, store=cache.store)
+            _stop_in(model, 2)
+            with pytest.raises(_Stop):
+                model(ids, past_key_values=cache)
+            if use == "stats":
+                s = cache.stats()
+                assert (s["rows"], s["blocks"], s["bytes"]) == (0, 0, 0) and "rows=0" in repr(cache)
+            elif use == "select":  # (on an empty cache, as on a fresh one: nothing to select)
+                cache.batch_select_indices(torch.tensor([1]))
+                assert cache.get_seq_length() == 0 and cache.rows == []
+                fresh = kvcache.PagedCache(config=model.config)
+                assert torch.equal(model(ids[1:], past_key_values=cache).logits,
+                                   model(ids[1:], past_key_values=fresh).logits)
+            else:
+                assert cache.load_prefix(ids[0]) == 19
+                want = model(ids[:1, 19:], past_key_values=cache).logits
+                fresh = kvcache.PagedCache(config=model.config)
+                # (the prefix's last token computed apart from the rest: other sums, as any prefix hit)
+                torch.testing.assert_close(want, model(ids[:1], past_key_values=fresh).logits[:, -1:],
+                                           atol=1e-5, rtol=1e-5)
+
+
 def test_meta_key_states_are_refused_and_leave_the_cache_usable():
     """K/V on the meta device (a model not materialized) failed inside the first op and left a pool on meta and
     the layer's device behind: every later forward on CPU failed ("Cannot copy out of meta tensor"), even after
@@ -1222,3 +1294,8 @@ def test_gemma3n_shared_kv_layers_keep_the_cache_length():
         got = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)
     assert torch.equal(got, want)
     assert [layer.length for layer in cache.paged_layers] == [21, 21, 0, 0] and cache.get_seq_length() == 21
+    # num_layers= without the config does not say which layers are shared: the shared ones, never written, did
+    # not make every complete prompt look like a stopped one (each forward undone: other tokens, 0.6 off)
+    cache = kvcache.PagedCache(num_layers=4)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache), want)

@@ -148,37 +148,99 @@ def test_a_refused_first_forward_leaves_the_states_empty(model, impl, why):
         model.set_attn_implementation("sdpa")
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
-def test_a_first_forward_stopped_part_way_starts_the_cache_anew(model, impl):
-    """A prompt's forward stopped after an attention layer and before the last one (Ctrl-C, an exception in a
-    layer): its states and the pages of the layers it reached are undone (it was the first forward, so nothing
-    before it is lost), and running the prompt again gives a fresh cache's logits bit for bit. (A continuation
-    stopped so still refuses: its states cannot be rolled back.)"""
-    model.set_attn_implementation(impl)
-    last = max(i for i, layer in enumerate(kvcache.PagedCache(config=model.config).layers)
-               if isinstance(layer, kvcache.PagedLayer))
+class _Stop(Exception):
+    pass
 
-    class Stop(Exception):
-        pass
 
+def _stop_in(model, layer: int):
+    """Raises _Stop at the next forward of decoder layer ``layer`` (Ctrl-C or an exception part-way)."""
     def stop(module, args, kwargs):
         handle.remove()
-        raise Stop
+        raise _Stop
 
-    try:
-        ids = torch.randint(2, 128, (1, 20), generator=torch.Generator().manual_seed(3))
-        cache = kvcache.PagedCache(config=model.config)
-        handle = model.model.layers[last].register_forward_pre_hook(stop, with_kwargs=True)
-        with torch.no_grad():
-            with pytest.raises(Stop):
-                model(ids, past_key_values=cache)
-            assert any(layer.length == 20 for layer in cache.paged_layers)  # a layer before the stop was written
-            assert cache.get_seq_length() == 0
-            got = model(ids, past_key_values=cache).logits
-            want = model(ids, past_key_values=kvcache.PagedCache(config=model.config)).logits
-        assert torch.equal(got, want)
-    finally:
-        model.set_attn_implementation("sdpa")
+    handle = model.model.layers[layer].register_forward_pre_hook(stop, with_kwargs=True)
+
+
+def _trailing_state_model():
+    """Qwen3-Next whose last layer is a linear-attention one (as Jamba's last layers are Mamba): a forward can stop
+    after its last paged layer, with the pages holding its tokens and a state not."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=256,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])
+    return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+def _stops(model):
+    """Where a forward can stop: before the first paged layer (after a state layer), before the last paged layer,
+    after the last paged layer (before a trailing state layer, where the model has one)."""
+    kinds = [isinstance(layer, kvcache.PagedLayer) for layer in kvcache.PagedCache(config=model.config).layers]
+    paged = [i for i, k in enumerate(kinds) if k]
+    stops = {"before the first attention layer": paged[0]}
+    if len(paged) > 1:
+        stops["before the last attention layer"] = paged[-1]
+    if paged[-1] + 1 < len(kinds):
+        stops["after the last attention layer"] = paged[-1] + 1
+    return stops
+
+
+def _with_trailing(model):
+    """The fixture's model, and for Qwen3-Next also one whose last layer is a state layer."""
+    return [model] + ([_trailing_state_model()] if isinstance(model, transformers.Qwen3NextForCausalLM) else [])
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
+def test_a_first_forward_stopped_part_way_starts_the_cache_anew(model, impl):
+    """A prompt's forward stopped in any layer (Ctrl-C, an exception): the states and pages of the layers it
+    reached are undone (it was the first forward, so nothing before it is lost), and running the prompt again
+    gives a fresh cache's logits bit for bit. Stopped before the first attention layer, the states had moved and
+    no page had: the retry ran on states that had taken the prompt already (2e-2 off on Qwen3-Next, silently)."""
+    ids = torch.randint(2, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    for m in _with_trailing(model):
+        m.set_attn_implementation(impl)
+        try:
+            with torch.no_grad():
+                want = m(ids, past_key_values=kvcache.PagedCache(config=m.config)).logits
+                for where, layer in _stops(m).items():
+                    cache = kvcache.PagedCache(config=m.config)
+                    _stop_in(m, layer)
+                    with pytest.raises(_Stop):
+                        m(ids, past_key_values=cache)
+                    assert cache.get_seq_length() == 0, where
+                    got = m(ids, past_key_values=cache).logits
+                    assert torch.equal(got, want), where
+        finally:
+            m.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
+def test_a_later_forward_stopped_part_way_is_refused_until_reset(model, impl):
+    """A decode step stopped in any layer: the states it reached took its token and cannot give it back, so the
+    next forward is refused (a RuntimeError asking for reset()) wherever the stop was. Stopped before the first
+    attention layer or after the last, the pages all agreed and the next step ran on the wrong states, silently.
+    After reset() the cache runs a prompt as a fresh one does."""
+    ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    step = torch.randint(2, 128, (1, 1), generator=torch.Generator().manual_seed(4))
+    for m in _with_trailing(model):
+        m.set_attn_implementation(impl)
+        try:
+            with torch.no_grad():
+                want = m(ids, past_key_values=kvcache.PagedCache(config=m.config)).logits
+                for where, layer in _stops(m).items():
+                    cache = kvcache.PagedCache(config=m.config)
+                    m(ids, past_key_values=cache)
+                    _stop_in(m, layer)
+                    with pytest.raises(_Stop):
+                        m(step, past_key_values=cache)
+                    with pytest.raises(RuntimeError, match=r"stopped part-way .* cannot be rolled back; cache.reset\(\)"):
+                        m(step, past_key_values=cache)
+                    cache.reset()
+                    assert torch.equal(m(ids, past_key_values=cache).logits, want), where
+        finally:
+            m.set_attn_implementation("sdpa")
 
 
 def test_deepcopy_continues_independently(model):

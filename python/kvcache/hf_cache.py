@@ -7,6 +7,7 @@ import copy
 import numbers
 import operator
 import warnings
+import weakref
 
 import torch
 
@@ -220,6 +221,8 @@ class PagedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
+        if self.cache._has_state_layers():  # a forward's start: its states must hold what the pages hold
+            self.cache._check_states()
         if self.cache.fused and PLAN_AHEAD:  # the mask function comes next: it plans the step there (_plan_ahead)
             _leave_for_mask(self.cache)
         elif self.cache._has_state_layers():  # eager/sdpa on a hybrid model: the pages before any state moves
@@ -423,6 +426,11 @@ class PagedCache(Cache):
         # the rows were started by a forward that has not been followed by another use yet: if it stopped part-way
         # (an exception or Ctrl-C in a layer), the layers after the stop were never written (_first_forward_stopped)
         self._first_forward_open = False
+        # a hybrid model's state tensors as the last forward's start found them, so that a forward stopped before its
+        # first paged layer (the states moved, the pages did not) or after its last one shows (_check_states)
+        self._state_notes: list | None = None
+        self._reached_pages = True  # whether the forward since the last start wrote its first paged layer
+        self._rows_planned = False  # the rows count a step the running forward planned before its layers (_settle)
         self._plan: StepPlan | None = None
         self._planned_ahead = False  # the coming forward's step was planned by the mask function
         self._external_plan: StepPlan | None = None
@@ -438,7 +446,8 @@ class PagedCache(Cache):
             layers = [PagedLayer(self, i) if st is None else st for i, st in enumerate(states)]
         else:
             layers = [PagedLayer(self, i) for i in range(num_layers)] if num_layers else []
-        self._layers_known = bool(layers)  # (else layers come as the model reaches them)
+        # (num_layers= alone does not say which layers write K/V: Gemma 3n's shared-KV layers never do)
+        self._layers_known = text_config is not None and bool(layers)
         super().__init__(layers=layers)
 
     @property
@@ -506,7 +515,7 @@ class PagedCache(Cache):
                 self._undo_failed_first_forward()
                 raise
         if layer_idx == self._first_paged() and self.rows:
-            self._settle()
+            self._settle(in_forward=True)
         if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
             plan = self._external_plan.on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
@@ -534,13 +543,18 @@ class PagedCache(Cache):
                     self._undo_failed_first_forward()
                 raise
         elif batch != len(self.rows):
+            # (a cache without config= cannot tell a first forward that stopped part-way from a whole one)
+            stopped = ("; if the forward that started it stopped part-way (an exception or KeyboardInterrupt), "
+                       "cache.reset() empties it" if self._first_forward_open and not self._layers_known else "")
             raise ValueError(f"key_states has batch {batch} but the cache holds {len(self.rows)} rows; beam search "
-                             f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave)")
+                             f"and num_return_sequences need an empty cache (or cache.batch_repeat_interleave){stopped}")
         else:
             plan = self._step_plan(layer.length, q_len).on(key_states.device)
             self.write(layer_idx, key_states, value_states, plan)
         layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
         layer.takes_kv = True
+        if layer_idx == self._first_paged():
+            self._reached_pages = True  # (_check_states)
         if wants_grad(key_states, value_states):
             if plan.length and self._graph_dropped:
                 warnings.warn("kvcache.PagedCache: gradients reach the K/V of this forward's tokens but not those "
@@ -635,6 +649,47 @@ class PagedCache(Cache):
         self._state_layer_of(layer_idx, "recurrent state")
         return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
 
+    # A hybrid model's forward moves every state layer's tensors (replaced, or updated in place: a decode step's
+    # causal_conv1d_update and selective_state_update write the tensors they got, with no update_* call), and its
+    # pages. At each forward's start the cache notes its state tensors (weak references and autograd versions):
+    # at the next start, a forward that wrote no paged layer must have left them all as they were, and one that
+    # did must have moved them all. Otherwise it stopped before its first paged layer (the states took tokens
+    # the pages did not) or after its last one (later states lack them).
+    def _linear_states(self) -> list[list]:
+        return [[*layer.conv_states.values(), *layer.recurrent_states.values()] for layer in self.state_layers
+                if LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def _note_states(self) -> list[list]:
+        return [[None if t is None else (weakref.ref(t), t._version) for t in layer] for layer in self._linear_states()]
+
+    def _states_disagree(self) -> bool:
+        """Whether the forward since the last start moved the states and not the pages, or the reverse."""
+        if self._state_notes is None:
+            return False
+        moved = [any(n is not None if t is None else (n is None or n[0]() is not t or n[1] != t._version)
+                     for t, n in zip(layer, notes)) or len(layer) != len(notes)
+                 for layer, notes in zip(self._linear_states(), self._state_notes)]
+        return not all(moved) if self._reached_pages else any(moved)
+
+    @torch.compiler.disable
+    def _check_states(self) -> None:
+        """At a forward's start: after a stopped forward that moved a hybrid model's states but not its pages (or
+        the reverse), the cache is undone whole if that forward was the first (nothing before it is lost), and
+        refused otherwise (recurrent states cannot be rolled back): the next forward ran on states that had taken
+        the stopped forward's tokens, or lacked them (logits 2e-2 off, silently, on Qwen3-Next)."""
+        if self._states_disagree():
+            if self.rows and not self._first_forward_open:
+                self._raise_states_stopped()
+            self._undo_stopped_first_forward()
+        self._state_notes = self._note_states()
+        self._reached_pages = False
+
+    def _raise_states_stopped(self, lengths: list[int] | None = None) -> None:
+        held = f"its paged layers hold {lengths} tokens" if lengths else "its recurrent states and pages hold different forwards"
+        raise RuntimeError(f"kvcache.PagedCache: a forward stopped part-way ({held}) and this hybrid model's "
+                           f"recurrent states, updated by the layers it reached, cannot be rolled back; cache.reset() "
+                           f"empties the cache")
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
             return 0
@@ -665,6 +720,7 @@ class PagedCache(Cache):
     def _fresh_state_layers(self) -> None:
         """A hybrid model's state layers made anew (empty, any batch size)."""
         fresh = _state_layers(self.config) if self._has_state_layers() else None
+        self._state_notes, self._reached_pages = None, True  # (fresh states; the pages are empty then too)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, PagedLayer):
                 continue
@@ -803,6 +859,15 @@ class PagedCache(Cache):
         which read an earlier layer's; layers without attention) stay uninitialized at 0 and are not counted."""
         return [layer.length for layer in self.paged_layers if layer.takes_kv]
 
+    def _settle_quietly(self) -> None:
+        """_settle for what only reads the cache (stats, repr): a hybrid model's stopped forward, which _settle
+        refuses, is left for the next forward to refuse."""
+        try:
+            self._settle()
+        except RuntimeError:
+            if not self.state_layers:
+                raise
+
     def _continues_from(self) -> int:
         """The tokens the next forward continues from: what every paged layer holds (after a forward that stopped
         part-way, what the next use rolls it back to, _settle); 0 after a first forward that stopped part-way."""
@@ -812,8 +877,8 @@ class PagedCache(Cache):
         return min(self._written_lengths(), default=self.layers[first].length if first < len(self.layers) else 0)
 
     def _kv_layers_known(self) -> list[PagedLayer] | None:
-        """The paged layers a complete forward writes K/V to, in order, when the cache knows its layers (config= or
-        num_layers=): not Gemma 3n's / Gemma 4's shared-KV layers (the last ``num_kv_shared_layers``), nor layers
+        """The paged layers a complete forward writes K/V to, in order, when the cache knows its layers (config=):
+        not Gemma 3n's / Gemma 4's shared-KV layers (the last ``num_kv_shared_layers``), nor layers
         whose ``layer_types`` entry has no attention (MLP / MoE only). None when layers come as the model reaches
         them."""
         if not self._layers_known:
@@ -828,10 +893,12 @@ class PagedCache(Cache):
         """Whether the forward that started this cache's rows stopped part-way (an exception or KeyboardInterrupt
         in a layer): the layers it reached hold its tokens and the later ones have never been written. Told only
         while that forward is the last one (a next forward, crop or save_prefix settles it) and when the cache
-        knows its layers; without them, the next forward finds out at the first layer it reaches that was never
+        knows its layers (config=); without them, the next forward finds out at the first layer it reaches that was never
         written (update refuses it)."""
         if not self._first_forward_open or not self.rows or self._external_plan is not None:
             return False
+        if self._reached_pages and self._has_state_layers() and self._states_disagree():
+            return True  # (a hybrid's later states behind its pages; not asked once the next forward has started)
         expected = self._kv_layers_known()
         if not expected:
             return False
@@ -851,7 +918,7 @@ class PagedCache(Cache):
                            f"{sorted(held)} hold {sorted(set(held.values()))} tokens: the forward that started this "
                            f"cache stopped part-way (an exception or KeyboardInterrupt) before reaching layer "
                            f"{layer_idx}. The cache has been emptied (reset()); run the prompt again. A cache built "
-                           f"with config=model.config (or num_layers=) rolls such a forward back by itself")
+                           f"with config=model.config rolls such a forward back by itself")
 
     def _undo_stopped_first_forward(self) -> None:
         """Back to an empty cache, as before the stopped first forward (its pages go back, a hybrid model's states
@@ -860,7 +927,7 @@ class PagedCache(Cache):
         for layer in self.paged_layers:  # the next first forward takes its device and dtype anew
             layer.is_initialized = False
 
-    def _settle(self) -> None:
+    def _settle(self, in_forward: bool = False) -> None:
         """After a forward that stopped part-way (an exception or KeyboardInterrupt in a layer, an update refused),
         the layers it reached hold its tokens and the others do not: the cache goes back to the tokens every paged
         layer holds, as if that forward had never run (its residual pages were sealed in every layer at once:
@@ -875,12 +942,19 @@ class PagedCache(Cache):
                 return
             self._first_forward_open = False  # a next use: that forward ended (where the layers are known, whole)
         lengths = self._written_lengths()
-        if not lengths or min(lengths) == max(lengths):
+        planned, self._rows_planned = self._rows_planned, False
+        if not lengths:
+            return
+        if min(lengths) == max(lengths):
+            # A step planned (its pages taken, the rows counting its tokens) by a forward that stopped before any
+            # layer wrote (the "kvcache" mask function plans it): the rows go back to what the layers hold, or a
+            # fork would share the step's page without copy-on-write. Not the running forward's own plan.
+            if not (in_forward and planned) and any(
+                    seq.num_tokens > max(0, lengths[0] - pad) for seq, pad in zip(self.rows, self.pads)):
+                self._truncate(lengths[0])
             return
         if self.state_layers:
-            raise RuntimeError(f"kvcache.PagedCache: a forward stopped part-way (its paged layers hold {lengths} tokens) "
-                               f"and this hybrid model's recurrent states, updated by the layers it reached, cannot be "
-                               f"rolled back; cache.reset() empties the cache")
+            self._raise_states_stopped(lengths)
         self._unattended = None
         self._truncate(min(lengths))
 
@@ -903,6 +977,7 @@ class PagedCache(Cache):
     def __deepcopy__(self, memo) -> "PagedCache":
         """An independent copy that shares the pages copy-on-write (no data is copied until a write), but for
         a quantized format's open (full-precision) pages past the sinks, which it copies (:meth:`_own_open_pages`)."""
+        self._settle()  # (a forward that stopped part-way: the copy starts from what every layer holds)
         other = object.__new__(type(self))  # (copy.copy is this method now)
         other.__dict__.update(self.__dict__)
         other.layers = []
@@ -913,6 +988,8 @@ class PagedCache(Cache):
             new_layer = copy.copy(layer)
             new_layer.cache = other
             other.layers.append(new_layer)
+        if other._state_notes is not None and not other._reached_pages:  # (the copy's states are other tensors)
+            other._state_notes = other._note_states()
         other.rows = [self.store.allocator.fork(seq) for seq in self.rows]
         try:
             other._own_open_pages()
@@ -990,6 +1067,7 @@ class PagedCache(Cache):
         if self.store.prefix_cache is None:
             raise ValueError("this cache has no prefix cache (PagedCache(prefix_cache=True))")
         self._refuse_states("load_prefix")
+        self._settle()  # (after a stopped first forward the cache is empty: a prefix may start it)
         tokens = torch.as_tensor(input_ids)
         if tokens.dim() > 2 or (tokens.dim() == 2 and tokens.shape[0] != 1):
             raise ValueError(f"input_ids has shape {tuple(tokens.shape)}: load_prefix starts a batch-1 cache, so it "
@@ -1087,6 +1165,7 @@ class PagedCache(Cache):
         (``batch_repeat_interleave``, beam search, ``deepcopy``, prefix hits) store them once. ``block_refs``
         counts each row's pages (a shared page once per row); ``tokens`` and ``waste_tokens`` are per row, the
         unused slots of every row's last page."""
+        self._settle_quietly()
         page = self.store.page_size
         length = self.get_seq_length()
         tokens = sum(length - p for p in self.pads)
@@ -1231,6 +1310,7 @@ class PagedCache(Cache):
         self._version += 1
 
     def _select_rows(self, sources: list[int], name: str) -> None:
+        self._settle()  # (a forward that stopped part-way: what every layer holds is selected, and stays known)
         # Checked before anything moves: a refused selection leaves rows, pages and states as they were.
         n = len(self.rows) or self._state_batch()
         if n and not sources:  # a cache of no rows would still claim its tokens, and the next forward read them
@@ -1285,6 +1365,7 @@ class PagedCache(Cache):
         first = self.layers[self._first_paged()] if self.layers else None
         if self.rows and isinstance(first, PagedLayer) and first.is_initialized:
             self._step_plan(first.length, q_len)
+            self._rows_planned = True  # (this forward's: _settle at its first paged layer keeps it)
 
     @torch.compiler.disable
     def _plan_ahead(self, batch: int, q_len: int) -> None:
@@ -1317,7 +1398,7 @@ class PagedCache(Cache):
             residual = self.store.residual_pool(layer, residual.k, on.residual.num_slots)
             on.residual.kernel_plans(pool, residual, heads)
             on.residual.seal_plan(pool)
-        self._planned_ahead = True
+        self._planned_ahead = self._rows_planned = True
 
     def _step_plan(self, length: int, q_len: int) -> StepPlan:
         plan = self._plan
