@@ -187,9 +187,19 @@ def _stops(model):
     return stops
 
 
-def _with_trailing(model):
-    """The fixture's model, and for Qwen3-Next also one whose last layer is a state layer."""
-    return [model] + ([_trailing_state_model()] if isinstance(model, transformers.Qwen3NextForCausalLM) else [])
+def _each_stop(model, impl, ids):
+    """(model, where, layer, a fresh cache's logits of ids) for every place a forward can stop (_stops), on the
+    fixture's model and, for Qwen3-Next, also one whose last layer is a state layer, attending with ``impl``.
+    The caller runs under torch.no_grad()."""
+    models = [model] + ([_trailing_state_model()] if isinstance(model, transformers.Qwen3NextForCausalLM) else [])
+    for m in models:
+        m.set_attn_implementation(impl)
+        try:
+            want = m(ids, past_key_values=kvcache.PagedCache(config=m.config)).logits
+            for where, layer in _stops(m).items():
+                yield m, where, layer, want
+        finally:
+            m.set_attn_implementation("sdpa")
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa", "kvcache"])
@@ -199,21 +209,14 @@ def test_a_first_forward_stopped_part_way_starts_the_cache_anew(model, impl):
     gives a fresh cache's logits bit for bit. Stopped before the first attention layer, the states had moved and
     no page had: the retry ran on states that had taken the prompt already (2e-2 off on Qwen3-Next, silently)."""
     ids = torch.randint(2, 128, (1, 20), generator=torch.Generator().manual_seed(3))
-    for m in _with_trailing(model):
-        m.set_attn_implementation(impl)
-        try:
-            with torch.no_grad():
-                want = m(ids, past_key_values=kvcache.PagedCache(config=m.config)).logits
-                for where, layer in _stops(m).items():
-                    cache = kvcache.PagedCache(config=m.config)
-                    _stop_in(m, layer)
-                    with pytest.raises(_Stop):
-                        m(ids, past_key_values=cache)
-                    assert cache.get_seq_length() == 0, where
-                    got = m(ids, past_key_values=cache).logits
-                    assert torch.equal(got, want), where
-        finally:
-            m.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        for m, where, layer, want in _each_stop(model, impl, ids):
+            cache = kvcache.PagedCache(config=m.config)
+            _stop_in(m, layer)
+            with pytest.raises(_Stop):
+                m(ids, past_key_values=cache)
+            assert cache.get_seq_length() == 0, where
+            assert torch.equal(m(ids, past_key_values=cache).logits, want), where
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "kvcache"])
@@ -224,23 +227,17 @@ def test_a_later_forward_stopped_part_way_is_refused_until_reset(model, impl):
     After reset() the cache runs a prompt as a fresh one does."""
     ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     step = torch.randint(2, 128, (1, 1), generator=torch.Generator().manual_seed(4))
-    for m in _with_trailing(model):
-        m.set_attn_implementation(impl)
-        try:
-            with torch.no_grad():
-                want = m(ids, past_key_values=kvcache.PagedCache(config=m.config)).logits
-                for where, layer in _stops(m).items():
-                    cache = kvcache.PagedCache(config=m.config)
-                    m(ids, past_key_values=cache)
-                    _stop_in(m, layer)
-                    with pytest.raises(_Stop):
-                        m(step, past_key_values=cache)
-                    with pytest.raises(RuntimeError, match=r"stopped part-way .* cannot be rolled back; cache.reset\(\)"):
-                        m(step, past_key_values=cache)
-                    cache.reset()
-                    assert torch.equal(m(ids, past_key_values=cache).logits, want), where
-        finally:
-            m.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        for m, where, layer, want in _each_stop(model, impl, ids):
+            cache = kvcache.PagedCache(config=m.config)
+            m(ids, past_key_values=cache)
+            _stop_in(m, layer)
+            with pytest.raises(_Stop):
+                m(step, past_key_values=cache)
+            with pytest.raises(RuntimeError, match=r"stopped part-way .* cannot be rolled back; cache.reset\(\)"):
+                m(step, past_key_values=cache)
+            cache.reset()
+            assert torch.equal(m(ids, past_key_values=cache).logits, want), where
 
 
 def test_deepcopy_continues_independently(model):

@@ -221,11 +221,12 @@ class PagedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # an int query length (5.4+) or the cache_position tensor (4.57 - 5.3)
         q = int(query_length.shape[0]) if torch.is_tensor(query_length) else int(query_length)
-        if self.cache._has_state_layers():  # a forward's start: its states must hold what the pages hold
+        hybrid = self.cache._has_state_layers()
+        if hybrid:  # a forward's start: its states must hold what the pages hold
             self.cache._check_states()
         if self.cache.fused and PLAN_AHEAD:  # the mask function comes next: it plans the step there (_plan_ahead)
             _leave_for_mask(self.cache)
-        elif self.cache._has_state_layers():  # eager/sdpa on a hybrid model: the pages before any state moves
+        elif hybrid:  # eager/sdpa on a hybrid model: the pages before any state moves
             self.cache._reserve_ahead(q)
         # after a forward that stopped part-way, the length the next forward continues from (get_seq_length),
         # not this layer's own: its mask spanned the stopped forward's tokens too (a 3-token retry: a 46-wide
@@ -504,8 +505,9 @@ class PagedCache(Cache):
         if not isinstance(layer, PagedLayer):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (the model's own state layer), not an "
                              f"attention layer: it has no K/V to update")
+        is_first = layer_idx == self._first_paged()  # (the forward's first paged layer)
         if (not layer.takes_kv and self.rows and self._external_plan is None and not self._first_forward_open
-                and layer_idx != self._first_paged() and any(other.takes_kv for other in self.paged_layers)):
+                and not is_first and any(other.takes_kv for other in self.paged_layers)):
             self._refuse_unwritten_layer(layer_idx)
         if not layer.is_initialized:
             try:
@@ -514,7 +516,7 @@ class PagedCache(Cache):
             except BaseException:
                 self._undo_failed_first_forward()
                 raise
-        if layer_idx == self._first_paged() and self.rows:
+        if is_first and self.rows:
             self._settle(in_forward=True)
         if self._external_plan is not None:  # a step scheduled by its owner (kvcache.Engine): write and tag
             plan = self._external_plan.on(key_states.device)
@@ -553,7 +555,7 @@ class PagedCache(Cache):
             self.write(layer_idx, key_states, value_states, plan)
         layer.length = plan.length + plan.q_len  # (not += q_len: inductor 2.13 lost that symbol in its output)
         layer.takes_kv = True
-        if layer_idx == self._first_paged():
+        if is_first:
             self._reached_pages = True  # (_check_states)
         if wants_grad(key_states, value_states):
             if plan.length and self._graph_dropped:
